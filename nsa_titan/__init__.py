@@ -1,0 +1,1 @@
+"""nsa_titan: a torchtitan-style trainer for Native Sparse Attention language models."""

@@ -1,0 +1,416 @@
+"""Job configuration: one dataclass per component, TOML file + `--section.key value` overrides.
+
+Everything a run does is decided here, and every bad value stops the run before any work
+with a `ConfigError` that names the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "train_configs" / "debug_model.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key, the bad value and the fix in its message."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Root folder for everything a run writes (TensorBoard, later checkpoints)."""
+    description: str = ""
+
+
+@dataclass
+class Model:
+    attention: Literal["nsa", "dense"] = "nsa"
+    """`nsa`: native sparse attention; `dense`: plain causal attention, the baseline."""
+    attn_impl: Literal["reference"] = "reference"
+    """NSA implementation: `reference` is the exact PyTorch definition."""
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_groups: int = 2
+    """Number of KV heads (GQA groups); the query heads of a group share keys and selection."""
+    head_dim: int = 64
+    vocab_size: int = 256
+    ffn_hidden_dim: int = 0
+    """SwiGLU hidden size; 0 means 8/3 * dim rounded up to a multiple of 64."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    cmp_block_size: int = 32
+    """l: length of a compression block."""
+    cmp_stride: int = 16
+    """d: stride between compression blocks."""
+    cmp_mlp_hidden: int = 0
+    """Hidden size of the compression MLP phi; 0 means 4 * head_dim."""
+    sel_block_size: int = 64
+    """l': length of a selection block."""
+    sel_top_n: int = 16
+    """n: selected blocks per query, including the initial block and the 2 local blocks."""
+    window_size: int = 512
+    """w: sliding-window length."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 100
+    decay_type: Literal["cosine", "wsd", "constant"] = "cosine"
+    """`cosine`: cosine decay after warmup; `wsd`: warmup-stable-decay (linear decay over the
+    last `decay_ratio` of the steps); `constant`: no decay."""
+    decay_ratio: float = 0.2
+    min_lr_factor: float = 0.1
+    """The lr at the end of decay, as a fraction of `optimizer.lr`."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    """Sequences per rank per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size * dp degree.
+    A multiple of that product gives gradient accumulation."""
+    seq_len: int = 2048
+    steps: int = 1000
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class Data:
+    source: Literal["synthetic"] = "synthetic"
+    """`synthetic`: seeded token streams with learnable structure (no files needed)."""
+    num_workers: int = 0
+    seed: int = 1234
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP degree; -1 means world_size / data_parallel_replicate_degree."""
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicas (across nodes); 1 means plain FSDP."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """`default`: reshard every block but not the root (its params are used at once in backward)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """`full`: every block; `selective`: every `every_n_layers`-th block."""
+    every_n_layers: int = 2
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block."""
+    backend: str = "inductor"
+    fullgraph: bool = True
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU; 0 means look it up from the GPU name (no MFU on CPU)."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    deterministic: bool = False
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_toml(self) -> str:
+        """The fully resolved config, as a TOML file that reproduces this run."""
+        lines: list[str] = []
+        for section in dataclasses.fields(self):
+            lines.append(f"[{section.name}]")
+            for f in dataclasses.fields(getattr(self, section.name)):
+                lines.append(f"{f.name} = {_toml_value(getattr(getattr(self, section.name), f.name))}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+USAGE = """usage: run_train.sh [--config FILE] [--print_config] [--section.key VALUE | --section.key=VALUE ...]
+
+Reads FILE (default train_configs/debug_model.toml), then applies the overrides, which win
+over the file. Booleans take true/false (a bare --section.key means true).
+--print_config prints the fully resolved config as TOML and exits.
+"""
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _allowed(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _coerce(where: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Convert `value` (TOML-typed, or a CLI string) to `tp`, or raise a ConfigError."""
+    bad = ConfigError(f"{where} = {value!r} is invalid: expected {_allowed(tp)}")
+    if typing.get_origin(tp) is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if tp is bool:
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise TypeError(f"unsupported config field type {tp} at {where}")
+
+
+def _lookup(cfg: JobConfig, section: str, key: str, origin: str) -> tuple[Any, Any]:
+    """The section object and the declared type of `section.key`, or a ConfigError."""
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    if section not in sections:
+        raise ConfigError(
+            f"{origin}: unknown section [{section}]; known sections: {', '.join(sorted(sections))}"
+        )
+    sec = getattr(cfg, section)
+    types_ = _field_types(type(sec))
+    if key not in types_:
+        raise ConfigError(
+            f"{origin}: unknown key '{key}' in [{section}]; known keys: {', '.join(types_)}"
+        )
+    return sec, types_[key]
+
+
+def _set(cfg: JobConfig, section: str, key: str, value: Any, origin: str, from_cli: bool) -> None:
+    sec, tp = _lookup(cfg, section, key, origin)
+    if value is None:  # a bare command-line flag: allowed for booleans only
+        if tp is not bool:
+            raise ConfigError(f"{origin} needs a value ({_allowed(tp)})")
+        value = "true"
+    setattr(sec, key, _coerce(f"{origin}: [{section}] {key}", tp, value, from_cli))
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(
+            f"config file '{path}' not found; pass an existing file with --config "
+            f"(see train_configs/ for examples)"
+        )
+    try:
+        with path.open("rb") as f:
+            return tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+
+
+def _split_overrides(args: list[str]) -> tuple[Path, bool, list[tuple[str, str | None]]]:
+    """Split argv into (config path, print_config, [(dotted key, raw value or None)])."""
+    config_path = DEFAULT_CONFIG
+    print_config = False
+    overrides: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-h", "--help"):
+            print(USAGE)
+            sys.exit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key value\n{USAGE}")
+        name, eq, value = arg[2:].partition("=")
+        has_value = bool(eq)
+        if not has_value and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, has_value = args[i + 1], True
+            i += 1
+        i += 1
+        if name in ("config", "job.config_file"):
+            if not has_value:
+                raise ConfigError("--config needs a file path, e.g. --config train_configs/m7c.toml")
+            config_path = Path(value)
+        elif name == "print_config":
+            print_config = value.lower() != "false" if has_value else True
+        else:
+            overrides.append((name, value if has_value else None))
+    return config_path, print_config, overrides
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, bool]:
+    """Build the JobConfig from `--config FILE` and overrides; returns (config, print_config).
+
+    Structural checks only (names, types, choices); `validate` checks the combination.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    config_path, print_config, overrides = _split_overrides(args)
+    cfg = JobConfig()
+    for section, table in _load_toml(config_path).items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{config_path}: top-level key '{section}' must be a [section] table")
+        for key, value in table.items():
+            _set(cfg, section, key, value, str(config_path), from_cli=False)
+    for name, value in overrides:
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise ConfigError(f"override '--{name}' must be --section.key (e.g. --training.steps 10)")
+        _set(cfg, section, key, value, f"override --{name}", from_cli=True)
+    return cfg, print_config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+_POSITIVE = {
+    "model": ("dim", "n_layers", "n_heads", "n_kv_groups", "head_dim", "vocab_size", "cmp_block_size",
+              "cmp_stride", "sel_block_size", "sel_top_n", "window_size"),
+    "training": ("local_batch_size", "seq_len", "steps"),
+    "activation_checkpoint": ("every_n_layers",),
+    "metrics": ("log_freq",),
+}
+"""Integer keys that must be > 0."""
+
+
+def validate(cfg: JobConfig, world_size: int) -> None:
+    """Check the combination of values for `world_size` ranks; fills in derived values.
+
+    Called before any model is built, so a bad config costs nothing.
+    """
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    for section, keys in _POSITIVE.items():
+        for key in keys:
+            v = getattr(getattr(cfg, section), key)
+            _require(v > 0, f"[{section}] {key} = {v}: must be a positive integer")
+    _require(m.n_heads % m.n_kv_groups == 0,
+             f"[model] n_heads = {m.n_heads} is not divisible by n_kv_groups = {m.n_kv_groups}: "
+             f"each KV group must serve the same number of query heads (e.g. n_kv_groups = 1, 2, ... "
+             f"dividing {m.n_heads})")
+    _require(m.head_dim % 2 == 0, f"[model] head_dim = {m.head_dim}: must be even (RoPE rotates pairs)")
+    _require(m.ffn_hidden_dim >= 0 and m.cmp_mlp_hidden >= 0,
+             "[model] ffn_hidden_dim and cmp_mlp_hidden must be >= 0 (0 picks the default)")
+    if m.attention == "nsa":
+        l, d, ls = m.cmp_block_size, m.cmp_stride, m.sel_block_size
+        _require(l % d == 0,
+                 f"[model] cmp_stride = {d} must divide cmp_block_size = {l} (paper: d | l), e.g. "
+                 f"cmp_block_size = 32, cmp_stride = 16")
+        _require(ls % d == 0,
+                 f"[model] cmp_stride = {d} must divide sel_block_size = {ls} (paper: d | l'), e.g. "
+                 f"sel_block_size = 64, cmp_stride = 16")
+        _require(m.sel_top_n >= 3,
+                 f"[model] sel_top_n = {m.sel_top_n}: must be >= 3, since it includes the initial "
+                 f"block and the 2 local blocks")
+        _require(t.seq_len >= max(l, ls),
+                 f"[training] seq_len = {t.seq_len} is shorter than the NSA blocks (cmp_block_size = {l}, "
+                 f"sel_block_size = {ls}): no compressed block would ever be complete; use seq_len >= "
+                 f"{max(l, ls)} or smaller blocks")
+    _require(t.max_norm >= 0, f"[training] max_norm = {t.max_norm}: must be >= 0 (0 disables clipping)")
+    _require(cfg.optimizer.lr > 0, f"[optimizer] lr = {cfg.optimizer.lr}: must be > 0")
+    _require(0 <= cfg.optimizer.beta1 < 1 and 0 <= cfg.optimizer.beta2 < 1,
+             "[optimizer] beta1 and beta2 must lie in [0, 1)")
+    s = cfg.lr_scheduler
+    _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps = {s.warmup_steps}: must be >= 0")
+    _require(0 < s.decay_ratio <= 1, f"[lr_scheduler] decay_ratio = {s.decay_ratio}: must lie in (0, 1]")
+    _require(0 <= s.min_lr_factor <= 1, f"[lr_scheduler] min_lr_factor = {s.min_lr_factor}: must lie in [0, 1]")
+    _require(cfg.data.num_workers >= 0, f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
+
+    # Mesh degrees: replicate x shard must equal the world size.
+    _require(p.data_parallel_replicate_degree >= 1,
+             f"[parallelism] data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: must be >= 1")
+    if p.data_parallel_shard_degree == -1:
+        _require(world_size % p.data_parallel_replicate_degree == 0,
+                 f"[parallelism] data_parallel_replicate_degree = {p.data_parallel_replicate_degree} "
+                 f"does not divide the world size {world_size}")
+        p.data_parallel_shard_degree = world_size // p.data_parallel_replicate_degree
+    _require(p.data_parallel_shard_degree >= 1,
+             f"[parallelism] data_parallel_shard_degree = {p.data_parallel_shard_degree}: must be >= 1 or -1")
+    dp = p.data_parallel_shard_degree * p.data_parallel_replicate_degree
+    _require(dp == world_size,
+             f"[parallelism] data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) x "
+             f"data_parallel_shard_degree ({p.data_parallel_shard_degree}) = {dp}, but the world size "
+             f"is {world_size}: the degrees must multiply to the number of ranks (set the shard degree "
+             f"to -1 to infer it)")
+    micro = t.local_batch_size * dp
+    if t.global_batch_size == -1:
+        t.global_batch_size = micro
+    _require(t.global_batch_size > 0 and t.global_batch_size % micro == 0,
+             f"[training] global_batch_size = {t.global_batch_size} must be a positive multiple of "
+             f"local_batch_size x dp degree = {t.local_batch_size} x {dp} = {micro} "
+             f"(the multiple is the number of gradient-accumulation steps)")
+
+
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, bool]:
+    """parse_args + validate, with the world size torchrun gave (WORLD_SIZE, default 1)."""
+    cfg, print_config = parse_args(argv)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
+    return cfg, print_config
+

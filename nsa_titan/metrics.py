@@ -1,0 +1,101 @@
+"""Metrics: the one-line-per-step console log, TensorBoard scalars, MFU and memory."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from .config import Metrics
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s of one device, matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+}
+
+
+def peak_flops(m: Metrics, device: torch.device) -> float | None:
+    """Configured peak, else the table's value for this GPU; None on CPU or an unknown GPU."""
+    if m.peak_flops > 0:
+        return m.peak_flops
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    logger.warning("unknown GPU %r: set [metrics] peak_flops to get MFU", name)
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far: reserved by the CUDA allocator, or the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    mfu: float | None
+    memory_gib: float
+    step_time_s: float
+    """Mean over the steps since the last log line."""
+
+
+class MetricsLogger:
+    """Formats and writes the step metrics; TensorBoard is written by rank 0 only."""
+
+    def __init__(self, m: Metrics, dump_folder: str, rank: int, total_steps: int):
+        self.total_steps = total_steps
+        self.writer = None
+        if m.enable_tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = Path(dump_folder) / m.save_tb_folder
+            self.writer = SummaryWriter(log_dir=str(log_dir))
+            logger.info("TensorBoard logs in %s", log_dir)
+
+    def log(self, s: StepStats) -> None:
+        width = len(str(self.total_steps))
+        parts = [
+            f"step {s.step:>{width}}/{self.total_steps}",
+            f"loss {s.loss:7.4f}",
+            f"grad_norm {s.grad_norm:8.4f}",
+            f"lr {s.lr:.2e}",
+            f"tok/s {s.tokens_per_s:,.0f}",
+        ]
+        if s.mfu is not None:
+            parts.append(f"mfu {100 * s.mfu:5.2f}%")
+        parts += [f"mem {s.memory_gib:.2f}GiB", f"eta {timedelta(seconds=round(s.step_time_s * (self.total_steps - s.step)))}"]
+        logger.info(" | ".join(parts))
+        if self.writer is not None:
+            scalars = {
+                "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr, "tokens_per_s": s.tokens_per_s,
+                "memory_gib": s.memory_gib, "step_time_s": s.step_time_s,
+            }
+            if s.mfu is not None:
+                scalars["mfu"] = s.mfu
+            for key, value in scalars.items():
+                self.writer.add_scalar(f"train/{key}", value, s.step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,1 @@
+"""Models: the NSA transformer and its attention implementations."""

@@ -1,0 +1,13 @@
+"""Attention implementations: reference NSA, dense causal baseline, and the rules they share."""
+
+from .common import NSASpec, cmp_to_sel_map, cmp_visibility, select_blocks
+from .dense import dense_causal
+from .reference import masked_attention, nsa_reference
+
+NSA_IMPLS = {"reference": nsa_reference}
+"""`[model] attn_impl` -> function with nsa_reference's signature."""
+
+__all__ = [
+    "NSASpec", "NSA_IMPLS", "cmp_to_sel_map", "cmp_visibility", "dense_causal", "masked_attention",
+    "nsa_reference", "select_blocks",
+]

@@ -1,0 +1,98 @@
+"""NSA rules shared by every implementation: block geometry, selection scores, top-n choice.
+
+Notation (paper, 0-indexed): query t sees keys 0..t.
+  cmp block i covers keys [i*d, i*d + l) and is visible to t when i*d + l - 1 <= t.
+  sel block j covers keys [j*l', (j+1)*l') and is a candidate for t when j*l' <= t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+N_FORCED_INITIAL = 1
+"""Block 0 is always selected."""
+N_FORCED_LOCAL = 2
+"""The block holding t and the one before it are always selected."""
+
+
+@dataclass(frozen=True)
+class NSASpec:
+    """NSA hyper-parameters, named as in the paper."""
+
+    l: int = 32  # cmp block length
+    d: int = 16  # cmp stride
+    l_sel: int = 64  # l': sel block length
+    n: int = 16  # selected blocks per query, forced ones included
+    w: int = 512  # sliding window
+
+    def num_cmp_blocks(self, T: int) -> int:
+        """Nc: complete compression blocks in a sequence of T keys."""
+        return 0 if T < self.l else (T - self.l) // self.d + 1
+
+    def num_sel_blocks(self, T: int) -> int:
+        """Ns: selection blocks (the last may be partial)."""
+        return -(-T // self.l_sel)
+
+    def mean_keys_per_query(self, T: int) -> float:
+        """Keys a query attends to, averaged over t < T: cmp blocks + selected keys + window.
+
+        Selected keys count every chosen block in full except the current one, which is
+        cut at t; this is the count the paper's cost argument rests on.
+        """
+        t = torch.arange(T, dtype=torch.float64)
+        n_cmp = torch.clamp(torch.div(t - self.l + 1, self.d, rounding_mode="floor") + 1, min=0)
+        jt = torch.div(t, self.l_sel, rounding_mode="floor")
+        n_sel = (torch.clamp(jt + 1, max=self.n) - 1) * self.l_sel + (t - jt * self.l_sel + 1)
+        n_win = torch.clamp(t + 1, max=self.w)
+        return float((n_cmp + n_sel + n_win).mean())
+
+
+def cmp_visibility(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
+    """(T, Nc) bool: query t may attend cmp block i iff the whole block is in its past."""
+    t = torch.arange(T, device=device)
+    i = torch.arange(spec.num_cmp_blocks(T), device=device)
+    return (i * spec.d + spec.l - 1)[None, :] <= t[:, None]
+
+
+def cmp_to_sel_map(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
+    """(Nc, Ns) 0/1 float: M[i, j] = 1 iff cmp block i overlaps sel block j.
+
+    The paper's Eq. 9 mapping, stated exactly: a selection block's importance is the sum of
+    the cmp probabilities of every compression block sharing at least one key with it,
+    i.e. i*d < (j+1)*l' and i*d + l > j*l'. For l=32, d=16, l'=64, sel block j collects
+    cmp blocks 4j-1 .. 4j+3 (those that exist). With l = d = l' it is the identity.
+    """
+    i = torch.arange(spec.num_cmp_blocks(T), device=device)[:, None]
+    j = torch.arange(spec.num_sel_blocks(T), device=device)[None, :]
+    start = i * spec.d
+    overlaps = (start < (j + 1) * spec.l_sel) & (start + spec.l > j * spec.l_sel)
+    return overlaps.float()
+
+
+def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the top-n sel blocks per (query, KV group) from the cmp probabilities.
+
+    p_cmp: (B, H, T, Nc) softmax probabilities of the cmp branch (0 where not visible).
+    Returns idx (B, G, T, n') long and valid (B, G, T, n') bool, n' = min(n, Ns): the chosen
+    block indices (descending score) and whether each is a real candidate (j*l' <= t).
+    Scores are summed over the query heads of a group (Eq. 10); block 0 and the 2 local
+    blocks are forced. Ties keep the lower block index (a stable sort), so every
+    implementation picks the same set. No gradient flows through the choice.
+    """
+    with torch.no_grad():
+        B, H, T, Nc = p_cmp.shape
+        Ns = spec.num_sel_blocks(T)
+        scores = p_cmp.float() @ cmp_to_sel_map(spec, T, p_cmp.device)  # (B, H, T, Ns)
+        scores = scores.view(B, n_groups, H // n_groups, T, Ns).sum(2)  # (B, G, T, Ns)
+        t = torch.arange(T, device=p_cmp.device)[:, None]
+        j = torch.arange(Ns, device=p_cmp.device)[None, :]
+        jt = t // spec.l_sel  # the block holding t
+        candidate = j <= jt  # (T, Ns)
+        forced = (j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL))
+        scores = scores.masked_fill(forced, float("inf")).masked_fill(~candidate, float("-inf"))
+        n = min(spec.n, Ns)
+        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
+        valid = candidate.expand(B, n_groups, T, Ns).gather(-1, idx)
+    return idx, valid

@@ -1,0 +1,240 @@
+"""Decoder-only transformer with Native Sparse Attention (or dense attention as a baseline).
+
+token embedding -> n_layers x [RMSNorm -> attention -> +, RMSNorm -> SwiGLU -> +] -> RMSNorm -> head
+
+Built on the meta device, materialised by the trainer (`to_empty`), then `init_weights`.
+Initialisation draws every parameter in full from one seeded generator, in model order,
+so the values do not depend on how the parameters are later sharded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..config import Model as ModelConfig
+from .attention import NSA_IMPLS, NSASpec, dense_causal
+
+
+def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill `param` (plain or DTensor shard) from a full-size draw of N(0, std) cut at 3 std."""
+    full = torch.empty(param.shape, dtype=torch.float32)
+    nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(full.to(dtype=param.dtype, device=param.device))
+
+
+def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward, 2 FLOPs per multiply-add).
+
+    Weight matmuls count every parameter but the embedding lookup; the compression MLPs
+    run once per cmp block, i.e. every d tokens. Attention counts QK^T and PV over the keys
+    a query really attends to: (t + 1) on average for dense causal attention, cmp blocks +
+    selected keys + window for NSA (`NSASpec.mean_keys_per_query`).
+    """
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if "tok_embeddings" not in n)
+    if cfg.tie_embeddings:
+        n_matmul += cfg.vocab_size * cfg.dim
+    n_cmp = sum(p.numel() for n, p in model.named_parameters() if ".compress_" in n)
+    if cfg.attention == "nsa":
+        spec = NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size,
+                       n=cfg.sel_top_n, w=cfg.window_size)
+        keys = spec.mean_keys_per_query(seq_len)
+    else:
+        keys = (seq_len + 1) / 2
+    attn = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim * keys
+    return 3 * (2 * (n_matmul - n_cmp + n_cmp / cfg.cmp_stride) + attn)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """(seq_len, head_dim) float32: cos in the first half, sin in the second."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate (x1, x2) halves of the last dim of x (B, T, N, D) by position."""
+    T, D = x.shape[1], x.shape[-1]
+    cos, sin = rope[:T, None, : D // 2], rope[:T, None, D // 2 :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
+        _init_trunc_normal(self.w1.weight, std, gen)
+        _init_trunc_normal(self.w3.weight, std, gen)
+        _init_trunc_normal(self.w2.weight, out_std, gen)
+
+
+class Compressor(nn.Module):
+    """phi: a block of l keys (plus a learned intra-block position table) -> one key, by an MLP.
+
+    (B, T, G, D) -> (B, Nc, G, D), block i covering positions [i*d, i*d + l).
+    """
+
+    def __init__(self, l: int, d: int, head_dim: int, hidden: int, out_bias: bool):
+        super().__init__()
+        self.l, self.d = l, d
+        self.pos = nn.Parameter(torch.empty(l, head_dim))  # intra-block position encoding
+        self.fc1 = nn.Linear(l * head_dim, hidden)
+        self.fc2 = nn.Linear(hidden, head_dim, bias=out_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, G, D = x.shape
+        if T < self.l:  # no complete block yet
+            return x.new_zeros(B, 0, G, D)
+        blocks = x.unfold(1, self.l, self.d).transpose(-1, -2)  # (B, Nc, G, l, D)
+        blocks = (blocks + self.pos.to(x.dtype)).flatten(-2)  # (B, Nc, G, l*D)
+        return self.fc2(F.silu(self.fc1(blocks)))
+
+    def init_weights(self, std: float, gen: torch.Generator) -> None:
+        _init_trunc_normal(self.pos, std, gen)
+        _init_trunc_normal(self.fc1.weight, std, gen)
+        _init_trunc_normal(self.fc2.weight, std, gen)
+        nn.init.zeros_(self.fc1.bias)
+        if self.fc2.bias is not None:
+            nn.init.zeros_(self.fc2.bias)
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention: cmp + sel + win branches mixed by per-head sigmoid gates.
+
+    One shared query projection; each branch has its own key and value projections (fused
+    into `wkv`); compressed keys/values come from their own phi.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_groups, self.head_dim = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
+        self.spec = NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size,
+                            n=cfg.sel_top_n, w=cfg.window_size)
+        self.attn_fn = NSA_IMPLS[cfg.attn_impl]
+        H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
+        hidden = cfg.cmp_mlp_hidden or 4 * D
+        self.wq = nn.Linear(cfg.dim, H * D, bias=False)
+        self.wkv = nn.Linear(cfg.dim, 6 * G * D, bias=False)  # k, v for each of cmp, sel, win
+        # A bias on the compressed keys would shift every score of a query equally: softmax
+        # ignores it and its gradient is 0, so the key compressor has none.
+        self.compress_k = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=False)
+        self.compress_v = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=True)
+        self.gate = nn.Linear(cfg.dim, 3 * H)  # g^cmp, g^sel, g^win per head
+        self.wo = nn.Linear(H * D, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, G, D = self.n_heads, self.n_groups, self.head_dim
+        q = apply_rope(self.wq(x).view(B, T, H, D), rope)
+        kv = self.wkv(x).view(B, T, 6, G, D)
+        k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = kv.unbind(2)  # each (B, T, G, D)
+        k_cmp, k_sel, k_win = (apply_rope(k, rope) for k in (k_cmp, k_sel, k_win))
+        kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)  # (B, Nc, G, D)
+        gates = torch.sigmoid(self.gate(x).float()).view(B, T, H, 3)
+        o = self.attn_fn(q, kc, vc, k_sel, v_sel, k_win, v_win, gates, self.spec)  # (B, T, H, D)
+        return self.wo(o.reshape(B, T, H * D))
+
+    def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
+        _init_trunc_normal(self.wq.weight, std, gen)
+        _init_trunc_normal(self.wkv.weight, std, gen)
+        self.compress_k.init_weights(std, gen)
+        self.compress_v.init_weights(std, gen)
+        _init_trunc_normal(self.gate.weight, std, gen)
+        nn.init.zeros_(self.gate.bias)  # every branch starts at weight 0.5
+        _init_trunc_normal(self.wo.weight, out_std, gen)
+
+
+class DenseAttention(nn.Module):
+    """Plain causal GQA attention with the same q/k/v/o shapes: the baseline."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_groups, self.head_dim = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
+        H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, H * D, bias=False)
+        self.wkv = nn.Linear(cfg.dim, 2 * G * D, bias=False)
+        self.wo = nn.Linear(H * D, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, G, D = self.n_heads, self.n_groups, self.head_dim
+        q = apply_rope(self.wq(x).view(B, T, H, D), rope)
+        k, v = self.wkv(x).view(B, T, 2, G, D).unbind(2)
+        o = dense_causal(q, apply_rope(k, rope), v)
+        return self.wo(o.reshape(B, T, H * D))
+
+    def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
+        _init_trunc_normal(self.wq.weight, std, gen)
+        _init_trunc_normal(self.wkv.weight, std, gen)
+        _init_trunc_normal(self.wo.weight, out_std, gen)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = NSAAttention(cfg) if cfg.attention == "nsa" else DenseAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        hidden = cfg.ffn_hidden_dim or 64 * math.ceil(8 * cfg.dim / 3 / 64)
+        self.feed_forward = FeedForward(cfg.dim, hidden)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std, gen)
+        self.feed_forward.init_weights(std, out_std, gen)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+        super().__init__()
+        self.cfg, self.max_seq_len = cfg, max_seq_len
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) long -> logits (B, T, vocab)."""
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter and buffer (after `to_empty`), identically on every rank."""
+        gen = torch.Generator().manual_seed(seed)
+        self.rope.copy_(rope_tables(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device))
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        _init_trunc_normal(self.tok_embeddings.weight, std if self.cfg.tie_embeddings else 1.0, gen)
+        for block in self.layers.values():
+            block.init_weights(std, out_std, gen)
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            _init_trunc_normal(self.output.weight, self.cfg.dim**-0.5, gen)

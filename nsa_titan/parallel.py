@@ -1,0 +1,104 @@
+"""Parallelism: process group, device mesh and the per-block wrappers, in this order:
+
+    apply_ac (activation checkpointing) -> apply_compile (torch.compile) -> apply_fsdp (fully_shard)
+
+Each is a small function over a plain model with a `layers` ModuleDict; none knows NSA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from .config import ActivationCheckpoint, Compile, Parallelism, Training
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def device_for_rank() -> torch.device:
+    """The rank's device: its local GPU when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Join the torchrun job (world size 1 without torchrun): NCCL on GPUs, gloo on CPU.
+
+    Returns True when this call created the process group (and so owns its teardown).
+    """
+    if dist.is_initialized():
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return True
+
+
+def build_mesh(p: Parallelism, device: torch.device) -> DeviceMesh:
+    """1-D ("dp_shard",) mesh for FSDP, 2-D ("dp_replicate", "dp_shard") for HSDP."""
+    if p.data_parallel_replicate_degree > 1:
+        return init_device_mesh(device.type, (p.data_parallel_replicate_degree, p.data_parallel_shard_degree),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device.type, (p.data_parallel_shard_degree,), mesh_dim_names=("dp_shard",))
+
+
+def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
+    """Wrap blocks in non-reentrant checkpointing: all (`full`) or every N-th (`selective`)."""
+    if ac.mode == "none":
+        return
+    for i, (name, block) in enumerate(model.layers.named_children()):
+        if ac.mode == "full" or (i + 1) % ac.every_n_layers == 0:
+            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+def apply_compile(model: nn.Module, c: Compile) -> None:
+    """torch.compile each block: the blocks repeat, so one compiled graph serves all."""
+    if not c.enable:
+        return
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, backend=c.backend, fullgraph=c.fullgraph))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, t: Training, p: Parallelism) -> None:
+    """fully_shard each block, then the root (embeddings, final norm, head).
+
+    Parameters become DTensors sharded on dim 0 (replicated across `dp_replicate` for HSDP);
+    compute runs in `mixed_precision_param`, gradients are reduced in `mixed_precision_reduce`.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param],
+                              reduce_dtype=DTYPES[t.mixed_precision_reduce])
+    reshard = {"default": True, "always": True, "never": False}[p.fsdp_reshard_after_forward]
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root's parameters are used first in backward, so resharding them only costs time.
+    fully_shard(model, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=p.fsdp_reshard_after_forward == "always")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, ac: ActivationCheckpoint, c: Compile,
+                t: Training, p: Parallelism) -> None:
+    """AC, then compile, then FSDP: the order in which the wrappers compose."""
+    apply_ac(model, ac)
+    apply_compile(model, c)
+    apply_fsdp(model, mesh, t, p)
+    logger.info("parallelized: AC %s, compile %s, FSDP mesh %s, params %s / reduce %s",
+                ac.mode if ac.mode != "selective" else f"every {ac.every_n_layers} blocks",
+                c.backend if c.enable else "off", dict(zip(mesh.mesh_dim_names, mesh.shape)),
+                t.mixed_precision_param, t.mixed_precision_reduce)

@@ -1,0 +1,178 @@
+"""The trainer: `python -m nsa_titan.train --config FILE [--section.key value ...]` under torchrun.
+
+Reads top to bottom: config -> distributed -> model on meta -> AC/compile/FSDP ->
+materialise + init -> optimizer, schedule, data -> loop (accumulate, clip, step, log).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .config import ConfigError, JobConfig, load_config
+from .data import build_dataloader
+from .metrics import MetricsLogger, StepStats, peak_flops, peak_memory_gib
+from .models.transformer import Transformer, flops_per_token
+from .optim import build_lr_scheduler, build_optimizer
+from .parallel import build_mesh, device_for_rank, init_distributed, parallelize
+
+logger = logging.getLogger("nsa_titan")
+
+
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all (sharded) parameters; clips to max_norm when > 0.
+
+    With DTensor gradients the per-shard norms are reduced across the mesh, so every rank
+    gets the norm of the full gradient. No host sync.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+class Trainer:
+    """Owns everything a run needs; `train()` runs the loop."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        t = cfg.training
+
+        # Distributed: one process per device, all of them data-parallel.
+        self.device = device_for_rank()
+        self.owns_process_group = init_distributed(self.device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.mesh = build_mesh(cfg.parallelism, self.device)
+        torch.manual_seed(cfg.debug.seed)
+        if cfg.debug.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+
+        # Model: built on meta, wrapped, then materialised and initialised.
+        with torch.device("meta"):
+            model = Transformer(cfg.model, t.seq_len)
+        parallelize(model, self.mesh, cfg.activation_checkpoint, cfg.compile, t, cfg.parallelism)
+        model.to_empty(device=self.device)
+        model.init_weights(cfg.debug.seed)
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        n_params = sum(p.numel() for p in self.params)
+        self.flops_per_token = flops_per_token(model, cfg.model, t.seq_len)
+        logger.info("model: %s attention (%s), %.2fM parameters, %.3f GFLOP per token",
+                    cfg.model.attention, cfg.model.attn_impl if cfg.model.attention == "nsa" else "sdpa",
+                    n_params / 1e6, self.flops_per_token / 1e9)
+
+        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
+        self.grad_accum_steps = t.global_batch_size // (t.local_batch_size * self.world_size)
+        self.dataloader = build_dataloader(cfg.data, t.seq_len, cfg.model.vocab_size, t.local_batch_size,
+                                           self.rank, self.world_size)
+        self.peak_flops = peak_flops(cfg.metrics, self.device)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
+        self.step = 0
+        if self.rank == 0:
+            Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
+        logger.info("training %d steps: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
+                    t.steps, t.global_batch_size, self.world_size, t.local_batch_size,
+                    self.grad_accum_steps, t.seq_len)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch: fp32 cross-entropy, backward of loss / accumulation steps."""
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        (loss / self.grad_accum_steps).backward()
+        return loss.detach()
+
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate over micro-batches, clip, step. Returns (local mean loss, grad norm)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for _ in range(self.grad_accum_steps):
+            inputs, labels = next(batches)
+            losses.append(self.forward_backward(inputs.to(self.device), labels.to(self.device)))
+        grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return torch.stack(losses).mean(), grad_norm
+
+    def train(self) -> list[StepStats]:
+        """Run the configured steps; returns the logged StepStats."""
+        t, log_freq = self.cfg.training, self.cfg.metrics.log_freq
+        tokens_per_step = t.global_batch_size * t.seq_len
+        batches = iter(self.dataloader)
+        history: list[StepStats] = []
+        last_time, last_step = time.perf_counter(), self.step
+        while self.step < t.steps:
+            self.step += 1
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(batches)
+            if self.step % log_freq and self.step not in (1, t.steps):
+                continue
+            # Log step: the only host sync of the loop (loss averaged over ranks).
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss_value, grad_norm_value = loss.item() / self.world_size, grad_norm.item()
+            now = time.perf_counter()
+            step_time = (now - last_time) / (self.step - last_step)
+            tokens_per_s = tokens_per_step / step_time
+            mfu = (tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
+                   if self.peak_flops else None)
+            stats = StepStats(self.step, loss_value, grad_norm_value, lr, tokens_per_s, mfu,
+                              peak_memory_gib(self.device), step_time)
+            self.metrics.log(stats)
+            history.append(stats)
+            last_time, last_step = now, self.step
+        return history
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.owns_process_group:
+            dist.destroy_process_group()
+
+
+def setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 for a bad config)."""
+    setup_logging()
+    try:
+        cfg, print_config = load_config(argv)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"nsa_titan: config error: {e}", file=sys.stderr)
+        return 2
+    if print_config:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(cfg.to_toml())
+        return 0
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

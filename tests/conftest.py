@@ -1,0 +1,52 @@
+"""Shared test helpers: a tiny model config and a launcher that really spawns torchrun ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A tiny NSA model whose sequence holds several blocks of every kind: 15 cmp blocks,
+# 8 selection blocks of which 4 are chosen, a window shorter than the sequence.
+TINY = [
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_groups", "2",
+    "--model.head_dim", "16", "--model.vocab_size", "64", "--model.cmp_block_size", "8",
+    "--model.cmp_stride", "4", "--model.sel_block_size", "8", "--model.sel_top_n", "4",
+    "--model.window_size", "16", "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--optimizer.lr", "1e-2",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc ARGS` on a free loopback port; output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: float = 1200) -> dict[str, dict]:
+    """Run training specs (see tests/dist_worker.py) on `nproc` spawned ranks; {name: result}."""
+    for spec in specs:
+        spec["args"] = ["--job.dump_folder", str(out_dir / spec["name"]), *spec["args"]]
+    spec_file = out_dir / "spec.json"
+    spec_file.write_text(json.dumps(specs))
+    proc = torchrun([str(ROOT / "tests" / "dist_worker.py"), str(spec_file), str(out_dir)],
+                    nproc=nproc, timeout=timeout)
+    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    return {s["name"]: torch.load(out_dir / f"{s['name']}.pt") for s in specs}

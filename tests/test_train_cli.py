@@ -1,0 +1,37 @@
+"""End-to-end: run_train.sh on the default config, its console line and TensorBoard output."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import ROOT
+
+LINE = re.compile(
+    r"step +(\d+)/(\d+) \| loss +([\d.]+) \| grad_norm +([\d.]+) \| lr ([\d.e+-]+) \| tok/s ([\d,]+) "
+    r"\| mem ([\d.]+)GiB \| eta (\d+:\d\d:\d\d)"
+)
+
+
+def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path):
+    dump = tmp_path / "out"
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--training.steps", "6", "--metrics.log_freq", "2",
+         "--training.seq_len", "64", "--job.dump_folder", str(dump)],
+        cwd=tmp_path, env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [m for m in map(LINE.search, proc.stdout.splitlines()) if m]
+    assert [int(m.group(1)) for m in lines] == [1, 2, 4, 6]  # step 1, every log_freq, the last
+    assert all(int(m.group(2)) == 6 for m in lines)
+    assert float(lines[-1].group(3)) < float(lines[0].group(3))
+    assert "FSDP mesh {'dp_shard': 2}" in proc.stdout
+    assert (dump / "config.toml").read_text().count("steps = 6") == 1
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/memory_gib"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 4, 6]
