@@ -57,6 +57,7 @@ def fsdp_runs(tmp_path_factory):
         {"name": "fsdp", "args": common, "save_params": True},
         {"name": "hsdp", "args": [*common, "--parallelism.data_parallel_replicate_degree", "2",
                                    "--parallelism.data_parallel_shard_degree", "1"], "save_params": True},
+        {"name": "tied", "args": [*common, "--model.tie_embeddings", "true"], "save_params": True},
     ]
     return launch_ranks(specs, tmp_path_factory.mktemp("fsdp")), common
 
@@ -72,6 +73,15 @@ def test_fsdp_two_ranks_match_one_process(fsdp_runs):
     assert fsdp["params"].keys() == params.keys()
     for name, p in params.items():
         torch.testing.assert_close(fsdp["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fsdp_with_tied_embeddings_matches_one_process(fsdp_runs):
+    runs, common = fsdp_runs
+    losses, params = single_process_run([*common, "--training.local_batch_size", "4", "--model.tie_embeddings", "true"])
+    torch.testing.assert_close(torch.tensor(runs["tied"]["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    assert "output.weight" not in params  # one shared parameter, listed once
+    for name, p in params.items():
+        torch.testing.assert_close(runs["tied"]["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_hsdp_2x1_mesh_trains_like_fsdp(fsdp_runs):

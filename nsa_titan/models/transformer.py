@@ -229,6 +229,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter and buffer (after `to_empty`), identically on every rank."""
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight  # plain `to_empty` unties them
         gen = torch.Generator().manual_seed(seed)
         self.rope.copy_(rope_tables(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device))
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)

@@ -41,7 +41,7 @@ class NSASpec:
         Selected keys count every chosen block in full except the current one, which is
         cut at t; this is the count the paper's cost argument rests on.
         """
-        t = torch.arange(T, dtype=torch.float64)
+        t = torch.arange(T, dtype=torch.float64, device="cpu")
         n_cmp = torch.clamp(torch.div(t - self.l + 1, self.d, rounding_mode="floor") + 1, min=0)
         jt = torch.div(t, self.l_sel, rounding_mode="floor")
         n_sel = (torch.clamp(jt + 1, max=self.n) - 1) * self.l_sel + (t - jt * self.l_sel + 1)

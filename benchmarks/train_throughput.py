@@ -1,0 +1,64 @@
+"""Trainer throughput side by side: NSA vs dense, activation checkpointing and compile on/off.
+
+    python benchmarks/train_throughput.py [--config train_configs/debug_model.toml] [--steps 16]
+                                          [--ranks 1] [-- extra overrides...]
+
+Each variant runs the real trainer (`python -m torch.distributed.run ... nsa_titan.train`) in
+its own process, so the peak memory is its own; tokens/s is taken over the last log interval,
+after the warm-up (compile) steps. Prints a Markdown table with ratios to the first row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LINE = re.compile(r"step +(\d+)/\d+ \| loss +([\d.]+) .*\| tok/s ([\d,]+) .*\| mem ([\d.]+)GiB")
+
+VARIANTS = {
+    "nsa, eager, AC none": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
+    "nsa, eager, AC full": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "full"],
+    "nsa, compiled, AC none": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
+    "nsa, compiled, AC full": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
+    "dense, eager, AC none": ["--model.attention", "dense", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
+    "dense, compiled, AC none": ["--model.attention", "dense", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
+}
+
+
+def run_variant(config: str, steps: int, ranks: int, args: list[str]) -> tuple[float, float, float]:
+    """(tokens/s over the last log interval, peak memory GiB of rank 0, final loss)."""
+    log_freq = steps // 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           "-m", "nsa_titan.train", "--config", config, "--training.steps", str(steps),
+           "--metrics.log_freq", str(log_freq), "--metrics.enable_tensorboard", "false",
+           "--job.dump_folder", str(ROOT / "outputs" / "bench"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    last = [m for m in map(LINE.search, proc.stdout.splitlines()) if m][-1]
+    return float(last.group(3).replace(",", "")), float(last.group(4)), float(last.group(2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "train_configs" / "debug_model.toml"))
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="extra --section.key value overrides for every variant")
+    opts = parser.parse_args()
+    print(f"config {opts.config}, {opts.steps} steps, {opts.ranks} rank(s), overrides {opts.overrides}")
+    print("| variant | tokens/s | vs first row | peak memory (GiB) | loss at last step |")
+    print("|---|---|---|---|---|")
+    base = None
+    for name, args in VARIANTS.items():
+        tps, mem, loss = run_variant(opts.config, opts.steps, opts.ranks, [*args, *opts.overrides])
+        base = base or tps
+        print(f"| {name} | {tps:,.0f} | {tps / base:.2f}x | {mem:.2f} | {loss:.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

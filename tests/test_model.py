@@ -1,0 +1,109 @@
+"""Model construction, initialisation, FLOP count, the dense baseline, and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nsa_titan.config import LRScheduler, Model
+from nsa_titan.models.attention import NSASpec
+from nsa_titan.models.transformer import Compressor, Transformer, flops_per_token
+from nsa_titan.optim import lr_factor
+
+TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=8, vocab_size=50, cmp_block_size=8,
+            cmp_stride=4, sel_block_size=8, sel_top_n=3, window_size=16)
+
+
+def build(cfg: Model, seq_len: int = 64, seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg, seq_len)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def test_meta_build_then_init_is_deterministic_and_seed_dependent():
+    a, b, c = build(Model(**TINY)), build(Model(**TINY)), build(Model(**TINY), seed=1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.isfinite(pa).all(), name
+        assert torch.equal(pa, pb), name
+        if pa.std() > 0:  # norms are ones and biases zeros for every seed
+            assert not torch.equal(pa, pc), name
+    assert torch.equal(a.rope, b.rope) and a.rope.abs().sum() > 0
+
+
+def test_init_scales():
+    model = build(Model(**{**TINY, "n_layers": 8}))
+    block = model.layers["0"]
+    assert block.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.15)
+    assert block.attention.wo.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.2)
+    assert (block.attention.gate.bias == 0).all()  # each branch starts at sigmoid(0) = 0.5
+    assert block.attention.compress_k.fc2.bias is None  # would shift all scores equally
+    assert (model.norm.weight == 1).all()
+
+
+def test_compressor_blocks_follow_l_and_d():
+    comp = Compressor(l=8, d=4, head_dim=2, hidden=4, out_bias=True)
+    comp.init_weights(0.5, torch.Generator().manual_seed(0))
+    x = torch.randn(1, 23, 1, 2)
+    out = comp(x)
+    assert out.shape == (1, NSASpec(l=8, d=4).num_cmp_blocks(23), 1, 2) == (1, 4, 1, 2)
+    # Block 2 covers positions 8..15: changing position 16 leaves it alone, position 15 not.
+    x2 = x.clone()
+    x2[0, 16] += 1
+    assert torch.equal(comp(x2)[0, :3], out[0, :3]) and not torch.equal(comp(x2)[0, 3], out[0, 3])
+    x2 = x.clone()
+    x2[0, 15] += 1
+    assert not torch.equal(comp(x2)[0, 2], out[0, 2])
+    assert comp(torch.randn(2, 7, 3, 2)).shape == (2, 0, 3, 2)  # T < l: no block
+
+
+def test_dense_baseline_and_tied_embeddings():
+    dense = build(Model(**{**TINY, "attention": "dense"}))
+    tokens = torch.randint(0, 50, (2, 40))
+    assert dense(tokens).shape == (2, 40, 50)
+    assert not any("compress" in n for n, _ in dense.named_parameters())
+    tied = build(Model(**{**TINY, "tie_embeddings": True}))
+    assert tied.output.weight is tied.tok_embeddings.weight
+    untied = build(Model(**TINY))
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(untied) - n(tied) == 50 * 32
+
+
+def test_flops_per_token_counts_attended_keys():
+    spec = NSASpec()
+    # Hand count at T = 64 with the paper's sizes: n covers every block, so sel is causal:
+    # t+1 keys; cmp blocks complete at t = 31, 47, 63; window covers everything (t+1).
+    t = torch.arange(64.0)
+    n_cmp = ((t >= 31).double() + (t >= 47).double() + (t >= 63).double())
+    assert spec.mean_keys_per_query(64) == pytest.approx(float((n_cmp + 2 * (t + 1)).mean()))
+    # Long context: about (T-l)/d + n*l' + w keys at the last query, far below T.
+    assert spec.mean_keys_per_query(65536) < 65536 / 10
+    nsa = Model(**{**TINY, "attention": "nsa"})
+    dense = Model(**{**TINY, "attention": "dense"})
+    with torch.device("meta"):
+        f_nsa = flops_per_token(Transformer(nsa, 4096), nsa, 4096)
+        dense_model = Transformer(dense, 4096)
+        f_dense = flops_per_token(dense_model, dense, 4096)
+    params = sum(p.numel() for n, p in dense_model.named_parameters() if "tok_embeddings" not in n)
+    assert f_dense == pytest.approx(6 * params + 3 * 2 * 4 * 4 * 8 * (4096 + 1) / 2)
+    assert f_nsa < f_dense  # at 4k, 8-key blocks and a 16-key window attend far less than T/2
+
+
+@pytest.mark.parametrize("decay,expected", [
+    ("constant", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("wsd", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7, 0.4, 0.1]),
+])
+def test_lr_schedule_hand_worked(decay, expected):
+    s = LRScheduler(warmup_steps=4, decay_type=decay, decay_ratio=0.25, min_lr_factor=0.1)
+    assert [round(lr_factor(k, 12, s), 6) for k in range(1, 13)] == pytest.approx(expected)
+
+
+def test_lr_schedule_cosine():
+    s = LRScheduler(warmup_steps=10, decay_type="cosine", min_lr_factor=0.1)
+    assert lr_factor(5, 110, s) == pytest.approx(0.5)
+    assert lr_factor(10, 110, s) == pytest.approx(1.0)
+    assert lr_factor(60, 110, s) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_factor(110, 110, s) == pytest.approx(0.1)
