@@ -46,7 +46,11 @@ def fixed_batch(cfg, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run(spec: dict, out_dir: Path) -> None:
     cfg, _ = load_config(spec["args"])
     trainer = Trainer(cfg)
-    result: dict = {"name": spec["name"]}
+    result: dict = {
+        "name": spec["name"],
+        "placements": {clean_name(n): [str(pl) for pl in p.placements] if isinstance(p, DTensor) else None
+                       for n, p in trainer.model.named_parameters()},
+    }
     try:
         if spec.get("grad_check"):
             inputs, labels = fixed_batch(cfg, trainer.rank)

@@ -20,7 +20,7 @@ STEPS = 8
 SEED = ["--debug.seed", "3"]
 
 
-def single_process_run(args: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """The same training, written plainly: no FSDP, no process group, one process."""
     cfg, _ = load_config(args, world_size=1)
     t = cfg.training
@@ -33,7 +33,7 @@ def single_process_run(args: list[str]) -> tuple[list[float], dict[str, torch.Te
     sched = build_lr_scheduler(opt, t.steps, cfg.lr_scheduler)
     batches = iter(build_dataloader(cfg.data, t.seq_len, cfg.model.vocab_size, t.local_batch_size, 0, 1))
     accum = t.global_batch_size // t.local_batch_size
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(t.steps):
         opt.zero_grad()
         step_loss = 0.0
@@ -42,17 +42,19 @@ def single_process_run(args: list[str]) -> tuple[list[float], dict[str, torch.Te
             loss = F.cross_entropy(model(inputs).float().flatten(0, 1), labels.flatten())
             (loss / accum).backward()
             step_loss += loss.item() / accum
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm).item())
         opt.step()
         sched.step()
         losses.append(step_loss)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grad_norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     """2 ranks: FSDP (local batch 2, gradient accumulation 2) and HSDP on a 2x1 mesh."""
-    common = [*TINY, *SEED, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
+    # max_norm 0.5 < the gradient norms of these steps: clipping is exercised.
+    common = [*TINY, *SEED, "--training.steps", str(STEPS), "--training.global_batch_size", "8",
+              "--training.max_norm", "0.5"]
     specs = [
         {"name": "fsdp", "args": common, "save_params": True},
         {"name": "hsdp", "args": [*common, "--parallelism.data_parallel_replicate_degree", "2",
@@ -66,9 +68,14 @@ def test_fsdp_two_ranks_match_one_process(fsdp_runs):
     runs, common = fsdp_runs
     fsdp = runs["fsdp"]
     # One process sees each global batch whole: local batch 4 = 2 ranks x 2.
-    losses, params = single_process_run([*common, "--training.local_batch_size", "4"])
+    losses, grad_norms, params = single_process_run([*common, "--training.local_batch_size", "4"])
     assert fsdp["steps"] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    # The sharded norm is the full gradient's norm, and clipping by it acted on most steps.
+    torch.testing.assert_close(torch.tensor(fsdp["grad_norms"]), torch.tensor(grad_norms), rtol=1e-4, atol=1e-6)
+    assert sum(g > 0.5 for g in grad_norms) >= STEPS // 2
+    # Parameters are DTensors sharded on dim 0 over the 2 ranks.
+    assert all(pl == ["S(0)"] for pl in fsdp["placements"].values()), fsdp["placements"]
     assert losses[-1] < losses[0] - 0.3, "the reference run should learn"
     assert fsdp["params"].keys() == params.keys()
     for name, p in params.items():
@@ -77,7 +84,7 @@ def test_fsdp_two_ranks_match_one_process(fsdp_runs):
 
 def test_fsdp_with_tied_embeddings_matches_one_process(fsdp_runs):
     runs, common = fsdp_runs
-    losses, params = single_process_run([*common, "--training.local_batch_size", "4", "--model.tie_embeddings", "true"])
+    losses, _, params = single_process_run([*common, "--training.local_batch_size", "4", "--model.tie_embeddings", "true"])
     torch.testing.assert_close(torch.tensor(runs["tied"]["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     assert "output.weight" not in params  # one shared parameter, listed once
     for name, p in params.items():
@@ -86,6 +93,7 @@ def test_fsdp_with_tied_embeddings_matches_one_process(fsdp_runs):
 
 def test_hsdp_2x1_mesh_trains_like_fsdp(fsdp_runs):
     runs, _ = fsdp_runs
+    assert all(pl == ["R", "S(0)"] for pl in runs["hsdp"]["placements"].values())
     torch.testing.assert_close(torch.tensor(runs["hsdp"]["losses"]), torch.tensor(runs["fsdp"]["losses"]),
                                rtol=1e-5, atol=1e-6)
     for name, p in runs["fsdp"]["params"].items():
