@@ -212,23 +212,15 @@ def _coerce(where: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if isinstance(value, bool):
             return value
         raise bad
-    if tp is int:
+    if tp in (int, float):
         if from_cli and isinstance(value, str):
             try:
-                return int(value)
+                return tp(value)
             except ValueError:
                 raise bad from None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if tp is float:
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        accepted = (int,) if tp is int else (int, float)  # TOML `lr = 1` is a fine float
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return tp(value)
         raise bad
     if tp is str:
         if isinstance(value, str):
