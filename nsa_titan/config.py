@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 import tomli
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "train_configs" / "debug_model.toml"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "train_configs" / "debug_model.toml"
 
 
 class ConfigError(ValueError):
@@ -42,7 +43,8 @@ class Model:
     n_kv_groups: int = 2
     """Number of KV heads (GQA groups); the query heads of a group share keys and selection."""
     head_dim: int = 64
-    vocab_size: int = 256
+    vocab_size: int = 0
+    """0 means the tokenizer's vocabulary, padded up to a multiple of 64."""
     ffn_hidden_dim: int = 0
     """SwiGLU hidden size; 0 means 8/3 * dim rounded up to a multiple of 64."""
     norm_eps: float = 1e-5
@@ -101,10 +103,36 @@ class Training:
 
 @dataclass
 class Data:
-    source: Literal["synthetic"] = "synthetic"
-    """`synthetic`: seeded token streams with learnable structure (no files needed)."""
-    num_workers: int = 0
+    source: Literal["datasets", "synthetic"] = "datasets"
+    """`datasets`: documents from `path` through `datasets.load_dataset(streaming=True)`;
+    `synthetic`: seeded token streams with learnable structure (no files, no tokenizer use)."""
+    path: str = "data/python_docs"
+    """A hub dataset id (e.g. HuggingFaceFW/fineweb-edu), or a local parquet/jsonl/txt file or
+    folder. Relative paths are taken from the working directory, else from the repository."""
+    name: str = ""
+    """Hub dataset config name (e.g. sample-10BT for FineWeb-Edu)."""
+    split: str = "train"
+    text_column: str = "text"
+    shuffle_buffer: int = 1000
+    """Documents held in the shuffle buffer (0: stream order)."""
+    num_workers: int = 1
+    """StatefulDataLoader worker processes per rank (0: load in the training process)."""
     seed: int = 1234
+    tokenizer: Literal["sentencepiece", "byte"] = "sentencepiece"
+    tokenizer_path: str = "data/python_docs/tokenizer.model"
+    """The sentencepiece `.model` file (ignored for `byte`)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    path: str = ""
+    """The held-out source; empty means [data] path."""
+    split: str = "validation"
+    freq: int = 100
+    """Validate every `freq` steps and after the last step."""
+    steps: int = 10
+    """Batches per validation (fewer if the split runs out first)."""
 
 
 @dataclass
@@ -155,6 +183,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
@@ -318,17 +347,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[JobConfig, bool]:
     return cfg, print_config
 
 
+def resolve_path(path: str) -> str:
+    """`path` as given if it exists (or is empty or absolute), else relative to the repository."""
+    if not path or Path(path).is_absolute() or Path(path).exists():
+        return path
+    in_repo = REPO_ROOT / path
+    return str(in_repo) if in_repo.exists() else path
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 _POSITIVE = {
-    "model": ("dim", "n_layers", "n_heads", "n_kv_groups", "head_dim", "vocab_size", "cmp_block_size",
+    "model": ("dim", "n_layers", "n_heads", "n_kv_groups", "head_dim", "cmp_block_size",
               "cmp_stride", "sel_block_size", "sel_top_n", "window_size"),
     "training": ("local_batch_size", "seq_len", "steps"),
     "activation_checkpoint": ("every_n_layers",),
     "metrics": ("log_freq",),
+    "validation": ("freq", "steps"),
 }
 """Integer keys that must be > 0."""
 
@@ -373,7 +411,15 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps = {s.warmup_steps}: must be >= 0")
     _require(0 < s.decay_ratio <= 1, f"[lr_scheduler] decay_ratio = {s.decay_ratio}: must lie in (0, 1]")
     _require(0 <= s.min_lr_factor <= 1, f"[lr_scheduler] min_lr_factor = {s.min_lr_factor}: must lie in [0, 1]")
-    _require(cfg.data.num_workers >= 0, f"[data] num_workers = {cfg.data.num_workers}: must be >= 0")
+    _require(m.vocab_size >= 0, f"[model] vocab_size = {m.vocab_size}: must be >= 0 (0: from the tokenizer)")
+    dt = cfg.data
+    _require(dt.num_workers >= 0, f"[data] num_workers = {dt.num_workers}: must be >= 0")
+    _require(dt.shuffle_buffer >= 0, f"[data] shuffle_buffer = {dt.shuffle_buffer}: must be >= 0")
+    _require(dt.source == "synthetic" or bool(dt.path),
+             "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
+    for section, key in (("data", "path"), ("data", "tokenizer_path"), ("validation", "path")):
+        sec = getattr(cfg, section)
+        setattr(sec, key, resolve_path(getattr(sec, key)))
 
     # Mesh degrees: replicate x shard must equal the world size.
     _require(p.data_parallel_replicate_degree >= 1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import resource
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +59,8 @@ class StepStats:
     memory_gib: float
     step_time_s: float
     """Mean over the steps since the last log line."""
+    data_wait: float
+    """Fraction of the time since the last log line spent waiting for batches."""
 
 
 class MetricsLogger:
@@ -84,17 +87,24 @@ class MetricsLogger:
         ]
         if s.mfu is not None:
             parts.append(f"mfu {100 * s.mfu:5.2f}%")
-        parts += [f"mem {s.memory_gib:.2f}GiB", f"eta {timedelta(seconds=round(s.step_time_s * (self.total_steps - s.step)))}"]
+        parts += [f"data {100 * s.data_wait:.1f}%", f"mem {s.memory_gib:.2f}GiB", f"eta {timedelta(seconds=round(s.step_time_s * (self.total_steps - s.step)))}"]
         logger.info(" | ".join(parts))
         if self.writer is not None:
             scalars = {
                 "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr, "tokens_per_s": s.tokens_per_s,
-                "memory_gib": s.memory_gib, "step_time_s": s.step_time_s,
+                "memory_gib": s.memory_gib, "step_time_s": s.step_time_s, "data_wait": s.data_wait,
             }
             if s.mfu is not None:
                 scalars["mfu"] = s.mfu
             for key, value in scalars.items():
                 self.writer.add_scalar(f"train/{key}", value, s.step)
+
+    def log_validation(self, step: int, loss: float, batches: int) -> None:
+        logger.info("validation at step %d: loss %.4f | perplexity %.2f | %d batches", step, loss,
+                    math.exp(min(loss, 50.0)), batches)
+        if self.writer is not None:
+            self.writer.add_scalar("validation/loss", loss, step)
+            self.writer.add_scalar("validation/perplexity", math.exp(min(loss, 50.0)), step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .config import ConfigError, JobConfig, load_config
-from .data import build_dataloader
+from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, padded_vocab_size
 from .metrics import MetricsLogger, StepStats, peak_flops, peak_memory_gib
 from .models.transformer import Transformer, flops_per_token
 from .optim import build_lr_scheduler, build_optimizer
@@ -60,6 +60,15 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
 
+        # The tokenizer fixes the vocabulary unless the config sets a (large enough) one.
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        vocab = padded_vocab_size(self.tokenizer)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = vocab
+        elif cfg.data.source != "synthetic" and cfg.model.vocab_size < self.tokenizer.vocab_size:
+            raise DataError(f"[model] vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
+                            f"{self.tokenizer.vocab_size} tokens; set it to 0 to use the tokenizer's ({vocab})")
+
         # Model: built on meta, wrapped, then materialised and initialised.
         with torch.device("meta"):
             model = Transformer(cfg.model, t.seq_len)
@@ -77,11 +86,12 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
         self.grad_accum_steps = t.global_batch_size // (t.local_batch_size * self.world_size)
-        self.dataloader = build_dataloader(cfg.data, t.seq_len, cfg.model.vocab_size, t.local_batch_size,
-                                           self.rank, self.world_size)
+        self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
+                                           t.local_batch_size, self.rank, self.world_size)
         self.peak_flops = peak_flops(cfg.metrics, self.device)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
         self.step = 0
+        self.data_wait_s = 0.0
         if self.rank == 0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
@@ -96,17 +106,45 @@ class Trainer:
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
 
+    def next_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch on the device; the time spent waiting adds to `data_wait_s`."""
+        start = time.perf_counter()
+        try:
+            inputs, labels = next(batches)
+        except StopIteration:
+            raise DataError(f"rank {self.rank} ran out of training data: its share of [data] path = "
+                            f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
+                            f"x workers?)") from None
+        self.data_wait_s += time.perf_counter() - start
+        return inputs.to(self.device), labels.to(self.device)
+
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate over micro-batches, clip, step. Returns (local mean loss, grad norm)."""
         self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for _ in range(self.grad_accum_steps):
-            inputs, labels = next(batches)
-            losses.append(self.forward_backward(inputs.to(self.device), labels.to(self.device)))
+        losses = [self.forward_backward(*self.next_batch(batches)) for _ in range(self.grad_accum_steps)]
         grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         return torch.stack(losses).mean(), grad_norm
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, int]:
+        """Mean loss over up to `validation.steps` held-out batches (all ranks); (loss, batches)."""
+        v, t = self.cfg.validation, self.cfg.training
+        loader = build_validation_dataloader(self.cfg.data, v, self.tokenizer, t.seq_len, t.local_batch_size,
+                                             self.rank, self.world_size)
+        self.model.eval()
+        total = torch.zeros(2, device=self.device)  # loss sum, batch count
+        for _, (inputs, labels) in zip(range(v.steps), loader):
+            logits = self.model(inputs.to(self.device))
+            total[0] += F.cross_entropy(logits.float().flatten(0, 1), labels.to(self.device).flatten())
+            total[1] += 1
+        self.model.train()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        if total[1] == 0:
+            raise DataError(f"[validation] split '{v.split}' of '{v.path or self.cfg.data.path}' gave no batch "
+                            f"of seq_len {t.seq_len} on some rank: use a larger split or a smaller seq_len")
+        return (total[0] / total[1]).item(), int(total[1].item()) // self.world_size
 
     def train(self) -> list[StepStats]:
         """Run the configured steps; returns the logged StepStats."""
@@ -114,11 +152,17 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         batches = iter(self.dataloader)
         history: list[StepStats] = []
-        last_time, last_step = time.perf_counter(), self.step
+        last_time, last_step, self.data_wait_s = time.perf_counter(), self.step, 0.0
         while self.step < t.steps:
             self.step += 1
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step(batches)
+            v = self.cfg.validation
+            if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
+                val_start = time.perf_counter()
+                val_loss, n = self.validate()
+                self.metrics.log_validation(self.step, val_loss, n)
+                last_time += time.perf_counter() - val_start  # keep tokens/s about training
             if self.step % log_freq and self.step not in (1, t.steps):
                 continue
             # Log step: the only host sync of the loop (loss averaged over ranks).
@@ -130,10 +174,11 @@ class Trainer:
             mfu = (tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
                    if self.peak_flops else None)
             stats = StepStats(self.step, loss_value, grad_norm_value, lr, tokens_per_s, mfu,
-                              peak_memory_gib(self.device), step_time)
+                              peak_memory_gib(self.device), step_time,
+                              self.data_wait_s / (now - last_time))
             self.metrics.log(stats)
             history.append(stats)
-            last_time, last_step = now, self.step
+            last_time, last_step, self.data_wait_s = now, self.step, 0.0
         return history
 
     def close(self) -> None:
@@ -166,11 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(cfg.to_toml())
         return 0
-    trainer = Trainer(cfg)
     try:
-        trainer.train()
-    finally:
-        trainer.close()
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except DataError as e:
+        print(f"[rank{os.environ.get('RANK', '0')}] nsa_titan: data error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

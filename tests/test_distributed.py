@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from nsa_titan.config import load_config
 from nsa_titan.data import build_dataloader
+from nsa_titan.data.tokenizer import ByteTokenizer
 from nsa_titan.models.transformer import Transformer
 from nsa_titan.optim import build_lr_scheduler, build_optimizer
 
@@ -31,7 +32,8 @@ def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[
     model.init_weights(cfg.debug.seed)
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_lr_scheduler(opt, t.steps, cfg.lr_scheduler)
-    batches = iter(build_dataloader(cfg.data, t.seq_len, cfg.model.vocab_size, t.local_batch_size, 0, 1))
+    batches = iter(build_dataloader(cfg.data, ByteTokenizer(), t.seq_len, cfg.model.vocab_size, t.local_batch_size,
+                                    0, 1))
     accum = t.global_batch_size // t.local_batch_size
     losses, grad_norms = [], []
     for _ in range(t.steps):

@@ -1,6 +1,8 @@
-"""Data: token sources and the stateful loader that feeds each data-parallel rank."""
+"""Data: tokenizers, text sources through `datasets`, packing, and the per-rank stateful loaders."""
 
-from .loader import build_dataloader
-from .synthetic import SyntheticTokens
+from .errors import DataError
+from .loader import build_dataloader, build_validation_dataloader
+from .tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
 
-__all__ = ["SyntheticTokens", "build_dataloader"]
+__all__ = ["DataError", "Tokenizer", "build_dataloader", "build_tokenizer", "build_validation_dataloader",
+           "padded_vocab_size"]

@@ -1,15 +1,42 @@
-"""The per-rank StatefulDataLoader (its state can be saved and restored exactly)."""
+"""Per-rank StatefulDataLoaders (training and validation) and the tokenizer they share."""
 
 from __future__ import annotations
 
+import warnings
+
+from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data
+from ..config import Data, Validation
+from .packing import PackedTextDataset
+from .sources import open_text_stream
 from .synthetic import SyntheticTokens
+from .tokenizer import Tokenizer
+
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata's own call
 
 
-def build_dataloader(data: Data, seq_len: int, vocab_size: int, local_batch: int,
+def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size: int, local_batch: int,
                      dp_rank: int, dp_size: int) -> StatefulDataLoader:
-    """Batches of (inputs, labels), each (local_batch, seq_len) long, for one dp rank."""
-    dataset = SyntheticTokens(data.seed, seq_len, vocab_size, dp_rank, dp_size, local_batch)
-    return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers)
+    """Training batches of (inputs, labels), each (local_batch, seq_len), for one dp rank.
+
+    The loader's state_dict() holds every worker's position: restoring it resumes exactly.
+    """
+    if data.source == "synthetic":
+        dataset = SyntheticTokens(data.seed, seq_len, vocab_size, dp_rank, dp_size, local_batch)
+    else:
+        stream = split_dataset_by_node(open_text_stream(data.path, data.name, data.split, data.text_column),
+                                       rank=dp_rank, world_size=dp_size)
+        dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, data.shuffle_buffer,
+                                    data.seed, dp_rank)
+    return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
+                              persistent_workers=data.num_workers > 0)
+
+
+def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
+                                local_batch: int, dp_rank: int, dp_size: int) -> StatefulDataLoader:
+    """One pass over the held-out split, in order, sharded over the dp ranks."""
+    stream = split_dataset_by_node(open_text_stream(v.path or data.path, data.name, v.split, data.text_column),
+                                   rank=dp_rank, world_size=dp_size)
+    dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1)
+    return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0)

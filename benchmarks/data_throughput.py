@@ -1,0 +1,85 @@
+"""Data pipeline throughput per rank, against what the M7C model consumes, and the default run's data wait.
+
+    python benchmarks/data_throughput.py [--batches 40] [--train_steps 100]
+
+1. Tokens/s one rank's StatefulDataLoader delivers (embedded corpus, sentencepiece, M7C's
+   seq 2048 x batch 8), with 0, 1 and 2 workers, side by side.
+2. Tokens/s one GPU consumes training M7C, from its FLOPs per token at a stated MFU and peak.
+3. The default run (`./run_train.sh`): the share of step time spent waiting for data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nsa_titan.config import load_config  # noqa: E402
+from nsa_titan.data import build_dataloader, build_tokenizer, padded_vocab_size  # noqa: E402
+from nsa_titan.metrics import PEAK_BF16_FLOPS  # noqa: E402
+from nsa_titan.models.transformer import Transformer, flops_per_token  # noqa: E402
+
+M7C_ON_LOCAL_DATA = ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--data.path", "data/python_docs"]
+
+
+def loader_tokens_per_s(workers: int, batches: int) -> float:
+    cfg, _ = load_config([*M7C_ON_LOCAL_DATA, "--data.num_workers", str(workers)], world_size=8)
+    t = cfg.training
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    loader = build_dataloader(cfg.data, tok, t.seq_len, padded_vocab_size(tok), t.local_batch_size, 0, 8)
+    it = iter(loader)
+    for _ in range(3):  # start the workers and fill the shuffle buffer
+        next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return batches * t.local_batch_size * t.seq_len / (time.perf_counter() - start)
+
+
+def m7c_consumption(mfu: float, peak: float) -> tuple[float, float]:
+    """(FLOPs per token, tokens/s one GPU consumes at `mfu` of `peak`)."""
+    cfg, _ = load_config(M7C_ON_LOCAL_DATA, world_size=8)
+    cfg.model.vocab_size = padded_vocab_size(build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.training.seq_len)
+    f = flops_per_token(model, cfg.model, cfg.training.seq_len)
+    return f, mfu * peak / f
+
+
+def default_run_data_wait(steps: int) -> list[float]:
+    proc = subprocess.run([str(ROOT / "run_train.sh"), "--training.steps", str(steps),
+                           "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(ROOT / "outputs" / "bench")],
+                          capture_output=True, text=True, check=True)
+    return [float(m.group(1)) for m in re.finditer(r"\| data ([\d.]+)% \|", proc.stdout)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--train_steps", type=int, default=100)
+    parser.add_argument("--mfu", type=float, default=0.4)
+    args = parser.parse_args()
+    print("| loader workers | tokens/s per rank (seq 2048, batch 8) |")
+    print("|---|---|")
+    for workers in (0, 1, 2):
+        print(f"| {workers} | {loader_tokens_per_s(workers, args.batches):,.0f} |", flush=True)
+    print()
+    for gpu in ("A100", "H100"):
+        f, tps = m7c_consumption(args.mfu, PEAK_BF16_FLOPS[gpu])
+        print(f"M7C on one {gpu} at {args.mfu:.0%} MFU: {f / 1e9:.2f} GFLOP/token -> {tps:,.0f} tokens/s consumed")
+    waits = default_run_data_wait(args.train_steps)
+    steady = waits[1:]  # the first line includes starting the worker
+    print(f"\ndefault run, {args.train_steps} steps: data wait {waits[0]:.1f}% at step 1, then "
+          f"mean {sum(steady) / len(steady):.2f}% (max {max(steady):.1f}%) of step time")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The data pipeline: exact resume, sharding, epochs, the streaming path, tokenizers, bad input."""
+
+from __future__ import annotations
+
+import collections
+import re
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nsa_titan import train
+from nsa_titan.config import Data, Validation, load_config
+from nsa_titan.data import (
+    DataError, build_dataloader, build_tokenizer, build_validation_dataloader, padded_vocab_size,
+)
+from nsa_titan.data import sources
+from nsa_titan.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from nsa_titan.data.train_tokenizer import train_tokenizer
+
+from conftest import ROOT
+
+N_DOCS, N_SHARDS = 64, 4
+DOC_BYTES = 16  # + <eos> = 17 tokens: a window of seq_len + 1 = 34 tokens holds exactly 2 documents
+SEQ_LEN, BATCH = 33, 2
+EPOCH_BATCHES = N_DOCS // 2 // 2 // BATCH  # per rank: 64 docs / 2 ranks / 2 docs per window / batch
+
+
+def doc_text(i: int) -> str:
+    return f"doc{i:04d}:".ljust(DOC_BYTES - 1, "x") + "\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A FineWeb-Edu-shaped folder: 4 train shards of 16 documents and a validation shard."""
+    root = tmp_path_factory.mktemp("corpus")
+    for k in range(N_SHARDS):
+        ids = range(k, N_DOCS, N_SHARDS)
+        pq.write_table(pa.table({"text": [doc_text(i) for i in ids], "id": [f"d{i}" for i in ids],
+                                 "url": [f"https://example.org/{i}" for i in ids]}),
+                       root / f"train-{k:05d}-of-{N_SHARDS:05d}.parquet")
+    pq.write_table(pa.table({"text": [doc_text(1000 + i) for i in range(8)], "id": [str(i) for i in range(8)],
+                             "url": [""] * 8}), root / "validation-00000-of-00001.parquet")
+    return root
+
+
+def loader(corpus, rank: int, workers: int, shuffle: int = 8):
+    data = Data(source="datasets", path=str(corpus), tokenizer="byte", shuffle_buffer=shuffle,
+                num_workers=workers, seed=7)
+    return build_dataloader(data, ByteTokenizer(), SEQ_LEN, 320, BATCH, rank, 2)
+
+
+def take(it, n: int) -> list[torch.Tensor]:
+    return [next(it)[0] for _ in range(n)]
+
+
+def docs_in(batches: list[torch.Tensor]) -> list[str]:
+    """The documents of a list of input batches (each window holds exactly 2 whole ones)."""
+    tok = ByteTokenizer()
+    out = []
+    for batch in batches:
+        for window in batch.tolist():
+            text = tok.decode(window)  # inputs drop the window's last token: the second <eos>
+            out += [text[:DOC_BYTES], text[DOC_BYTES:]]
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_epoch_sees_every_document_once_over_two_ranks(corpus, workers):
+    seen = [docs_in(take(iter(loader(corpus, r, workers)), 2 * EPOCH_BATCHES)) for r in (0, 1)]
+    for epoch in (0, 1):
+        half = EPOCH_BATCHES * BATCH * 2
+        docs = [d for s in seen for d in s[epoch * half:(epoch + 1) * half]]
+        counts = collections.Counter(docs)
+        assert sorted(counts) == sorted(doc_text(i) for i in range(N_DOCS)), f"epoch {epoch}"
+        assert set(counts.values()) == {1}, f"epoch {epoch}: duplicated documents"
+    assert set(seen[0]).isdisjoint(seen[1])  # the ranks hold different shards
+    assert seen[0][: len(seen[0]) // 2] != seen[0][len(seen[0]) // 2 :]  # a new epoch reshuffles
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [3, EPOCH_BATCHES - 1, EPOCH_BATCHES + 3])
+def test_restored_loader_state_gives_the_same_next_batches(corpus, workers, stop):
+    total = 2 * EPOCH_BATCHES + 2  # crosses the epoch boundary after the stop (or before it)
+    for rank in (0, 1):
+        reference = take(iter(loader(corpus, rank, workers)), total)
+        first = loader(corpus, rank, workers)
+        it = iter(first)
+        take(it, stop)
+        state = first.state_dict()
+        resumed = loader(corpus, rank, workers)
+        resumed.load_state_dict(state)
+        after = take(iter(resumed), total - stop)
+        for k, (a, b) in enumerate(zip(after, reference[stop:])):
+            assert torch.equal(a, b), f"rank {rank}, batch {stop + k} differs after resume"
+
+
+def test_validation_loader_is_one_ordered_pass(corpus):
+    v = Validation(enable=True, split="validation")
+    data = Data(source="datasets", path=str(corpus), tokenizer="byte")
+    batches = [list(build_validation_dataloader(data, v, ByteTokenizer(), SEQ_LEN, 1, r, 2)) for r in (0, 1)]
+    docs = [d for b in batches for d in docs_in([x for x, _ in b])]
+    assert sorted(docs) == sorted(doc_text(1000 + i) for i in range(8))  # 8 docs, one pass, no repeat
+
+
+def test_hub_id_and_local_folder_take_the_same_streaming_call(corpus, monkeypatch):
+    calls = []
+    real = sources.load_dataset
+
+    def spy(path, **kwargs):
+        calls.append((path, kwargs))
+        return real(str(corpus) if path == "someone/fineweb-like" else path, **kwargs)
+
+    monkeypatch.setattr(sources, "load_dataset", spy)
+    monkeypatch.setattr(sources, "check_hub_reachable", lambda hub_id: None)
+    local = [ex["id"] for ex in sources.open_text_stream(str(corpus), "", "train", "text")]
+    hub = [ex["id"] for ex in sources.open_text_stream("someone/fineweb-like", "", "train", "text")]
+    assert calls[0] == (str(corpus), {"name": None, "split": "train", "streaming": True})
+    assert calls[1] == ("someone/fineweb-like", {"name": None, "split": "train", "streaming": True})
+    assert local == hub and len(local) == N_DOCS
+
+
+def test_embedded_corpus_is_fineweb_shaped_with_splits():
+    ds = sources.open_text_stream(str(ROOT / "data" / "python_docs"), "", "train", "text")
+    first = next(iter(ds))
+    assert {"text", "id", "url", "dump", "language", "file_path"} <= set(first)
+    assert ds.num_shards == 8
+    assert sum(1 for _ in sources.open_text_stream(str(ROOT / "data" / "python_docs"), "", "validation", "text")) > 50
+
+
+ROUND_TRIP = [
+    "plain English, with punctuation: yes!",
+    "def f(x):\n\tif x  >  1:\n        return {'k': [1, 2]}  # comment\n\n\n",
+    "unicode: héllo — naïve café, 世界, Ωμέγα, emoji 🎉🚀, combining e\u0301",
+    "   leading and trailing spaces   \r\n\twith CRLF and\ttabs\t",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_byte_tokenizer_round_trip(text):
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_id == 256 and padded_vocab_size(tok) == 320
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_shipped_sentencepiece_round_trip(text):
+    tok = SentencePieceTokenizer(str(ROOT / "data" / "python_docs" / "tokenizer.model"))
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == 4096 and padded_vocab_size(tok) == 4096
+    assert tok.eos_id not in tok.encode(text)
+
+
+def test_train_tokenizer_command_round_trips(tmp_path):
+    out = tmp_path / "tok.model"
+    train_tokenizer(str(ROOT / "data" / "python_docs"), str(out), vocab_size=400, max_docs=200)
+    tok = build_tokenizer("sentencepiece", str(out))
+    assert tok.vocab_size == 400
+    for text in ROUND_TRIP:
+        assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode("the function returns")) < 0.8 * len("the function returns")  # it learned merges
+
+
+def test_model_vocab_follows_the_tokenizer(monkeypatch):
+    cfg, _ = load_config(["--training.steps", "1"], world_size=1)
+    assert cfg.model.vocab_size == 0  # decided once the tokenizer is loaded
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    assert padded_vocab_size(tok) == 4096
+
+
+# Bad input: each stops with its message (and exit code 2 through main).
+
+def test_hub_id_without_network_fails_within_seconds(monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    start = time.monotonic()
+    with pytest.raises(DataError, match="the hub .* is unreachable.*point \\[data\\] path at local files"):
+        sources.open_text_stream("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", "text")
+    assert time.monotonic() - start < 10
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match="HF_HUB_OFFLINE is set"):
+        sources.open_text_stream("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", "text")
+
+
+def write_bad_inputs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty" / "train-00000-of-00001.parquet")
+    (tmp_path / "nocol").mkdir()
+    pq.write_table(pa.table({"content": ["a b c"]}), tmp_path / "nocol" / "train-00000-of-00001.parquet")
+    (tmp_path / "nodata").mkdir()
+    (tmp_path / "nodata" / "notes.md").write_text("# not data")
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("hello")
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "garbage.model").write_bytes(b"this is not a sentencepiece model")
+
+
+BAD_DATA = [
+    (["--data.path", "{tmp}/missing"], "no such file or folder, and not a hub id"),
+    (["--data.path", "{tmp}/empty"], "the dataset is empty"),
+    (["--data.path", "{tmp}/nocol"], "text_column = 'text' is not a column of .*its columns are \\['content'\\]"),
+    (["--data.path", "{tmp}/nodata"], "no parquet, jsonl or txt files"),
+    (["--data.path", "{tmp}/mixed"], "mixed kinds"),
+    (["--data.tokenizer_path", "{tmp}/garbage.model"], "is not a sentencepiece model"),
+    (["--data.tokenizer_path", "{tmp}/none.model"], "file not found; train one with"),
+    (["--model.vocab_size", "1000"], "vocab_size = 1000 is smaller than the tokenizer's 4096 tokens"),
+    (["--data.split", "test"], "cannot be loaded"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_DATA, ids=[b[1][:30] for b in BAD_DATA])
+def test_bad_data_input_stops_with_message(args, message, tmp_path, capsys, monkeypatch):
+    write_bad_inputs(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--training.steps", "1", "--data.num_workers", "0", "--metrics.enable_tensorboard", "false",
+            "--job.dump_folder", str(tmp_path / "out"), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "nsa_titan: data error:" in err
+    assert re.search(message, err), err
