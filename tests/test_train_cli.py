@@ -12,11 +12,12 @@ from conftest import ROOT
 
 LINE = re.compile(
     r"step +(\d+)/(\d+) \| loss +([\d.]+) \| grad_norm +([\d.]+) \| lr ([\d.e+-]+) \| tok/s ([\d,]+) "
-    r"\| mem ([\d.]+)GiB \| eta (\d+:\d\d:\d\d)"
+    r"\| data ([\d.]+)% \| mem ([\d.]+)GiB \| eta (\d+:\d\d:\d\d)"
 )
 
 
 def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path):
+    """The default config (embedded corpus, sentencepiece, loader worker, validation) on 2 ranks."""
     dump = tmp_path / "out"
     proc = subprocess.run(
         [str(ROOT / "run_train.sh"), "--training.steps", "6", "--metrics.log_freq", "2",
@@ -29,9 +30,12 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert all(int(m.group(2)) == 6 for m in lines)
     assert float(lines[-1].group(3)) < float(lines[0].group(3))
     assert "FSDP mesh {'dp_shard': 2}" in proc.stdout
+    assert "model: nsa attention (reference)" in proc.stdout
+    assert re.search(r"validation at step 6: loss [\d.]+ \| perplexity [\d.]+ \| 8 batches", proc.stdout)
     assert (dump / "config.toml").read_text().count("steps = 6") == 1
     events = EventAccumulator(str(dump / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/memory_gib"} <= tags
+    assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/memory_gib", "train/data_wait",
+            "validation/loss", "validation/perplexity"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 4, 6]
