@@ -15,6 +15,10 @@ from .tokenizer import Tokenizer
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata's own call
 
+SNAPSHOT_EVERY = 16
+"""Workers send their state (shuffle buffer included) every this many batches, not every batch;
+a restore replays the batches since the last snapshot, which is exact and cheap."""
+
 
 def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size: int, local_batch: int,
                      dp_rank: int, dp_size: int) -> StatefulDataLoader:
@@ -30,7 +34,7 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
         dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, data.shuffle_buffer,
                                     data.seed, dp_rank)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
-                              persistent_workers=data.num_workers > 0)
+                              persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY)
 
 
 def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
