@@ -136,6 +136,34 @@ class Validation:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    """Under job.dump_folder; one `step-N` folder per checkpoint."""
+    interval: int = 500
+    """Save every `interval` steps, and always after the last step."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (0: keep all)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """`async`: write in a background thread (its own gloo group); training waits only for staging."""
+    load_step: int = -1
+    """Resume from this step; -1: the latest complete checkpoint, if any."""
+    initial_load_path: str = ""
+    """When there is nothing to resume: start from this DCP step folder or exported .pt file."""
+    initial_load_model_only: bool = True
+    """With initial_load_path: load the model only (a warm start), not optimizer/schedule/data/step."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler,
+    dataloader, train_state, rng (e.g. `--checkpoint.exclude_from_loading dataloader`)."""
+    restart_data_on_reshard: bool = False
+    """Resuming on a different number of data-parallel ranks: the loader position cannot be
+    resharded exactly; true restarts the data stream (with a warning) instead of stopping."""
+    export_at_end: bool = False
+    """After training, write the model alone as one torch.save file (`model-step-N.pt`)."""
+    export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+
+
+@dataclass
 class Parallelism:
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 means world_size / data_parallel_replicate_degree."""
@@ -173,6 +201,8 @@ class Metrics:
 class Debug:
     seed: int = 0
     deterministic: bool = False
+    fault_kill_in_save_step: int = 0
+    """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
 
 
 @dataclass
@@ -185,6 +215,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
@@ -210,6 +241,8 @@ over the file. Booleans take true/false (a bare --section.key means true).
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
@@ -225,6 +258,8 @@ def _field_types(section_cls: type) -> dict[str, Any]:
 def _allowed(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if tp == list[str]:
+        return "a list of strings (on the command line: comma-separated)"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
 
 
@@ -250,6 +285,12 @@ def _coerce(where: str, tp: Any, value: Any, from_cli: bool) -> Any:
         accepted = (int,) if tp is int else (int, float)  # TOML `lr = 1` is a fine float
         if isinstance(value, accepted) and not isinstance(value, bool):
             return tp(value)
+        raise bad
+    if tp == list[str]:
+        if from_cli and isinstance(value, str):
+            return [v for v in value.split(",") if v]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
         raise bad
     if tp is str:
         if isinstance(value, str):
@@ -367,6 +408,7 @@ _POSITIVE = {
     "activation_checkpoint": ("every_n_layers",),
     "metrics": ("log_freq",),
     "validation": ("freq", "steps"),
+    "checkpoint": ("interval",),
 }
 """Integer keys that must be > 0."""
 
@@ -420,6 +462,14 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     for section, key in (("data", "path"), ("data", "tokenizer_path"), ("validation", "path")):
         sec = getattr(cfg, section)
         setattr(sec, key, resolve_path(getattr(sec, key)))
+
+    ck = cfg.checkpoint
+    _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k = {ck.keep_latest_k}: must be >= 0 (0 keeps all)")
+    _require(ck.load_step >= -1, f"[checkpoint] load_step = {ck.load_step}: must be a step >= 0, or -1 for the latest")
+    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+    for part in ck.exclude_from_loading:
+        _require(part in parts, f"[checkpoint] exclude_from_loading has '{part}'; allowed: {', '.join(parts)}")
+    ck.initial_load_path = resolve_path(ck.initial_load_path)
 
     # Mesh degrees: replicate x shard must equal the world size.
     _require(p.data_parallel_replicate_degree >= 1,

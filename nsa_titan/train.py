@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .checkpoint import CheckpointError, CheckpointManager, TrainState
 from .config import ConfigError, JobConfig, load_config
 from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, padded_vocab_size
 from .metrics import MetricsLogger, StepStats, peak_flops, peak_memory_gib
@@ -89,9 +91,15 @@ class Trainer:
         self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
                                            t.local_batch_size, self.rank, self.world_size)
         self.peak_flops = peak_flops(cfg.metrics, self.device)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
-        self.step = 0
         self.data_wait_s = 0.0
+
+        # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
+        self.state = TrainState(dp_world_size=self.world_size)
+        self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.to_toml(), model,
+                                              self.optimizer, self.lr_scheduler, self.dataloader, self.state,
+                                              self.rank, cfg.debug.fault_kill_in_save_step)
+        self.checkpointer.load()
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
         if self.rank == 0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
@@ -146,43 +154,60 @@ class Trainer:
                             f"of seq_len {t.seq_len} on some rank: use a larger split or a smaller seq_len")
         return (total[0] / total[1]).item(), int(total[1].item()) // self.world_size
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent inside out of the tokens/s window (validation, checkpoints)."""
+        start = time.perf_counter()
+        yield
+        self.window_start += time.perf_counter() - start
+
+    def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """The console line and TensorBoard scalars: the only host sync of the loop."""
+        t = self.cfg.training
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        now = time.perf_counter()
+        step_time = (now - self.window_start) / (self.state.step - self.window_step)
+        tokens_per_s = t.global_batch_size * t.seq_len / step_time
+        mfu = tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        stats = StepStats(self.state.step, loss.item() / self.world_size, grad_norm.item(), lr, tokens_per_s, mfu,
+                          peak_memory_gib(self.device), step_time, self.data_wait_s / (now - self.window_start))
+        self.metrics.log(stats)
+        self.history.append(stats)
+        self.window_start, self.window_step, self.data_wait_s = now, self.state.step, 0.0
+
     def train(self) -> list[StepStats]:
-        """Run the configured steps; returns the logged StepStats."""
-        t, log_freq = self.cfg.training, self.cfg.metrics.log_freq
-        tokens_per_step = t.global_batch_size * t.seq_len
+        """Run from the current step to `training.steps`; returns the logged StepStats."""
+        t, v = self.cfg.training, self.cfg.validation
+        if self.state.step >= t.steps:
+            logger.info("already at step %d of training.steps = %d: nothing to train (raise --training.steps to "
+                        "continue)", self.state.step, t.steps)
         batches = iter(self.dataloader)
-        history: list[StepStats] = []
-        last_time, last_step, self.data_wait_s = time.perf_counter(), self.step, 0.0
-        while self.step < t.steps:
-            self.step += 1
+        self.history: list[StepStats] = []
+        self.window_start, self.window_step, self.data_wait_s = time.perf_counter(), self.state.step, 0.0
+        while self.state.step < t.steps:
+            self.state.step += 1
+            step, last = self.state.step, self.state.step == t.steps
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm = self.train_step(batches)
-            v = self.cfg.validation
-            if v.enable and (self.step % v.freq == 0 or self.step == t.steps):
-                val_start = time.perf_counter()
-                val_loss, n = self.validate()
-                self.metrics.log_validation(self.step, val_loss, n)
-                last_time += time.perf_counter() - val_start  # keep tokens/s about training
-            if self.step % log_freq and self.step not in (1, t.steps):
-                continue
-            # Log step: the only host sync of the loop (loss averaged over ranks).
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-            loss_value, grad_norm_value = loss.item() / self.world_size, grad_norm.item()
-            now = time.perf_counter()
-            step_time = (now - last_time) / (self.step - last_step)
-            tokens_per_s = tokens_per_step / step_time
-            mfu = (tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
-                   if self.peak_flops else None)
-            stats = StepStats(self.step, loss_value, grad_norm_value, lr, tokens_per_s, mfu,
-                              peak_memory_gib(self.device), step_time,
-                              self.data_wait_s / (now - last_time))
-            self.metrics.log(stats)
-            history.append(stats)
-            last_time, last_step, self.data_wait_s = now, self.step, 0.0
-        return history
+            self.state.tokens_seen += t.global_batch_size * t.seq_len
+            if v.enable and (step % v.freq == 0 or last):
+                with self.paused():
+                    self.metrics.log_validation(step, *self.validate())
+            if step % self.cfg.metrics.log_freq == 0 or step == 1 or last:
+                self.log_step(loss, grad_norm, lr)
+            preempted = self.checkpointer.preemption_requested()
+            with self.paused():
+                self.checkpointer.maybe_save(step, force=preempted or last)
+            if preempted:
+                logger.warning("preempted by a signal: saved step %d, exiting cleanly", step)
+                break
+        if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:
+            self.checkpointer.export(self.state.step)
+        return self.history
 
     def close(self) -> None:
         self.metrics.close()
+        self.checkpointer.close()
         if self.owns_process_group:
             dist.destroy_process_group()
 
@@ -211,15 +236,21 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(cfg.to_toml())
         return 0
+    trainer = None
     try:
         trainer = Trainer(cfg)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
+        trainer.train()
     except DataError as e:
         print(f"[rank{os.environ.get('RANK', '0')}] nsa_titan: data error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"[rank{os.environ.get('RANK', '0')}] nsa_titan: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        elif dist.is_initialized():  # the trainer failed while starting up
+            dist.destroy_process_group()
     return 0
 
 

@@ -46,6 +46,7 @@ def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: floa
     """Run training specs (see tests/dist_worker.py) on `nproc` spawned ranks; {name: result}."""
     for spec in specs:
         spec["args"] = ["--job.dump_folder", str(out_dir / spec["name"]), *spec["args"]]
+    out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
     spec_file.write_text(json.dumps(specs))
     proc = torchrun([str(ROOT / "tests" / "dist_worker.py"), str(spec_file), str(out_dir)],

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from nsa_titan.config import load_config
@@ -65,8 +66,19 @@ def run(spec: dict, out_dir: Path) -> None:
         result["losses"] = [s.loss for s in history]
         result["steps"] = [s.step for s in history]
         result["grad_norms"] = [s.grad_norm for s in history]
+        if spec.get("save_sync_and_async"):  # the same state, saved both ways
+            ck = trainer.checkpointer
+            for mode in ("disabled", "async"):
+                ck.cfg.async_mode, ck.folder = mode, out_dir / f"{spec['name']}-{'sync' if mode == 'disabled' else mode}"
+                ck.maybe_save(trainer.state.step, force=True)
+                ck.wait()
         if spec.get("save_params"):
             result["params"] = {clean_name(n): full(p) for n, p in trainer.model.named_parameters()}
+        if spec.get("save_optimizer"):
+            opt = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            result["optimizer"] = {f"{name}.{k}": full(v) for name, st in opt.get("state", {}).items() for k, v in st.items()}  # rank 0 only
+            result["step"] = trainer.state.step
     finally:
         trainer.close()
     if trainer.rank == 0:

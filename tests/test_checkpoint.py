@@ -1,0 +1,226 @@
+"""Distributed checkpointing on 2 gloo ranks: exact resume, crashes, preemption, resharding, export."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nsa_titan import export
+from nsa_titan.export import load_tensors
+
+from conftest import ROOT, free_port, launch_ranks, torchrun
+
+# The default data pipeline (embedded corpus, sentencepiece, 2 loader workers) and a tiny model.
+CK = [
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_groups", "2",
+    "--model.head_dim", "16", "--training.seq_len", "64", "--training.local_batch_size", "4",
+    "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--validation.enable", "false",
+    "--checkpoint.enable", "true", "--data.num_workers", "2",
+    # Warmup past the resume point: a schedule that were not restored would show at once.
+    "--lr_scheduler.warmup_steps", "15", "--lr_scheduler.decay_type", "constant",
+]
+
+
+def run(dump: Path, *args: str, nproc: int = 2, tb: str = "tb") -> subprocess.CompletedProcess:
+    return torchrun(["-m", "nsa_titan.train", *CK, "--job.dump_folder", str(dump), "--metrics.save_tb_folder", tb,
+                     *args], nproc=nproc)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def tb_losses(folder: Path) -> dict[int, float]:
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss")}
+
+
+def step_dirs(dump: Path) -> list[str]:
+    return sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-"))
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
+    fast = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
+    ok(run(tmp_path / "a", *fast, "--training.steps", "20"))
+    ok(run(tmp_path / "b", *fast, "--training.steps", "10", tb="tb1"))
+    out = ok(run(tmp_path / "b", *fast, "--training.steps", "20", tb="tb2"))
+    assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-10'} at step 10" in out
+    a = tb_losses(tmp_path / "a" / "tb")
+    b = {**tb_losses(tmp_path / "b" / "tb1"), **tb_losses(tmp_path / "b" / "tb2")}
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert [a[s] for s in a] == [b[s] for s in a], "losses differ after resume"
+    for prefix in ("model", "optimizer"):
+        sa = load_tensors(tmp_path / "a" / "checkpoint" / "step-20", prefix)
+        sb = load_tensors(tmp_path / "b" / "checkpoint" / "step-20", prefix)
+        assert sa.keys() == sb.keys() and len(sa) > 10
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), f"{prefix}.{k} differs after resume"
+
+
+def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path):
+    args = ["--training.steps", "30", "--checkpoint.interval", "10"]
+    crashed = run(tmp_path, *args, "--debug.fault_kill_in_save_step", "20")
+    assert crashed.returncode != 0
+    names = step_dirs(tmp_path)
+    assert "step-10" in names and "step-20" not in names
+    assert any(n.startswith("step-20.incomplete-") for n in names), names
+    out = ok(run(tmp_path, *args))  # the same command, without the fault
+    assert "an interrupted save (never committed)" in out and "is ignored" in out
+    assert f"resumed from {tmp_path / 'checkpoint' / 'step-10'} at step 10" in out
+    assert step_dirs(tmp_path) == ["step-10", "step-20", "step-30"]  # the broken one is gone now
+
+
+def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "nsa_titan.train", *CK, "--job.dump_folder", str(tmp_path),
+           "--training.steps", "100000", "--checkpoint.interval", "100000", "--data.num_workers", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"step +5/100000", line):
+            break
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to every rank
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert "preempted by a signal: saved step" in out, out[-3000:]
+    assert "Traceback" not in out.split("preempted by a signal")[0][-2000:]
+    saved = [n for n in step_dirs(tmp_path) if "incomplete" not in n]
+    assert len(saved) == 1
+    step = int(saved[0].split("-")[1])
+    assert 5 <= step <= 8
+    resumed = ok(run(tmp_path, "--training.steps", str(step + 2), "--data.num_workers", "0"))
+    assert f"resumed from {tmp_path / 'checkpoint' / saved[0]} at step {step}" in resumed
+    assert f"step {step + 2}/{step + 2}" in resumed
+
+
+@pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2)])
+def test_reshard_model_and_optimizer_between_world_sizes(tmp_path, saved_on, loaded_on):
+    ok(run(tmp_path, "--training.steps", "4", nproc=saved_on))
+    ckpt = tmp_path / "checkpoint" / "step-4"
+    # Without consent the data position is not silently dropped.
+    refused = run(tmp_path, "--training.steps", "4", nproc=loaded_on)
+    assert refused.returncode != 0
+    assert f"was saved by {saved_on} data-parallel ranks and this run has {loaded_on}" in refused.stderr
+    loaded = launch_ranks([{"name": "r", "args": [*CK, "--training.steps", "4", "--checkpoint.restart_data_on_reshard",
+                                                  "true", "--checkpoint.folder", str(tmp_path / "checkpoint")],
+                            "save_params": True, "save_optimizer": True}], tmp_path / "load", nproc=loaded_on)["r"]
+    assert loaded["step"] == 4
+    model, optim = load_tensors(ckpt, "model"), load_tensors(ckpt, "optimizer")
+    assert loaded["params"].keys() == model.keys()
+    for k, v in model.items():
+        assert torch.equal(loaded["params"][k], v), k
+    for k, v in loaded["optimizer"].items():
+        assert torch.equal(v, optim[f"state.{k}"]), k
+
+
+def test_keep_latest_k_keeps_exactly_k_complete_checkpoints(tmp_path):
+    out = ok(run(tmp_path, "--training.steps", "12", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"))
+    assert step_dirs(tmp_path) == ["step-10", "step-12", "step-8"]
+    assert out.count("removed checkpoint") == 3
+    assert "training blocked" in out and "MB in" in out  # size and save time are logged
+
+
+def test_async_save_writes_the_same_bytes_as_sync_save(tmp_path):
+    launch_ranks([{"name": "s", "args": [*CK, "--training.steps", "3", "--checkpoint.interval", "1000"],
+                   "save_sync_and_async": True}], tmp_path)
+    sync, async_ = tmp_path / "s-sync" / "step-3", tmp_path / "s-async" / "step-3"
+    data = sorted(p.name for p in sync.glob("*.distcp"))
+    assert data == ["__0_0.distcp", "__1_0.distcp"]
+    for name in (*data, "config.toml"):
+        assert (sync / name).read_bytes() == (async_ / name).read_bytes(), name
+    # The index is the same but for where and when it was written (the path, the save's id).
+    meta_s, meta_a = (FileSystemReader(str(p)).read_metadata() for p in (sync, async_))
+    assert meta_s.state_dict_metadata == meta_a.state_dict_metadata
+    assert meta_s.storage_data == meta_a.storage_data and meta_s.planner_data == meta_a.planner_data
+    assert meta_s.storage_meta.save_id != meta_a.storage_meta.save_id
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("saved")
+    ok(run(dump, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.export_at_end", "true", nproc=1))
+    return dump
+
+
+def single(dump: Path, *args: str) -> subprocess.CompletedProcess:
+    """One plain process, no torchrun (a fresh process: forked loader workers elsewhere in this
+    test session must not inherit the threads a trainer leaves behind)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port())}
+    return subprocess.run([sys.executable, "-m", "nsa_titan.train", *CK, "--data.num_workers", "0",
+                           "--job.dump_folder", str(dump), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_incompatible_model_stops_and_overwrites_nothing(saved_run):
+    before = tree_digest(saved_run / "checkpoint")
+    proc = single(saved_run, "--training.steps", "6", "--model.dim", "96")
+    assert proc.returncode == 2
+    err = proc.stderr
+    assert f"checkpoint {saved_run / 'checkpoint' / 'step-4'} does not fit this model" in err
+    assert re.search(r"shapes differ: layers\.0\.[\w.]+: \(\d+, 64\) in the checkpoint, \(\d+, 96\) here", err), err
+    assert tree_digest(saved_run / "checkpoint") == before
+
+
+def test_truncated_file_stops_naming_checkpoint_and_file(saved_run, tmp_path):
+    import shutil
+
+    dump = tmp_path / "copy"
+    shutil.copytree(saved_run, dump)
+    shard = dump / "checkpoint" / "step-4" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    before = tree_digest(dump / "checkpoint")
+    proc = single(dump, "--training.steps", "6")
+    assert proc.returncode == 2
+    err = proc.stderr
+    assert f"checkpoint {dump / 'checkpoint' / 'step-4'} cannot be used: file __0_0.distcp is truncated" in err
+    assert "--checkpoint.load_step 2" in err  # the way out
+    assert tree_digest(dump / "checkpoint") == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--checkpoint.load_step", "3"], "there is no {ck}/step-3 (complete checkpoints: 2, 4)"),
+    (["--checkpoint.folder", "elsewhere", "--checkpoint.initial_load_path", "/no/such/ckpt"],
+     "initial_load_path = '/no/such/ckpt': no such checkpoint folder or file"),
+])
+def test_missing_checkpoint_stops_with_message(saved_run, args, message):
+    before = tree_digest(saved_run / "checkpoint")
+    proc = single(saved_run, "--training.steps", "6", *args)
+    assert proc.returncode == 2
+    assert message.format(ck=saved_run / "checkpoint") in proc.stderr
+    assert tree_digest(saved_run / "checkpoint") == before
+
+
+def test_export_command_and_warm_start_from_the_file(saved_run, tmp_path):
+    out = tmp_path / "model.pt"
+    assert export.main([str(saved_run / "checkpoint" / "step-4"), "--output", str(out), "--dtype", "float32"]) == 0
+    exported = torch.load(out, weights_only=True)
+    dcp_model = load_tensors(saved_run / "checkpoint" / "step-4", "model")
+    assert exported.keys() == dcp_model.keys()
+    assert all(torch.equal(exported[k], dcp_model[k]) for k in exported)
+    at_end = torch.load(saved_run / "checkpoint" / "model-step-4.pt", weights_only=True)  # export_at_end
+    assert all(at_end[k].dtype == torch.bfloat16 and torch.equal(at_end[k], dcp_model[k].bfloat16()) for k in at_end)
+    started = launch_ranks([{"name": "w", "args": [*CK, "--training.steps", "1",
+                                                   "--checkpoint.enable", "false", "--optimizer.lr", "1e-30",
+                                                   "--checkpoint.initial_load_path", str(out)],
+                             "save_params": True}], tmp_path / "warm")["w"]
+    for k, v in exported.items():  # lr ~0: one step leaves the weights as loaded
+        torch.testing.assert_close(started["params"][k], v, rtol=0, atol=1e-6, msg=k)
+    assert export.main([str(saved_run / "checkpoint" / "step-3"), "--output", str(out)]) == 2
