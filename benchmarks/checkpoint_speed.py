@@ -32,7 +32,7 @@ def run(mode: str, args: argparse.Namespace) -> tuple[list[tuple[float, float, f
                "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
                "--checkpoint.async_mode", mode, "--data.num_workers", "0"]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    saves = [(float(m[1]), float(m[2]), float(m[3])) for m in LINE.findall(out)]
+    saves = [(float(m[0]), float(m[1]), float(m[2])) for m in LINE.findall(out)]
     tps = [float(m.replace(",", "")) for m in STEP.findall(out)][1:]
     return saves, statistics.median(tps)
 
