@@ -62,6 +62,8 @@ class Model:
     """n: selected blocks per query, including the initial block and the 2 local blocks."""
     window_size: int = 512
     """w: sliding-window length."""
+    nsa_branch: Literal["all", "cmp", "sel", "win"] = "all"
+    """Diagnostics: `cmp`, `sel` or `win` keeps that branch alone (the others' gates are 0)."""
 
 
 @dataclass
@@ -178,6 +180,10 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     """`full`: every block; `selective`: every `every_n_layers`-th block."""
     every_n_layers: int = 2
+    first_layer: int = 0
+    """Only blocks first_layer..last_layer are considered (bisecting a bad layer)."""
+    last_layer: int = -1
+    """-1: the last block."""
 
 
 @dataclass
@@ -195,12 +201,48 @@ class Metrics:
     save_tb_folder: str = "tb"
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 means look it up from the GPU name (no MFU on CPU)."""
+    nsa_stats: bool = False
+    """Per-layer gate and selection statistics to TensorBoard at log steps (one extra forward)."""
+
+
+@dataclass
+class Fault:
+    step_timeout_seconds: float = 600.0
+    """A training step that makes no progress for this long is a hang."""
+    first_step_timeout_seconds: float = 1800.0
+    """The limit for start-up and the first step (compile, warm-up)."""
+    action: Literal["exit", "warn"] = "exit"
+    """On a hang, after writing every thread's stack: `exit` the rank (non-zero, so torchrun stops
+    the job) or only `warn` and keep waiting."""
+    collective_timeout_seconds: float = 1800.0
+    """Process-group timeout after the first step (start-up and the first step get
+    first_step_timeout_seconds); keep it above step_timeout_seconds so the watchdog reports first."""
+    heartbeat: bool = True
+    """One JSON line per step per rank in <dump_folder>/heartbeat/rank<R>.jsonl."""
+    nonfinite: Literal["halt", "skip"] = "halt"
+    """A non-finite loss or gradient norm: `halt` with a report, or `skip` the update."""
+    max_consecutive_skips: int = 5
+    """With `skip`: halt after this many non-finite steps in a row."""
 
 
 @dataclass
 class Debug:
     seed: int = 0
     deterministic: bool = False
+    report_missing_grads: bool = False
+    """After the first backward, name the parameters that got no (or an all-zero) gradient."""
+    dtype_report: bool = False
+    """After the first step, log the dtypes of parameters, compute, gradients and optimizer state."""
+    profile_step: int = 0
+    """Write a torch.profiler trace of this step to <dump_folder>/profile/ (0: off)."""
+    memory_snapshot_step: int = 0
+    """Write a CUDA memory snapshot after this step to <dump_folder>/profile/ (0: off; GPUs only)."""
+    fault_hang_rank: int = -1
+    """Fault injection for tests: this rank sleeps forever at fault_hang_step, in fault_hang_where."""
+    fault_hang_step: int = 0
+    fault_hang_where: Literal["forward", "optimizer"] = "forward"
+    fault_nan_step: int = 0
+    """Fault injection for tests: rank 0's loss becomes NaN at this step."""
     fault_kill_in_save_step: int = 0
     """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
 
@@ -219,6 +261,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    fault: Fault = field(default_factory=Fault)
     debug: Debug = field(default_factory=Debug)
 
     def to_toml(self) -> str:
@@ -463,6 +506,15 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         sec = getattr(cfg, section)
         setattr(sec, key, resolve_path(getattr(sec, key)))
 
+    f = cfg.fault
+    for key in ("step_timeout_seconds", "first_step_timeout_seconds", "collective_timeout_seconds"):
+        _require(getattr(f, key) > 0, f"[fault] {key} = {getattr(f, key)}: must be > 0")
+    _require(f.max_consecutive_skips >= 1, f"[fault] max_consecutive_skips = {f.max_consecutive_skips}: must be >= 1")
+    ac = cfg.activation_checkpoint
+    last = m.n_layers - 1 if ac.last_layer == -1 else ac.last_layer
+    _require(0 <= ac.first_layer <= last < m.n_layers,
+             f"[activation_checkpoint] first_layer = {ac.first_layer}, last_layer = {ac.last_layer}: need "
+             f"0 <= first_layer <= last_layer < n_layers = {m.n_layers} (last_layer -1 means the last block)")
     ck = cfg.checkpoint
     _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k = {ck.keep_latest_k}: must be >= 0 (0 keeps all)")
     _require(ck.load_step >= -1, f"[checkpoint] load_step = {ck.load_step}: must be a step >= 0, or -1 for the latest")

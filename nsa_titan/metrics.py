@@ -106,6 +106,12 @@ class MetricsLogger:
             self.writer.add_scalar("validation/loss", loss, step)
             self.writer.add_scalar("validation/perplexity", math.exp(min(loss, 50.0)), step)
 
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Extra scalars (e.g. NSA statistics) to TensorBoard only."""
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, step)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

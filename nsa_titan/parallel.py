@@ -60,11 +60,13 @@ def build_mesh(p: Parallelism, device: torch.device) -> DeviceMesh:
 
 
 def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
-    """Wrap blocks in non-reentrant checkpointing: all (`full`) or every N-th (`selective`)."""
+    """Wrap blocks in non-reentrant checkpointing: all (`full`) or every N-th (`selective`),
+    among blocks first_layer..last_layer (a range, to bisect a misbehaving layer)."""
     if ac.mode == "none":
         return
+    last = len(model.layers) - 1 if ac.last_layer == -1 else ac.last_layer
     for i, (name, block) in enumerate(model.layers.named_children()):
-        if ac.mode == "full" or (i + 1) % ac.every_n_layers == 0:
+        if ac.first_layer <= i <= last and (ac.mode == "full" or (i + 1) % ac.every_n_layers == 0):
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 

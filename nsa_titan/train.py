@@ -1,12 +1,14 @@
 """The trainer: `python -m nsa_titan.train --config FILE [--section.key value ...]` under torchrun.
 
-Reads top to bottom: config -> distributed -> model on meta -> AC/compile/FSDP ->
-materialise + init -> optimizer, schedule, data -> loop (accumulate, clip, step, log).
+Reads top to bottom: config -> watchdog -> distributed -> model on meta -> AC/compile/FSDP ->
+materialise + init -> optimizer, schedule, data -> resume -> loop (accumulate, clip, check,
+step, log, heartbeat, save).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -22,12 +24,21 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import CheckpointError, CheckpointManager, TrainState
 from .config import ConfigError, JobConfig, load_config
 from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, padded_vocab_size
+from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
+from .fault import Heartbeat, StepWatchdog, install_fault_injection, set_collective_timeout
 from .metrics import MetricsLogger, StepStats, peak_flops, peak_memory_gib
 from .models.transformer import Transformer, flops_per_token
 from .optim import build_lr_scheduler, build_optimizer
 from .parallel import build_mesh, device_for_rank, init_distributed, parallelize
 
 logger = logging.getLogger("nsa_titan")
+
+EXIT_HALTED = 3
+"""Exit code of a run halted by a non-finite loss or gradient."""
+
+
+class TrainingHalted(RuntimeError):
+    """Training stopped on purpose (a non-finite step), with the report in the message."""
 
 
 def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -50,11 +61,23 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+
+        # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
+        rank = int(os.environ.get("RANK", "0"))
+        self.heartbeat = Heartbeat(cfg.job.dump_folder, rank) if cfg.fault.heartbeat else None
+        self.watchdog = StepWatchdog(cfg.fault, cfg.job.dump_folder, rank, self.heartbeat)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.watchdog.stop()
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
         t = cfg.training
 
         # Distributed: one process per device, all of them data-parallel.
         self.device = device_for_rank()
-        self.owns_process_group = init_distributed(self.device)
+        self.owns_process_group = init_distributed(self.device, cfg.fault.first_step_timeout_seconds + 60)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.mesh = build_mesh(cfg.parallelism, self.device)
         torch.manual_seed(cfg.debug.seed)
@@ -92,6 +115,7 @@ class Trainer:
                                            t.local_batch_size, self.rank, self.world_size)
         self.peak_flops = peak_flops(cfg.metrics, self.device)
         self.data_wait_s = 0.0
+        self.skips_in_a_row = self.skips_total = 0
 
         # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
         self.state = TrainState(dp_world_size=self.world_size)
@@ -99,6 +123,8 @@ class Trainer:
                                               self.optimizer, self.lr_scheduler, self.dataloader, self.state,
                                               self.rank, cfg.debug.fault_kill_in_save_step)
         self.checkpointer.load()
+        self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
+        install_fault_injection(cfg.debug, model, self.optimizer, self.rank, lambda: self.state.step)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
         if self.rank == 0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
@@ -111,6 +137,8 @@ class Trainer:
         """One micro-batch: fp32 cross-entropy, backward of loss / accumulation steps."""
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        if 0 < self.cfg.debug.fault_nan_step == self.state.step and self.rank == 0:
+            loss = loss * float("nan")  # fault injection
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
 
@@ -124,16 +152,54 @@ class Trainer:
                             f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
                             f"x workers?)") from None
         self.data_wait_s += time.perf_counter() - start
-        return inputs.to(self.device), labels.to(self.device)
+        self.last_inputs = inputs.to(self.device)
+        return self.last_inputs, labels.to(self.device)
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulate over micro-batches, clip, step. Returns (local mean loss, grad norm)."""
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, float, float]:
+        """Accumulate over micro-batches, clip, check, step.
+
+        Returns (local mean loss, its value, the global gradient norm): one host sync per step,
+        which the non-finite check needs before it lets the optimizer step.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         losses = [self.forward_backward(*self.next_batch(batches)) for _ in range(self.grad_accum_steps)]
+        if self.state.step == self.first_step and self.cfg.debug.report_missing_grads:
+            self.report_missing_grads()
         grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
-        self.optimizer.step()
+        loss = torch.stack(losses).mean()
+        loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+        if math.isfinite(norm_value):  # the global norm: every rank takes the same branch
+            self.optimizer.step()
+            self.skips_in_a_row = 0
+        else:
+            self.on_nonfinite(loss_value, norm_value)
         self.lr_scheduler.step()
-        return torch.stack(losses).mean(), grad_norm
+        return loss, loss_value, norm_value
+
+    def report_missing_grads(self) -> None:
+        names = missing_grads(self.model)
+        if names:
+            logger.warning("missing-params report: %d parameters got no gradient in the first backward: %s",
+                           len(names), ", ".join(names))
+        else:
+            logger.info("missing-params report: none; every parameter got a gradient in the first backward")
+
+    def on_nonfinite(self, loss_value: float, norm_value: float) -> None:
+        """`halt`: stop with a report (saving nothing); `skip`: drop this update, count it."""
+        f, step = self.cfg.fault, self.state.step
+        where = first_nonfinite_grad(self.model)
+        what = (f"step {step}: non-finite gradient norm {norm_value} (rank {self.rank} loss {loss_value}); first "
+                f"parameter with a non-finite gradient: {where or 'none (the loss itself)'}")
+        self.optimizer.zero_grad(set_to_none=True)
+        if f.nonfinite == "halt":
+            raise TrainingHalted(f"{what}. Halted without saving: the existing checkpoints are the last good "
+                                 f"state. Lower the lr, check the data, or set [fault] nonfinite = 'skip'")
+        self.skips_in_a_row += 1
+        self.skips_total += 1
+        logger.warning("%s: update skipped (%d in a row, %d in total)", what, self.skips_in_a_row, self.skips_total)
+        if self.skips_in_a_row >= f.max_consecutive_skips:
+            raise TrainingHalted(f"{self.skips_in_a_row} non-finite steps in a row (max_consecutive_skips = "
+                                 f"{f.max_consecutive_skips}); last: {what}")
 
     @torch.no_grad()
     def validate(self) -> tuple[float, int]:
@@ -161,23 +227,26 @@ class Trainer:
         yield
         self.window_start += time.perf_counter() - start
 
-    def log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        """The console line and TensorBoard scalars: the only host sync of the loop."""
+    def log_step(self, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
+        """The console line and TensorBoard scalars (the loss averaged over ranks)."""
         t = self.cfg.training
+        loss = loss.detach().clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         now = time.perf_counter()
         step_time = (now - self.window_start) / (self.state.step - self.window_step)
         tokens_per_s = t.global_batch_size * t.seq_len / step_time
         mfu = tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops if self.peak_flops else None
-        stats = StepStats(self.state.step, loss.item() / self.world_size, grad_norm.item(), lr, tokens_per_s, mfu,
+        stats = StepStats(self.state.step, loss.item() / self.world_size, grad_norm, lr, tokens_per_s, mfu,
                           peak_memory_gib(self.device), step_time, self.data_wait_s / (now - self.window_start))
         self.metrics.log(stats)
+        if self.cfg.metrics.nsa_stats:
+            self.metrics.log_scalars(self.state.step, nsa_stats(self.model, self.last_inputs))
         self.history.append(stats)
         self.window_start, self.window_step, self.data_wait_s = now, self.state.step, 0.0
 
     def train(self) -> list[StepStats]:
         """Run from the current step to `training.steps`; returns the logged StepStats."""
-        t, v = self.cfg.training, self.cfg.validation
+        t, v, d = self.cfg.training, self.cfg.validation, self.cfg.debug
         if self.state.step >= t.steps:
             logger.info("already at step %d of training.steps = %d: nothing to train (raise --training.steps to "
                         "continue)", self.state.step, t.steps)
@@ -186,15 +255,30 @@ class Trainer:
         self.window_start, self.window_step, self.data_wait_s = time.perf_counter(), self.state.step, 0.0
         while self.state.step < t.steps:
             self.state.step += 1
-            step, last = self.state.step, self.state.step == t.steps
+            step, last, started = self.state.step, self.state.step == t.steps, time.perf_counter()
+            self.watchdog.beat(step, "the training step", first_step_done=step > self.first_step)
             lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(batches)
+            with step_profiler(step, d.profile_step, d.memory_snapshot_step, self.cfg.job.dump_folder, self.rank,
+                               self.device):
+                loss, loss_value, norm_value = self.train_step(batches)
             self.state.tokens_seen += t.global_batch_size * t.seq_len
+            if step == self.first_step:
+                set_collective_timeout(self.cfg.fault.collective_timeout_seconds)
+                if d.dtype_report:
+                    logger.info(dtype_report(self.model, self.optimizer, t.mixed_precision_param,
+                                             t.mixed_precision_reduce))
+            if self.heartbeat is not None:
+                step_time = time.perf_counter() - started
+                self.heartbeat.write(step=step, loss=loss_value, grad_norm=norm_value, step_time_s=round(step_time, 4),
+                                     tokens_per_s=round(t.global_batch_size * t.seq_len / step_time),
+                                     memory_gib=round(peak_memory_gib(self.device), 3),
+                                     data_wait_s=round(self.data_wait_s, 4), skipped=self.skips_in_a_row > 0)
+            self.watchdog.beat(step, "validation, logging and checkpointing", first_step_done=True)
             if v.enable and (step % v.freq == 0 or last):
                 with self.paused():
                     self.metrics.log_validation(step, *self.validate())
             if step % self.cfg.metrics.log_freq == 0 or step == 1 or last:
-                self.log_step(loss, grad_norm, lr)
+                self.log_step(loss, norm_value, lr)
             preempted = self.checkpointer.preemption_requested()
             with self.paused():
                 self.checkpointer.maybe_save(step, force=preempted or last)
@@ -203,11 +287,16 @@ class Trainer:
                 break
         if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:
             self.checkpointer.export(self.state.step)
+        if self.skips_total:
+            logger.warning("%d non-finite step(s) were skipped in this run", self.skips_total)
         return self.history
 
     def close(self) -> None:
+        self.watchdog.stop()
         self.metrics.close()
         self.checkpointer.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.owns_process_group:
             dist.destroy_process_group()
 
@@ -224,28 +313,30 @@ def setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for a bad config)."""
+    """Entry point; returns the process exit code (2: bad input, 3: halted on a non-finite step)."""
     setup_logging()
+    rank = os.environ.get("RANK", "0")
     try:
         cfg, print_config = load_config(argv)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == "0":
             print(f"nsa_titan: config error: {e}", file=sys.stderr)
         return 2
     if print_config:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == "0":
             print(cfg.to_toml())
         return 0
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.train()
-    except DataError as e:
-        print(f"[rank{os.environ.get('RANK', '0')}] nsa_titan: data error: {e}", file=sys.stderr)
+    except (DataError, CheckpointError) as e:
+        kind = "data" if isinstance(e, DataError) else "checkpoint"
+        print(f"[rank{rank}] nsa_titan: {kind} error: {e}", file=sys.stderr)
         return 2
-    except CheckpointError as e:
-        print(f"[rank{os.environ.get('RANK', '0')}] nsa_titan: checkpoint error: {e}", file=sys.stderr)
-        return 2
+    except TrainingHalted as e:
+        print(f"[rank{rank}] nsa_titan: halted: {e}", file=sys.stderr)
+        return EXIT_HALTED
     finally:
         if trainer is not None:
             trainer.close()

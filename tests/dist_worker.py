@@ -19,18 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from nsa_titan.config import load_config
+from nsa_titan.diagnostics import clean_name, missing_grads
 from nsa_titan.parallel import device_for_rank, init_distributed
 from nsa_titan.train import Trainer, setup_logging
-
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter's name without the AC / compile wrapper prefixes."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
@@ -60,6 +51,7 @@ def run(spec: dict, out_dir: Path) -> None:
             result["grad_loss"] = loss.item() / trainer.world_size
             named = [(clean_name(n), p) for n, p in trainer.model.named_parameters()]
             result["missing_grads"] = [n for n, p in named if p.grad is None]
+            result["missing_report"] = missing_grads(trainer.model)  # the [debug] report's own check
             result["grads"] = {n: full(p.grad) for n, p in named if p.grad is not None}
             trainer.optimizer.zero_grad(set_to_none=True)
         history = trainer.train()

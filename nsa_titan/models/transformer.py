@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
-from .attention import NSA_IMPLS, NSASpec, dense_causal
+from .attention import NSA_IMPLS, NSASpec, cmp_visibility, dense_causal, masked_attention, select_blocks
+from .attention.common import N_FORCED_INITIAL, N_FORCED_LOCAL
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -118,9 +119,12 @@ class Compressor(nn.Module):
 class NSAAttention(nn.Module):
     """Native Sparse Attention: cmp + sel + win branches mixed by per-head sigmoid gates.
 
-    One shared query projection; each branch has its own key and value projections (fused
-    into `wkv`); compressed keys/values come from their own phi.
+    One shared query projection; each branch has its own key and value projection (`wkv_cmp`,
+    `wkv_sel`, `wkv_win`); compressed keys/values come from their own phi. With
+    `record_stats` set, a forward also leaves gate and selection statistics in `stats`.
     """
+
+    BRANCHES = ("cmp", "sel", "win")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -128,10 +132,16 @@ class NSAAttention(nn.Module):
         self.spec = NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size,
                             n=cfg.sel_top_n, w=cfg.window_size)
         self.attn_fn = NSA_IMPLS[cfg.attn_impl]
+        # Diagnostics: a forced branch keeps its gate, the others are multiplied by 0.
+        self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)
+        self.record_stats = False
+        self.stats: dict[str, torch.Tensor] = {}
         H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
         hidden = cfg.cmp_mlp_hidden or 4 * D
         self.wq = nn.Linear(cfg.dim, H * D, bias=False)
-        self.wkv = nn.Linear(cfg.dim, 6 * G * D, bias=False)  # k, v for each of cmp, sel, win
+        self.wkv_cmp = nn.Linear(cfg.dim, 2 * G * D, bias=False)
+        self.wkv_sel = nn.Linear(cfg.dim, 2 * G * D, bias=False)
+        self.wkv_win = nn.Linear(cfg.dim, 2 * G * D, bias=False)
         # A bias on the compressed keys would shift every score of a query equally: softmax
         # ignores it and its gradient is 0, so the key compressor has none.
         self.compress_k = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=False)
@@ -143,22 +153,52 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         H, G, D = self.n_heads, self.n_groups, self.head_dim
         q = apply_rope(self.wq(x).view(B, T, H, D), rope)
-        kv = self.wkv(x).view(B, T, 6, G, D)
-        k_cmp, v_cmp, k_sel, v_sel, k_win, v_win = kv.unbind(2)  # each (B, T, G, D)
+        k_cmp, v_cmp = self.wkv_cmp(x).view(B, T, 2, G, D).unbind(2)  # each (B, T, G, D)
+        k_sel, v_sel = self.wkv_sel(x).view(B, T, 2, G, D).unbind(2)
+        k_win, v_win = self.wkv_win(x).view(B, T, 2, G, D).unbind(2)
         k_cmp, k_sel, k_win = (apply_rope(k, rope) for k in (k_cmp, k_sel, k_win))
         kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)  # (B, Nc, G, D)
-        gates = torch.sigmoid(self.gate(x).float()).view(B, T, H, 3)
+        gates = torch.sigmoid(self.gate(x).float()).view(B, T, H, 3)  # (cmp, sel, win)
+        if self.keep != (1.0, 1.0, 1.0):
+            gates = gates * gates.new_tensor(self.keep)
+        if self.record_stats:
+            self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, G)}
         o = self.attn_fn(q, kc, vc, k_sel, v_sel, k_win, v_win, gates, self.spec)  # (B, T, H, D)
         return self.wo(o.reshape(B, T, H * D))
 
     def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
         _init_trunc_normal(self.wq.weight, std, gen)
-        _init_trunc_normal(self.wkv.weight, std, gen)
+        for wkv in (self.wkv_cmp, self.wkv_sel, self.wkv_win):
+            _init_trunc_normal(wkv.weight, std, gen)
         self.compress_k.init_weights(std, gen)
         self.compress_v.init_weights(std, gen)
         _init_trunc_normal(self.gate.weight, std, gen)
         nn.init.zeros_(self.gate.bias)  # every branch starts at weight 0.5
         _init_trunc_normal(self.wo.weight, out_std, gen)
+
+
+def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean gate of each branch, and the mean entropy (nats) of the normalised gate mix."""
+    g = gates.detach().float().flatten(0, 2)  # (B*T*H, 3)
+    p = g / g.sum(-1, keepdim=True).clamp_min(1e-12)
+    entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
+    return {"gate_cmp": g[:, 0].mean(), "gate_sel": g[:, 1].mean(), "gate_win": g[:, 2].mean(),
+            "gate_entropy": entropy}
+
+
+def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int
+                    ) -> dict[str, torch.Tensor]:
+    """Among the chosen sel blocks: the share picked by score (not forced), and how far back
+    (in blocks from the query's own) the scored ones lie."""
+    with torch.no_grad():
+        T = q.shape[1]
+        _, p_cmp = masked_attention(q, kc, vc, cmp_visibility(spec, T, q.device))
+        idx, valid = select_blocks(p_cmp, spec, n_groups)  # (B, G, T, n')
+        jt = (torch.arange(T, device=q.device) // spec.l_sel)[:, None]  # (T, 1)
+        forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
+        scored = valid & ~forced
+        distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
+        return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}
 
 
 class DenseAttention(nn.Module):

@@ -1,0 +1,137 @@
+"""Fault detection on 2 gloo ranks: hangs, slow first steps, NaNs, branch isolation, heartbeat."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch.nn as nn
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nsa_titan.config import ActivationCheckpoint
+from nsa_titan.parallel import apply_ac
+
+from conftest import TINY, launch_ranks, torchrun
+
+STEP_TIMEOUT = 6
+FAST = [*TINY, "--fault.step_timeout_seconds", str(STEP_TIMEOUT), "--fault.collective_timeout_seconds", "120"]
+
+
+def train(dump: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return torchrun(["-m", "nsa_titan.train", *FAST, "--job.dump_folder", str(dump), *args], timeout=timeout)
+
+
+@pytest.mark.parametrize("where,frame", [("forward", "torch/nn/modules/module.py"),
+                                         ("optimizer", "torch/optim/optimizer.py")])
+def test_hang_is_reported_with_every_ranks_stack_and_the_job_exits(tmp_path, where, frame):
+    start = time.monotonic()
+    proc = train(tmp_path, "--training.steps", "50", "--debug.fault_hang_rank", "0", "--debug.fault_hang_step", "5",
+                 "--debug.fault_hang_where", where)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < STEP_TIMEOUT + 30 + 15  # + start-up of the job and the 4 steps before the hang
+    hung = (tmp_path / "fault" / "rank0_stacks.txt").read_text()
+    assert hung.startswith("nsa_titan watchdog: rank 0 made no progress for")
+    assert "of step 5" in hung and "this rank itself is stuck" in hung
+    assert "in _hang_forever" in hung and frame in hung, hung[-3000:]
+    peer = (tmp_path / "fault" / "rank1_stacks.txt").read_text()
+    assert "nsa_titan watchdog: rank 1 made no progress" in peer
+    assert "It was blocked in a collective" in peer and "waiting for another rank" in peer
+    assert "_hang_forever" not in peer
+    last = json.loads((tmp_path / "heartbeat" / "rank0.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "hang" and last["step"] == 5 and last["in_collective"] is None
+    assert "rank 0 made no progress" in proc.stderr and "exitcode  : 124" in proc.stderr
+
+
+def test_slow_compiled_first_step_is_not_a_hang(tmp_path):
+    # Compiling takes far longer than the 2 s step limit; the first step has its own limit.
+    proc = train(tmp_path, "--training.steps", "4", "--compile.enable", "true", "--fault.step_timeout_seconds", "2",
+                 "--fault.first_step_timeout_seconds", "300")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads((tmp_path / "heartbeat" / "rank0.jsonl").read_text().splitlines()[0])
+    assert first["step_time_s"] > 2  # it really was slower than the step limit
+    assert "watchdog" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "fault" / "rank0_stacks.txt").exists()
+
+
+def test_nan_halts_at_its_step_without_saving(tmp_path):
+    proc = train(tmp_path, "--training.steps", "8", "--debug.fault_nan_step", "3", "--checkpoint.enable", "true",
+                 "--checkpoint.interval", "1")
+    assert proc.returncode != 0
+    assert "[rank0] nsa_titan: halted: step 3: non-finite gradient norm nan" in proc.stderr
+    assert "first parameter with a non-finite gradient: tok_embeddings.weight" in proc.stderr
+    assert "exitcode  : 3" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]
+
+
+def test_nan_skip_continues_and_counts(tmp_path):
+    out = train(tmp_path, "--training.steps", "6", "--debug.fault_nan_step", "3", "--fault.nonfinite", "skip")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 3: non-finite gradient norm nan" in out.stdout and "update skipped (1 in a row, 1 in total)" in out.stdout
+    assert "1 non-finite step(s) were skipped in this run" in out.stdout
+    records = [json.loads(x) for x in (tmp_path / "heartbeat" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+    halted = train(tmp_path / "k", "--training.steps", "6", "--debug.fault_nan_step", "3", "--fault.nonfinite", "skip",
+                   "--fault.max_consecutive_skips", "1")
+    assert halted.returncode != 0 and "1 non-finite steps in a row (max_consecutive_skips = 1)" in halted.stderr
+
+
+BRANCH_PARAMS = {"cmp": ("wkv_cmp", "compress_k", "compress_v"), "sel": ("wkv_sel",), "win": ("wkv_win",)}
+
+
+def test_forced_branches_train_and_missing_params_report_names_the_cut_off_ones(tmp_path):
+    specs = [{"name": b, "args": [*TINY, "--training.steps", "3", "--model.nsa_branch", b], "grad_check": True}
+             for b in ("all", "cmp", "sel", "win")]
+    runs = launch_ranks(specs, tmp_path)
+    assert runs["all"]["missing_report"] == []
+    for kept in ("cmp", "sel", "win"):
+        run = runs[kept]
+        assert run["steps"][-1] == 3 and all(x == x for x in run["losses"])
+        cut = {p for b, ps in BRANCH_PARAMS.items() if b != kept for p in ps}
+        if kept == "sel":  # selection reads the cmp scores, but no gradient flows through the choice
+            cut |= {"compress_k", "compress_v", "wkv_cmp"}
+        expected = sorted(n for n in run["grads"] if cut & set(n.split(".")))
+        assert sorted(run["missing_report"]) == expected and expected, kept
+
+
+def test_heartbeat_nsa_stats_and_profiler(tmp_path):
+    proc = train(tmp_path, "--training.steps", "6", "--metrics.log_freq", "3", "--metrics.enable_tensorboard", "true",
+                 "--metrics.nsa_stats", "true", "--debug.profile_step", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        records = [json.loads(x) for x in (tmp_path / "heartbeat" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        for r in records:
+            assert {"time", "loss", "grad_norm", "step_time_s", "tokens_per_s", "memory_gib", "data_wait_s"} <= set(r)
+            assert r["loss"] > 0 and r["step_time_s"] > 0
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for layer in (0, 1):
+        for key in ("gate_cmp", "gate_sel", "gate_win", "gate_entropy", "sel_scored_fraction", "sel_scored_distance"):
+            assert f"nsa/layer{layer}/{key}" in tags
+    assert [e.step for e in events.Scalars("nsa/layer0/gate_entropy")] == [1, 3, 6]
+    gate = events.Scalars("nsa/layer0/gate_cmp")[0].value
+    assert 0.4 < gate < 0.6  # gates start at sigmoid(0)
+    assert 0 < events.Scalars("nsa/layer1/sel_scored_fraction")[0].value < 1
+    assert (tmp_path / "profile" / "rank0_step2.trace.json").stat().st_size > 1000
+
+
+def test_activation_checkpointing_on_a_range_of_blocks():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(6)})
+
+    def wrapped(**kw) -> list[int]:
+        model = Plain()
+        apply_ac(model, ActivationCheckpoint(**kw))
+        return [i for i, b in enumerate(model.layers.values()) if type(b).__name__ == "CheckpointWrapper"]
+
+    assert wrapped(mode="full") == [0, 1, 2, 3, 4, 5]
+    assert wrapped(mode="full", first_layer=2, last_layer=3) == [2, 3]
+    assert wrapped(mode="selective", every_n_layers=2) == [1, 3, 5]
+    assert wrapped(mode="selective", every_n_layers=2, first_layer=2, last_layer=5) == [3, 5]
