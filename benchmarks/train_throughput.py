@@ -1,7 +1,7 @@
 """Trainer throughput side by side: NSA vs dense, activation checkpointing and compile on/off.
 
     python benchmarks/train_throughput.py [--config train_configs/debug_model.toml] [--steps 16]
-                                          [--ranks 1] [-- extra overrides...]
+                                          [--ranks 1] [--variants NAME ...] [-- extra overrides...]
 
 Each variant runs the real trainer (`python -m torch.distributed.run ... nsa_titan.train`) in
 its own process, so the peak memory is its own; tokens/s is taken over the last log interval,
@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"step +(\d+)/\d+ \| loss +([\d.]+) .*\| tok/s ([\d,]+) .*\| mem ([\d.]+)GiB")
 
 VARIANTS = {
-    "nsa, eager, AC none": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
-    "nsa, eager, AC full": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "full"],
-    "nsa, compiled, AC none": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
-    "nsa, compiled, AC full": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
-    "dense, eager, AC none": ["--model.attention", "dense", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
-    "dense, compiled, AC none": ["--model.attention", "dense", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
+    "nsa-eager": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
+    "nsa-eager-ac": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "full"],
+    "nsa-compiled": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
+    "nsa-compiled-ac": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
+    "dense-eager": ["--model.attention", "dense", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
+    "dense-compiled": ["--model.attention", "dense", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
 }
 
 
@@ -48,14 +48,16 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "train_configs" / "debug_model.toml"))
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME",
+                        help="a subset of: " + ", ".join(VARIANTS) + " (ac: activation checkpointing full)")
     parser.add_argument("overrides", nargs="*", help="extra --section.key value overrides for every variant")
     opts = parser.parse_args()
     print(f"config {opts.config}, {opts.steps} steps, {opts.ranks} rank(s), overrides {opts.overrides}")
     print("| variant | tokens/s | vs first row | peak memory (GiB) | loss at last step |")
     print("|---|---|---|---|---|")
     base = None
-    for name, args in VARIANTS.items():
-        tps, mem, loss = run_variant(opts.config, opts.steps, opts.ranks, [*args, *opts.overrides])
+    for name in opts.variants:
+        tps, mem, loss = run_variant(opts.config, opts.steps, opts.ranks, [*VARIANTS[name], *opts.overrides])
         base = base or tps
         print(f"| {name} | {tps:,.0f} | {tps / base:.2f}x | {mem:.2f} | {loss:.4f} |", flush=True)
 

@@ -35,8 +35,9 @@ class Job:
 class Model:
     attention: Literal["nsa", "dense"] = "nsa"
     """`nsa`: native sparse attention; `dense`: plain causal attention, the baseline."""
-    attn_impl: Literal["reference"] = "reference"
-    """NSA implementation: `reference` is the exact PyTorch definition."""
+    attn_impl: Literal["reference", "fast"] = "reference"
+    """NSA implementation: `reference`, the exact definition (dense per-branch masks, O(T^2)
+    memory); `fast`, chunked and sparse (memory linear in T; see benchmarks/README.md for speed)."""
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 4

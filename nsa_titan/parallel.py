@@ -34,13 +34,20 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> bool:
+def init_distributed(device: torch.device, timeout_s: float = 600.0, trace_folder: str | None = None) -> bool:
     """Join the torchrun job (world size 1 without torchrun): NCCL on GPUs, gloo on CPU.
 
+    On GPUs the NCCL flight recorder keeps the last collectives of each rank and dumps them to
+    `trace_folder/nccl_trace_rank_<R>` when a collective times out.
     Returns True when this call created the process group (and so owns its teardown).
     """
     if dist.is_initialized():
         return False
+    if device.type == "cuda" and trace_folder:
+        os.makedirs(trace_folder, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "20000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(trace_folder, "nccl_trace_rank_"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")

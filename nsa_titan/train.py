@@ -77,7 +77,8 @@ class Trainer:
 
         # Distributed: one process per device, all of them data-parallel.
         self.device = device_for_rank()
-        self.owns_process_group = init_distributed(self.device, cfg.fault.first_step_timeout_seconds + 60)
+        self.owns_process_group = init_distributed(self.device, cfg.fault.first_step_timeout_seconds + 60,
+                                                   str(Path(cfg.job.dump_folder) / "fault"))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.mesh = build_mesh(cfg.parallelism, self.device)
         torch.manual_seed(cfg.debug.seed)

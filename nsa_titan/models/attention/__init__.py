@@ -2,12 +2,13 @@
 
 from .common import NSASpec, cmp_to_sel_map, cmp_visibility, select_blocks
 from .dense import dense_causal
+from .fast import nsa_fast
 from .reference import masked_attention, nsa_reference
 
-NSA_IMPLS = {"reference": nsa_reference}
+NSA_IMPLS = {"reference": nsa_reference, "fast": nsa_fast}
 """`[model] attn_impl` -> function with nsa_reference's signature."""
 
 __all__ = [
     "NSASpec", "NSA_IMPLS", "cmp_to_sel_map", "cmp_visibility", "dense_causal", "masked_attention",
-    "nsa_reference", "select_blocks",
+    "nsa_fast", "nsa_reference", "select_blocks",
 ]

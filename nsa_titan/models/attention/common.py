@@ -71,28 +71,45 @@ def cmp_to_sel_map(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
     return overlaps.float()
 
 
-def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax of scores `s` over the last dim where `mask` allows; a row with no allowed key
+    gives all zeros (never NaN), and so does its gradient."""
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)  # masked entries: exp(-inf) = 0
+    denom = e.sum(-1, keepdim=True)
+    return e / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0, T: int | None = None,
+                  sel_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the top-n sel blocks per (query, KV group) from the cmp probabilities.
 
-    p_cmp: (B, H, T, Nc) softmax probabilities of the cmp branch (0 where not visible).
-    Returns idx (B, G, T, n') long and valid (B, G, T, n') bool, n' = min(n, Ns): the chosen
+    p_cmp: (B, H, C, Nc) softmax probabilities of the cmp branch (0 where not visible) for the
+    queries t0 .. t0 + C - 1 of a sequence of T keys (default: C, from 0); `sel_map` is
+    cmp_to_sel_map(spec, T) when the caller has it already.
+    Returns idx (B, G, C, n') long and valid (B, G, C, n') bool, n' = min(n, Ns): the chosen
     block indices (descending score) and whether each is a real candidate (j*l' <= t).
     Scores are summed over the query heads of a group (Eq. 10); block 0 and the 2 local
     blocks are forced. Ties keep the lower block index (a stable sort), so every
     implementation picks the same set. No gradient flows through the choice.
     """
     with torch.no_grad():
-        B, H, T, Nc = p_cmp.shape
-        Ns = spec.num_sel_blocks(T)
-        scores = p_cmp.float() @ cmp_to_sel_map(spec, T, p_cmp.device)  # (B, H, T, Ns)
-        scores = scores.view(B, n_groups, H // n_groups, T, Ns).sum(2)  # (B, G, T, Ns)
-        t = torch.arange(T, device=p_cmp.device)[:, None]
+        B, H, C, Nc = p_cmp.shape
+        T = C if T is None else T
+        if sel_map is None:
+            sel_map = cmp_to_sel_map(spec, T, p_cmp.device)
+        Ns = sel_map.shape[1]
+        p_group = p_cmp.float().view(B, n_groups, H // n_groups, C, Nc).sum(2)  # (B, G, C, Nc)
+        scores = p_group @ sel_map[:Nc]  # (B, G, C, Ns)
+        t = torch.arange(t0, t0 + C, device=p_cmp.device)[:, None]
         j = torch.arange(Ns, device=p_cmp.device)[None, :]
         jt = t // spec.l_sel  # the block holding t
-        candidate = j <= jt  # (T, Ns)
+        candidate = j <= jt  # (C, Ns)
         forced = (j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL))
         scores = scores.masked_fill(forced, float("inf")).masked_fill(~candidate, float("-inf"))
         n = min(spec.n, Ns)
         idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
-        valid = candidate.expand(B, n_groups, T, Ns).gather(-1, idx)
+        valid = candidate.expand(B, n_groups, C, Ns).gather(-1, idx)
     return idx, valid

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import NSASpec, cmp_visibility, select_blocks
+from .common import NSASpec, cmp_visibility, masked_softmax, select_blocks
 
 
 def masked_attention(
@@ -28,13 +28,7 @@ def masked_attention(
     if k.shape[1] == 0:  # no key at all (cmp with T < l)
         return torch.zeros_like(q), q.new_zeros(B, H, T, 0, dtype=acc)
     kf, vf = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # (B, G, S, D)
-    s = torch.einsum("bgrtd,bgsd->bgrts", qf, kf) * D**-0.5
-    s = s.masked_fill(~mask, float("-inf"))
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)  # masked entries: exp(-inf) = 0
-    denom = e.sum(-1, keepdim=True)
-    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = masked_softmax(torch.einsum("bgrtd,bgsd->bgrts", qf, kf) * D**-0.5, mask)
     out = torch.einsum("bgrts,bgsd->bgrtd", p, vf)
     return out.reshape(B, H, T, D).transpose(1, 2).to(q.dtype), p.reshape(B, H, T, -1)
 

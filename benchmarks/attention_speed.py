@@ -1,0 +1,133 @@
+"""NSA attention speed and memory: fast vs reference vs dense SDPA vs the public peer, side by side.
+
+    python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--reference_max_T 4096]
+
+At the M7C attention shape (dim 768, 12 query heads, 2 KV groups, head dim 64; NSA l=32, d=16,
+l'=64, n=16, w=512), batch 1, fp32 on CPU (bf16 on a GPU), forward + backward of one attention
+layer *module* on x (1, T, 768), projections included:
+
+  fast       nsa_titan NSAAttention, attn_impl = "fast"
+  reference  nsa_titan NSAAttention, attn_impl = "reference" (dense masks: skipped above --reference_max_T)
+  dense      nsa_titan DenseAttention (causal scaled_dot_product_attention, same heads)
+  peer       native_sparse_attention_pytorch.SparseAttention at the same configuration (if installed:
+             `pip install native-sparse-attention-pytorch`)
+
+Each (variant, T) runs in its own process: the median time of `--repeats` runs after one
+warm-up, and the peak resident memory it added. Also prints the algorithmic limit: the keys a
+query attends to, dense causal vs NSA, averaged over the sequence and at its last query.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nsa_titan.config import Model  # noqa: E402
+from nsa_titan.models.attention import NSASpec  # noqa: E402
+from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
+
+M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
+           sel_top_n=16, window_size=512)
+
+
+def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, object]:
+    if variant == "peer":
+        from native_sparse_attention_pytorch import SparseAttention
+
+        module = SparseAttention(dim=768, dim_head=64, heads=12, kv_heads=2, sliding_window_size=512,
+                                 compress_block_size=32, compress_block_sliding_stride=16, selection_block_size=64,
+                                 num_selected_blocks=16, causal=True)
+        return module.to(device), lambda x: module(x)
+    cfg = Model(**M7C, attention="dense" if variant == "dense" else "nsa",
+                attn_impl="fast" if variant == "fast" else "reference")
+    module = (DenseAttention(cfg) if variant == "dense" else NSAAttention(cfg)).to(device)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    rope = rope_tables(64, T, 10000.0, device)
+    return module, lambda x: module(x, rope)
+
+
+def measure_one(variant: str, T: int, repeats: int) -> dict:
+    """In this process: warm up once, then time `repeats` forward+backward passes."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    module, fn = build(variant, T, device)
+    module.to(dtype)
+    x = torch.randn(1, T, 768, device=device, dtype=dtype, requires_grad=True)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for k in range(repeats + 1):
+        start = time.perf_counter()
+        fn(x).float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if k:  # the first run warms up
+            times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+            else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+    return {"seconds": statistics.median(times), "peak_gib": peak, "device": device.type}
+
+
+def keys_per_query(T: int) -> tuple[float, float, float, float]:
+    """(dense mean, NSA mean, dense at the last query, NSA at the last query)."""
+    spec = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+    nsa_last = spec.num_cmp_blocks(T) + min(spec.n, spec.num_sel_blocks(T)) * spec.l_sel + min(T, spec.w)
+    return (T + 1) / 2, spec.mean_keys_per_query(T), float(T), float(nsa_last)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reference_max_T", type=int, default=4096)
+    parser.add_argument("--variants", nargs="+", default=["fast", "reference", "dense", "peer"])
+    parser.add_argument("--one", nargs=3, metavar=("VARIANT", "T", "REPEATS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        return
+    try:
+        import native_sparse_attention_pytorch  # noqa: F401
+    except ImportError:
+        args.variants = [v for v in args.variants if v != "peer"]
+        print("peer not installed (pip install native-sparse-attention-pytorch): skipped")
+    print("| T | keys/query dense (mean, last) | keys/query NSA (mean, last) | dense/NSA keys (mean) |")
+    print("|---|---|---|---|")
+    for T in args.T:
+        dm, nm, dl, nl = keys_per_query(T)
+        print(f"| {T} | {dm:,.0f}, {dl:,.0f} | {nm:,.0f}, {nl:,.0f} | {dm / nm:.2f}x |")
+    print()
+    print("| T | variant | fwd+bwd median (s) | vs fast | peak memory added (GiB) |")
+    print("|---|---|---|---|---|")
+    for T in args.T:
+        results = {}
+        for variant in args.variants:
+            if variant == "reference" and T > args.reference_max_T:
+                print(f"| {T} | reference | skipped (O(T^2) memory) | | |", flush=True)
+                continue
+            proc = subprocess.run([sys.executable, __file__, "--one", variant, str(T), str(args.repeats)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                why = (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
+                print(f"| {T} | {variant} | failed: {why[:80]} | | |", flush=True)
+                continue
+            r = results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+            ratio = r["seconds"] / results["fast"]["seconds"] if "fast" in results else float("nan")
+            print(f"| {T} | {variant} | {r['seconds']:.2f} | {ratio:.2f}x | {r['peak_gib']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The fast (chunked, sparse) NSA attention against the reference: outputs, gradients, causality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_titan.config import Model
+from nsa_titan.models.attention import NSASpec, nsa_fast, nsa_reference
+from nsa_titan.models.attention import fast as fast_module
+from nsa_titan.models.transformer import NSAAttention, rope_tables
+
+from test_nsa_reference import random_inputs
+
+SPEC = NSASpec(l=8, d=4, l_sel=16, n=5, w=24)  # l/d = 2, l'/d = 4 as in the paper, scaled down
+
+
+def module_pair(H: int, G: int, D: int, spec: NSASpec, dtype: torch.dtype) -> tuple[NSAAttention, NSAAttention]:
+    cfg = dict(dim=48, n_heads=H, n_kv_groups=G, head_dim=D, cmp_block_size=spec.l, cmp_stride=spec.d,
+               sel_block_size=spec.l_sel, sel_top_n=spec.n, window_size=spec.w)
+    ref, fast = NSAAttention(Model(**cfg, attn_impl="reference")), NSAAttention(Model(**cfg, attn_impl="fast"))
+    ref.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
+    fast.load_state_dict(ref.state_dict())
+    return ref.to(dtype), fast.to(dtype)
+
+
+CASES = [  # (batch, T, H, G, D): T not a multiple of l, d or l'; T < l; T < l'; T < w; GQA 1, 6, 16
+    (2, 5, 4, 4, 32),     # T < l: no compressed block at all
+    (2, 13, 6, 1, 32),    # T < l' and T < w; MQA-like ratio 6
+    (1, 37, 16, 1, 32),   # GQA ratio 16
+    (2, 100, 12, 2, 64),  # the M7C head layout (ratio 6)
+    (1, 150, 4, 4, 128),  # MHA (ratio 1), head dim 128
+    (1, 257, 6, 1, 64),   # several chunks of 64 queries, a partial last one
+]
+
+
+@pytest.mark.parametrize("B,T,H,G,D", CASES, ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-G{c[3]}-D{c[4]}" for c in CASES])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_fast_equals_reference_output_and_every_gradient(B, T, H, G, D, dtype, tol):
+    ref, fast = module_pair(H, G, D, SPEC, dtype)
+    rope = rope_tables(D, T, 10000.0).to(dtype)
+    x = torch.randn(B, T, 48, dtype=dtype, generator=torch.Generator().manual_seed(T))
+    xr, xf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out_r, out_f = ref(xr, rope), fast(xf, rope)
+    grad_out = torch.randn_like(out_r)
+    (out_r * grad_out).sum().backward()
+    (out_f * grad_out).sum().backward()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
+
+    assert rel(out_f, out_r) < tol
+    assert rel(xf.grad, xr.grad) < tol
+    params_f = dict(fast.named_parameters())
+    for name, p in ref.named_parameters():  # q/k/v projections of every branch, compressors, gate, output
+        if p.grad is None or p.grad.norm() == 0:
+            assert params_f[name].grad is None or params_f[name].grad.norm() == 0, name
+            continue
+        assert rel(params_f[name].grad, p.grad) < tol, name
+
+
+@pytest.mark.parametrize("T", [40, 130])
+def test_fast_equals_reference_on_raw_branch_inputs_in_fp64(T):
+    args = random_inputs(2, T, 12, 2, 16, SPEC, seed=T)
+    for a in args:
+        a.requires_grad_(True)
+    ref = nsa_reference(*args, SPEC)
+    grads_ref = torch.autograd.grad(ref.square().sum(), args)
+    fast = nsa_fast(*args, SPEC)
+    grads_fast = torch.autograd.grad(fast.square().sum(), args)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    for name, gf, gr in zip(("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"), grads_fast, grads_ref):
+        torch.testing.assert_close(gf, gr, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("T", [70, 200])
+def test_fast_is_causal(T):
+    _, fast = module_pair(12, 2, 16, SPEC, torch.float64)
+    rope = rope_tables(16, T, 10000.0).double()
+    x = torch.randn(1, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = fast(x, rope)
+    for s in (0, 15, 16, 63, 64, 65, T - 1):  # block and chunk edges
+        x2 = x.clone()
+        x2[:, s] += 1.0
+        y2 = fast(x2, rope)
+        assert torch.equal(y2[:, :s], y[:, :s]), f"output before {s} changed"
+        assert not torch.equal(y2[:, s], y[:, s])
+
+
+def test_fast_backward_does_not_keep_per_chunk_scores(monkeypatch):
+    """Activation memory saved for backward is O(T): each chunk's scores are recomputed."""
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    T = 512
+    args = random_inputs(1, T, 12, 2, 16, SPEC, dtype=torch.float32, seed=1)
+    for a in args:
+        a.requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nsa_fast(*args, SPEC).sum()
+    largest = max(saved)
+    # The largest saved tensor is an input or the output (12 x 512 x 16), never a score block
+    # (a C x n*l' per-query score tensor alone would be 12 x 64 x 80 per chunk, T x T 12 x 512 x 512).
+    assert largest <= 12 * T * 16, largest
+    assert fast_module.CHUNK < T
