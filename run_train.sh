@@ -12,6 +12,7 @@
 #   RDZV_ENDPOINT  host:port of the c10d rendezvous (multi-node; e.g. the first node)
 #   RDZV_ID        job id shared by all nodes (default: nsa_titan)
 #   LOG_RANK       comma-separated ranks whose output is shown (default: all)
+#   SHUTDOWN_TIMEOUT  seconds ranks get to save a checkpoint after SIGTERM/SIGUSR1 (default 120)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"
@@ -21,7 +22,10 @@ if [[ -z "${NGPU:-}" ]]; then
 fi
 NNODES="${NNODES:-1}"
 
-args=(--nproc_per_node "${NGPU}" --nnodes "${NNODES}")
+# SIGUSR1 too (Slurm's --signal=USR1@N): passed on to every rank, which saves and exits; ranks get
+# SHUTDOWN_TIMEOUT seconds to finish that checkpoint before torchrun kills them.
+args=(--nproc_per_node "${NGPU}" --nnodes "${NNODES}" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+      --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}")
 if [[ "${NNODES}" == "1" && -z "${RDZV_ENDPOINT:-}" ]]; then
   args+=(--standalone)
 else

@@ -87,18 +87,18 @@ def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path
     assert step_dirs(tmp_path) == ["step-10", "step-20", "step-30"]  # the broken one is gone now
 
 
-def test_sigterm_saves_a_complete_checkpoint_and_exits_cleanly(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "nsa_titan.train", *CK, "--job.dump_folder", str(tmp_path),
-           "--training.steps", "100000", "--checkpoint.interval", "100000", "--data.num_workers", "0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_a_complete_checkpoint_and_exits_cleanly(tmp_path, sig):
+    cmd = [str(ROOT / "run_train.sh"), *CK, "--job.dump_folder", str(tmp_path), "--training.steps", "100000",
+           "--checkpoint.interval", "100000", "--data.num_workers", "0"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if re.search(r"step +5/100000", line):
             break
-    proc.send_signal(signal.SIGTERM)  # to torchrun, which passes it on to every rank
+    proc.send_signal(sig)  # to torchrun (run_train.sh execs it), which passes it on to every rank
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert "preempted by a signal: saved step" in out, out[-3000:]
     assert "Traceback" not in out.split("preempted by a signal")[0][-2000:]
@@ -224,3 +224,17 @@ def test_export_command_and_warm_start_from_the_file(saved_run, tmp_path):
     for k, v in exported.items():  # lr ~0: one step leaves the weights as loaded
         torch.testing.assert_close(started["params"][k], v, rtol=0, atol=1e-6, msg=k)
     assert export.main([str(saved_run / "checkpoint" / "step-3"), "--output", str(out)]) == 2
+
+
+def test_hsdp_checkpoint_loads_under_fsdp_and_on_one_rank(tmp_path):
+    ok(run(tmp_path, "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2"))
+    ckpt = tmp_path / "checkpoint" / "step-4"
+    model, optim = load_tensors(ckpt, "model"), load_tensors(ckpt, "optimizer")
+    for nproc, extra in ((2, []), (1, ["--checkpoint.restart_data_on_reshard", "true"])):
+        loaded = launch_ranks([{"name": "l", "args": [*CK, "--training.steps", "4", *extra,
+                                                      "--checkpoint.folder", str(tmp_path / "checkpoint")],
+                                "save_params": True, "save_optimizer": True}], tmp_path / f"load{nproc}",
+                              nproc=nproc)["l"]
+        assert loaded["step"] == 4
+        assert all(torch.equal(loaded["params"][k], v) for k, v in model.items())
+        assert all(torch.equal(v, optim[f"state.{k}"]) for k, v in loaded["optimizer"].items())
