@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainState
 from .config import ConfigError, JobConfig, load_config
-from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, padded_vocab_size
+from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, vocab_for_model
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
 from .fault import Heartbeat, StepWatchdog, install_fault_injection, set_collective_timeout
 from .metrics import MetricsLogger, StepStats, peak_flops, peak_memory_gib
@@ -88,12 +88,7 @@ class Trainer:
 
         # The tokenizer fixes the vocabulary unless the config sets a (large enough) one.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-        vocab = padded_vocab_size(self.tokenizer)
-        if cfg.model.vocab_size == 0:
-            cfg.model.vocab_size = vocab
-        elif cfg.data.source != "synthetic" and cfg.model.vocab_size < self.tokenizer.vocab_size:
-            raise DataError(f"[model] vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's "
-                            f"{self.tokenizer.vocab_size} tokens; set it to 0 to use the tokenizer's ({vocab})")
+        cfg.model.vocab_size = vocab_for_model(self.tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
 
         # Model: built on meta, wrapped, then materialised and initialised.
         with torch.device("meta"):

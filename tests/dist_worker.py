@@ -66,6 +66,12 @@ def run(spec: dict, out_dir: Path) -> None:
                 ck.wait()
         if spec.get("save_params"):
             result["params"] = {clean_name(n): full(p) for n, p in trainer.model.named_parameters()}
+        if spec.get("rank_bytes"):  # what this rank really holds: parameter shards, AdamW state
+            local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+            params = sum(local(p).numel() * local(p).element_size() for p in trainer.model.parameters())
+            state = sum(local(v).numel() * local(v).element_size() for st in trainer.optimizer.state.values()
+                        for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+            result["rank_bytes"] = {"params": params, "optimizer": state}
         if spec.get("save_optimizer"):
             opt = get_optimizer_state_dict(trainer.model, trainer.optimizer,
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -2,7 +2,7 @@
 
 from .errors import DataError
 from .loader import build_dataloader, build_validation_dataloader
-from .tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
+from .tokenizer import Tokenizer, build_tokenizer, padded_vocab_size, vocab_for_model
 
 __all__ = ["DataError", "Tokenizer", "build_dataloader", "build_tokenizer", "build_validation_dataloader",
-           "padded_vocab_size"]
+           "padded_vocab_size", "vocab_for_model"]

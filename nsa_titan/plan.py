@@ -1,0 +1,184 @@
+"""Capacity planner: will a config fit, and how fast will it go, at a given world size?
+
+    python -m nsa_titan.plan --world_size 8 --config train_configs/m7c.toml [--gpu_memory_gib 80]
+                             [--peak_tflops 989] [--mfu 0.4] [--section.key value ...]
+
+Without a GPU and without allocating weights: the model is built on the meta device and the
+real parallelism plan (`parallelize`: AC, FSDP/HSDP) is applied on a fake process group of
+`world_size` ranks, so the per-rank shard sizes are the ones training would have. Reports
+parameter counts (total, per part, per block), per-rank memory for parameters, gradients,
+optimizer state, the gathered compute copy and activations, the NSA-aware FLOPs per token,
+and the step time and tokens/s at the given peak and MFU. Exit code 1 when it does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .config import ConfigError, JobConfig, load_config
+from .data import DataError, build_tokenizer, vocab_for_model
+from .diagnostics import clean_name
+from .models.transformer import Transformer, TransformerBlock, flops_per_token, rope_tables
+from .parallel import DTYPES, build_mesh, parallelize
+
+GIB = 2**30
+PARTS = {  # parameter name fragment -> part of the model, first match wins
+    "tok_embeddings": "embedding", "output": "output head", "wkv_cmp": "cmp K/V", "compress_": "cmp compression MLPs",
+    "wkv_sel": "sel K/V", "wkv_win": "win K/V", "wkv": "dense K/V", "attention.wq": "queries",
+    "attention.wo": "attention output", "gate": "gates", "feed_forward": "MLP", "norm": "norms",
+}
+
+
+@dataclass
+class Plan:
+    params_total: int
+    params_by_part: dict[str, int]
+    params_per_block: int
+    rank_bytes: dict[str, float]
+    flops_per_token: float
+    step_seconds: float
+    tokens_per_second: float
+
+
+def part_of(name: str) -> str:
+    return next(part for key, part in PARTS.items() if key in name)
+
+
+def block_saved_bytes(cfg: JobConfig, T: int) -> float:
+    """Bytes one block keeps for backward at sequence length T (batch 1), measured by running
+    one real block of this config on the CPU at T under saved-tensor hooks."""
+    m = cfg.model
+    dtype = DTYPES[cfg.training.mixed_precision_param]
+    block = TransformerBlock(m).to(dtype)
+    block.init_weights(0.02, 0.02, torch.Generator().manual_seed(0))
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(1, T, m.dim, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope_tables(m.head_dim, T, m.rope_theta).to(dtype))
+    return float(sum(seen.values()))
+
+
+def activation_bytes(cfg: JobConfig) -> float:
+    """Activation memory of one micro-batch on one rank.
+
+    What a block keeps for backward is measured on one real block at two short lengths and
+    extrapolated to seq_len as a*T + b*T^2 (the b term is the reference NSA's T x T masks).
+    AC none keeps every block's; a checkpointed block keeps its input only, and one block's
+    worth is rebuilt during its recompute. Plus the fp32 logits the loss keeps.
+    """
+    m, t = cfg.model, cfg.training
+    T1 = min(t.seq_len, max(256, m.window_size, 2 * m.sel_block_size))
+    T2 = 2 * T1
+    s1, s2 = block_saved_bytes(cfg, T1), block_saved_bytes(cfg, T2)
+    b = max(0.0, (s2 / T2 - s1 / T1) / (T2 - T1))  # per token, per extra token of context
+    a = s1 / T1 - b * T1
+    per_block = t.local_batch_size * (a * t.seq_len + b * t.seq_len**2)
+    ac = cfg.activation_checkpoint
+    last = m.n_layers - 1 if ac.last_layer == -1 else ac.last_layer
+    wrapped = 0 if ac.mode == "none" else sum(
+        1 for i in range(m.n_layers)
+        if ac.first_layer <= i <= last and (ac.mode == "full" or (i + 1) % ac.every_n_layers == 0))
+    block_input = t.local_batch_size * t.seq_len * m.dim * DTYPES[t.mixed_precision_param].itemsize
+    logits = t.local_batch_size * t.seq_len * m.vocab_size * 4
+    return (m.n_layers - wrapped) * per_block + wrapped * block_input + (per_block if wrapped else 0) + logits
+
+
+def make_plan(cfg: JobConfig, world_size: int, peak_flops: float, mfu: float) -> Plan:
+    """Build on meta, shard on the (fake) process group, count. Needs dist initialised."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Initializing zero-element tensors is a no-op"
+        model = Transformer(cfg.model, cfg.training.seq_len)
+    by_part: dict[str, int] = defaultdict(int)
+    for name, p in model.named_parameters():
+        by_part[part_of(name)] += p.numel()
+    total = sum(by_part.values())
+    per_block = sum(p.numel() for p in next(iter(model.layers.values())).parameters())
+    fpt = flops_per_token(model, cfg.model, cfg.training.seq_len)
+    act = activation_bytes(cfg)
+
+    cfg.compile.enable = False  # the plan needs the shards, not compiled code
+    parallelize(model, build_mesh(cfg.parallelism, torch.device("cpu")), cfg.activation_checkpoint, cfg.compile,
+                cfg.training, cfg.parallelism)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    compute = DTYPES[cfg.training.mixed_precision_param].itemsize
+    root = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in f".{clean_name(n)}")
+    rank_bytes = {
+        "parameters (fp32 shards)": local * 4.0,
+        "gradients (fp32 shards)": local * 4.0,
+        "optimizer state (AdamW, 2 x fp32)": local * 8.0,
+        # all-gathered compute copies: the block in use and the one prefetched, plus the root's
+        "gathered parameters": (2 * per_block + root) * compute,
+        "activations (one micro-batch)": act,
+    }
+    t = cfg.training
+    step = t.global_batch_size * t.seq_len * fpt / (world_size * peak_flops * mfu)
+    return Plan(total, dict(by_part), per_block, rank_bytes, fpt, step, t.global_batch_size * t.seq_len / step)
+
+
+def report(plan: Plan, cfg: JobConfig, world_size: int, gpu_gib: float, peak_flops: float, mfu: float) -> bool:
+    p = cfg.parallelism
+    print(f"plan: {world_size} ranks (replicate {p.data_parallel_replicate_degree} x shard "
+          f"{p.data_parallel_shard_degree}), seq {cfg.training.seq_len}, micro-batch {cfg.training.local_batch_size}, "
+          f"global batch {cfg.training.global_batch_size}, AC {cfg.activation_checkpoint.mode}, "
+          f"{cfg.model.attention} attention ({cfg.model.attn_impl})")
+    print(f"parameters: {plan.params_total / 1e6:.2f}M total, {plan.params_per_block / 1e6:.2f}M per block")
+    for part, n in sorted(plan.params_by_part.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<24} {n / 1e6:9.2f}M")
+    print("per-rank memory:")
+    for what, b in plan.rank_bytes.items():
+        print(f"  {what:<36} {b / GIB:8.2f} GiB")
+    need = sum(plan.rank_bytes.values())
+    print(f"  {'total':<36} {need / GIB:8.2f} GiB of {gpu_gib:.0f} GiB")
+    print(f"FLOPs per token {plan.flops_per_token / 1e9:.3f} G; at {peak_flops / 1e12:.0f} TFLOP/s x {mfu:.0%} MFU: "
+          f"{plan.step_seconds:.2f} s per step, {plan.tokens_per_second:,.0f} tokens/s "
+          f"({plan.tokens_per_second / world_size:,.0f} per rank)")
+    fits = need <= gpu_gib * GIB
+    if not fits:
+        print(f"DOES NOT FIT: {need / GIB:.1f} GiB per rank needed, {gpu_gib:.0f} GiB available; try activation "
+              f"checkpointing, a smaller micro-batch, or more ranks")
+    return fits
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world_size", type=int, required=True)
+    parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
+    parser.add_argument("--peak_tflops", type=float, default=989.0, help="bf16 peak of one GPU (H100: 989)")
+    parser.add_argument("--mfu", type=float, default=0.4)
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg, _ = load_config(rest, world_size=args.world_size)
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+        cfg.model.vocab_size = vocab_for_model(tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
+    except (ConfigError, DataError) as e:
+        print(f"nsa_titan.plan: impossible plan: {e}", file=sys.stderr)
+        return 2
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    try:
+        plan = make_plan(cfg, args.world_size, args.peak_tflops * 1e12, args.mfu)
+    finally:
+        dist.destroy_process_group()
+    return 0 if report(plan, cfg, args.world_size, args.gpu_memory_gib, args.peak_tflops * 1e12, args.mfu) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
