@@ -64,7 +64,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate (x1, x2) halves of the last dim of x (B, T, N, D) by position."""
     T, D = x.shape[1], x.shape[-1]
     cos, sin = rope[:T, None, : D // 2], rope[:T, None, D // 2 :]
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
@@ -158,7 +158,7 @@ class NSAAttention(nn.Module):
         k_win, v_win = self.wkv_win(x).view(B, T, 2, G, D).unbind(2)
         k_cmp, k_sel, k_win = (apply_rope(k, rope) for k in (k_cmp, k_sel, k_win))
         kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)  # (B, Nc, G, D)
-        gates = torch.sigmoid(self.gate(x).float()).view(B, T, H, 3)  # (cmp, sel, win)
+        gates = torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, T, H, 3)
         if self.keep != (1.0, 1.0, 1.0):
             gates = gates * gates.new_tensor(self.keep)
         if self.record_stats:

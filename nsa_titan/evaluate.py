@@ -1,0 +1,78 @@
+"""Loss, perplexity and bits per byte of a trained model on a dataset split.
+
+    python -m nsa_titan.evaluate outputs/debug_model/checkpoint/step-300 [--split validation] [--batches 50]
+
+Reads the split the way training validates (same packing, same batches, rank shards under
+torchrun), so at a checkpoint's step it reports the trainer's validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .checkpoint import CheckpointError
+from .config import ConfigError
+from .data import DataError, build_validation_dataloader
+from .inference import load_model
+
+
+@torch.no_grad()
+def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, config: str | None = None,
+             overrides: list[str] | None = None) -> dict[str, float]:
+    """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)."""
+    model, tokenizer, cfg = load_model(checkpoint, config, overrides)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    cfg.validation.split = split
+    loader = build_validation_dataloader(cfg.data, cfg.validation, tokenizer, cfg.training.seq_len,
+                                         cfg.training.local_batch_size, rank, world)
+    totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
+    for k, (inputs, labels) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0, total=batches or None)):
+        if batches and k >= batches:
+            break
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())
+        totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    if totals[1] == 0:
+        raise DataError(f"split '{split}' gave no batch of seq_len {cfg.training.seq_len}")
+    loss = float(totals[0] / totals[1])
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50)),
+            "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),
+            "batches": int(totals[1]) // world, "tokens": int(totals[2])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
+    parser.add_argument("--split", default="validation")
+    parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
+    parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
+    args, overrides = parser.parse_known_args(argv)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
+        dist.init_process_group("gloo")
+    try:
+        r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides)
+    except (CheckpointError, ConfigError, DataError) as e:
+        print(f"nsa_titan.evaluate: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{args.split}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte "
+              f"{r['bits_per_byte']:.4f} | {r['batches']} batches, {r['tokens']:,} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Sample text from a trained model, streaming tokens to the terminal.
+
+    python -m nsa_titan.generate outputs/debug_model/checkpoint/step-300 --prompt "The with statement" \\
+        [--max_new_tokens 200] [--temperature 0.8] [--top_k 50] [--top_p 0.95] [--seed 0]
+
+The prompt is prefilled by the training forward; every new token is one incremental step over
+the per-branch KV caches (see nsa_titan/models/decode.py), whose logits equal a full forward's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from .checkpoint import CheckpointError
+from .config import ConfigError
+from .data import DataError, Tokenizer
+from .inference import load_model
+from .models.decode import Decoder
+from .models.transformer import Transformer
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                gen: torch.Generator) -> torch.Tensor:
+    """One token id per row of logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) > top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)
+
+
+def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+             top_k: int = 50, top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
+    """Yield new token ids one at a time (stops at <eos>)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    decoder = Decoder(model)
+    logits = decoder.prefill(torch.tensor([ids]))[:, -1]
+    for _ in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p, gen)
+        if int(token) == tokenizer.eos_id:
+            return
+        yield int(token)
+        logits = decoder.step(token.view(1, 1))[:, -1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top_k", type=int, default=50)
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
+    args = parser.parse_args(argv)
+    try:
+        model, tokenizer, _ = load_model(args.checkpoint, args.config,
+                                         max_seq_len=len(args.prompt.encode()) + args.max_new_tokens + 1)
+    except (CheckpointError, ConfigError, DataError) as e:
+        print(f"nsa_titan.generate: {e}", file=sys.stderr)
+        return 2
+    ids: list[int] = []
+    shown = ""
+    print(args.prompt, end="", flush=True)
+    for token in generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                          args.top_p, args.seed):
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        print(text[len(shown):], end="", flush=True)  # stream what the new token added
+        shown = text
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

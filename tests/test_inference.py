@@ -1,0 +1,101 @@
+"""Using a trained model: incremental decoding == full forward, evaluate == validation, generate."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nsa_titan import generate as generate_cli
+from nsa_titan.config import Model
+from nsa_titan.evaluate import evaluate
+from nsa_titan.inference import load_model
+from nsa_titan.models.decode import Decoder
+from nsa_titan.models.transformer import Transformer
+
+from conftest import ROOT, torchrun
+
+# Small blocks so that 70 tokens cross many window, compression and selection boundaries.
+SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97, cmp_block_size=8,
+             cmp_stride=4, sel_block_size=8, sel_top_n=3, window_size=12)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("prompt", [1, 7, 8, 11, 30])
+def test_incremental_decoding_equals_the_full_forward_at_every_position(attention, prompt):
+    model = Transformer(Model(**SMALL, attention=attention), 128)
+    model.init_weights(0)
+    tokens = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(prompt))
+    with torch.no_grad():
+        full = model(tokens)
+    decoder = Decoder(model)
+    steps = [decoder.prefill(tokens[:, :prompt])] + [decoder.step(tokens[:, t:t + 1]) for t in range(prompt, 70)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_reads_the_papers_key_count():
+    model = Transformer(Model(attention="nsa", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)
+    reads = Decoder(model).keys_read(65535)  # paper sizes: l=32, d=16, l'=64, n=16, w=512
+    assert reads == {"cmp": (65536 - 32) // 16 + 1, "sel": 16 * 64, "win": 512}
+    assert sum(reads.values()) == 5631  # the paper's ~5.6k keys at 64k context, against 65,536
+    dense = Transformer(Model(attention="dense", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)
+    assert Decoder(dense).keys_read(65535) == {"dense": 65536}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained 6 steps on the embedded corpus, validated and checkpointed at step 6."""
+    dump = tmp_path_factory.mktemp("trained")
+    args = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_groups", "2",
+            "--model.head_dim", "16", "--training.seq_len", "64", "--training.local_batch_size", "4",
+            "--training.steps", "6", "--validation.freq", "6", "--validation.steps", "5", "--checkpoint.enable",
+            "true", "--checkpoint.interval", "6", "--checkpoint.export_at_end", "true", "--checkpoint.export_dtype",
+            "float32", "--training.mixed_precision_param", "float32", "--data.num_workers", "0",
+            "--job.dump_folder", str(dump)]
+    proc = torchrun(["-m", "nsa_titan.train", *args], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dump
+
+
+def test_evaluate_reports_the_trainers_validation_loss(trained):
+    events = EventAccumulator(str(trained / "tb"))
+    events.Reload()
+    validation = events.Scalars("validation/loss")[-1]
+    assert validation.step == 6
+    result = evaluate(str(trained / "checkpoint" / "step-6"), "validation", batches=5)
+    assert result["batches"] == 5
+    assert result["loss"] == pytest.approx(validation.value, rel=1e-5)
+    assert result["bits_per_byte"] > 0 and result["perplexity"] == pytest.approx(2.718281828 ** result["loss"])
+    exported = evaluate(str(trained / "checkpoint" / "model-step-6.pt"), "validation", batches=5)
+    assert exported["loss"] == pytest.approx(result["loss"], rel=1e-6)
+
+
+def test_generate_is_reproducible_with_a_seed(trained, capsys):
+    ckpt = str(trained / "checkpoint" / "step-6")
+    runs = []
+    for seed in (3, 3, 4):
+        assert generate_cli.main([ckpt, "--prompt", "def ", "--max_new_tokens", "25", "--seed", str(seed)]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0].startswith("def ")
+    assert runs[0] != runs[2]
+    model, tokenizer, _ = load_model(ckpt)
+    greedy = [list(generate_cli.generate(model, tokenizer, "import", 10, temperature=0)) for _ in range(2)]
+    assert greedy[0] == greedy[1]
+
+
+def test_bad_checkpoint_or_config_is_a_clear_error(trained, tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nsa_titan.generate", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+
+    missing = run(str(tmp_path / "nope"), "--prompt", "x")
+    assert missing.returncode == 2 and "not found: give a step-N folder or an exported .pt file" in missing.stderr
+    other = tmp_path / "other.toml"
+    other.write_text((trained / "config.toml").read_text().replace("dim = 64", "dim = 96"))
+    mismatch = run(str(trained / "checkpoint" / "step-6"), "--config", str(other))
+    assert mismatch.returncode == 2
+    assert re.search(r"does not fit the config's model \(first differences: .*saved, .* here\)", mismatch.stderr)
