@@ -11,23 +11,46 @@ same projections; `step` then extends one token at a time. Both equal a full for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from .attention import cmp_visibility, masked_attention, select_blocks
+from .attention import NSASpec, cmp_to_sel_map, cmp_visibility, masked_attention, select_blocks
+from .attention.common import selected_keys
 from .transformer import DenseAttention, NSAAttention, Transformer, apply_rope
 
 
-@dataclass
 class LayerCache:
-    """Keys/values (B, S, G, D) per branch name, plus compressed blocks for NSA."""
+    """Keys/values (B, S, G, D) per name, in buffers that grow by doubling: appending a token
+    writes in place, reading returns a view of the filled part."""
 
-    kv: dict[str, torch.Tensor] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.length: dict[str, int] = {}
+        self.sel_map: torch.Tensor | None = None  # cmp_to_sel_map for `sel_map_keys` keys
+        self.sel_map_keys = 0
+
+    def sel_map_for(self, spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
+        """cmp_to_sel_map(spec, T), cut from one map built for a capacity that doubles: M[i, j]
+        depends on i and j only, so a smaller T is its top-left corner."""
+        if T > self.sel_map_keys:
+            self.sel_map_keys = 2 * max(T, spec.l_sel)
+            self.sel_map = cmp_to_sel_map(spec, self.sel_map_keys, device)
+        return self.sel_map[:spec.num_cmp_blocks(T), :spec.num_sel_blocks(T)]
 
     def append(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        self.kv[name] = x if name not in self.kv else torch.cat([self.kv[name], x], dim=1)
-        return self.kv[name]
+        n = self.length.get(name, 0)
+        need = n + x.shape[1]
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape[1] < need:
+            grown = x.new_empty(x.shape[0], max(need, 2 * n, 16), *x.shape[2:])
+            if buf is not None:
+                grown[:, :n] = buf[:, :n]
+            self.buffers[name] = buf = grown
+        buf[:, n:need] = x
+        self.length[name] = need
+        return buf[:, :need]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.buffers[name][:, :self.length[name]] if name in self.buffers else None
 
 
 def _project(attn: NSAAttention | DenseAttention, x: torch.Tensor, rope: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -58,21 +81,21 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
         cache.append(name, p[name])
     if t >= spec.l - 1 and (t - spec.l + 1) % spec.d == 0:  # block i = (t - l + 1) / d is complete now
         start = t - spec.l + 1
-        cache.append("kc", attn.compress_k(cache.kv["kcmp"][:, start:t + 1]))
-        cache.append("vc", attn.compress_v(cache.kv["vcmp"][:, start:t + 1]))
+        cache.append("kc", attn.compress_k(cache.get("kcmp")[:, start:t + 1]))
+        cache.append("vc", attn.compress_v(cache.get("vcmp")[:, start:t + 1]))
     G = attn.n_groups
-    kc = cache.kv.get("kc", q.new_zeros(B, 0, G, attn.head_dim))
-    vc = cache.kv.get("vc", q.new_zeros(B, 0, G, attn.head_dim))
+    empty = q.new_zeros(B, 0, G, attn.head_dim)
+    kc, vc = cache.get("kc"), cache.get("vc")
+    kc, vc = (empty, empty) if kc is None else (kc, vc)
     o_cmp, p_cmp = masked_attention(q, kc, vc, torch.ones(1, kc.shape[1], dtype=torch.bool, device=x.device))
-    idx, valid = select_blocks(p_cmp, spec, G, t0=t, T=t + 1)  # (B, G, 1, n')
-    ks, vs = cache.kv["ksel"], cache.kv["vsel"]
-    pos = (idx[..., None] * spec.l_sel + torch.arange(spec.l_sel, device=x.device)).flatten(-2)  # (B, G, 1, S)
-    ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= t)
+    idx, valid = select_blocks(p_cmp, spec, G, t0=t, T=t + 1, sel_map=cache.sel_map_for(spec, t + 1, x.device))
+    ks, vs = cache.get("ksel"), cache.get("vsel")
+    pos, ok = selected_keys(idx, valid, spec, torch.tensor([t], device=x.device))  # (B, G, 1, S)
     pos = pos.clamp(max=t)[:, :, 0]  # (B, G, S): only the selected keys are read
     gather = lambda x: x.transpose(1, 2).gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1])).transpose(1, 2)  # noqa: E731
     o_sel, _ = masked_attention(q, gather(ks), gather(vs), ok[:, :, None])
     lo = max(0, t - spec.w + 1)
-    kw, vw = cache.kv["kwin"][:, lo:], cache.kv["vwin"][:, lo:]
+    kw, vw = cache.get("kwin")[:, lo:], cache.get("vwin")[:, lo:]
     o_win, _ = masked_attention(q, kw, vw, torch.ones(1, kw.shape[1], dtype=torch.bool, device=x.device))
     gates = torch.sigmoid(attn.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, 1, attn.n_heads, 3)
     if attn.keep != (1.0, 1.0, 1.0):
@@ -104,8 +127,8 @@ class Decoder:
             if isinstance(block.attention, NSAAttention):
                 spec = block.attention.spec
                 if T >= spec.l:
-                    cache.append("kc", block.attention.compress_k(cache.kv["kcmp"]))
-                    cache.append("vc", block.attention.compress_v(cache.kv["vcmp"]))
+                    cache.append("kc", block.attention.compress_k(cache.get("kcmp")))
+                    cache.append("vc", block.attention.compress_v(cache.get("vcmp")))
             h = block(h, m.rope)
         self.t = T
         return m.output(m.norm(h))

@@ -113,3 +113,15 @@ def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0
         idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
         valid = candidate.expand(B, n_groups, C, Ns).gather(-1, idx)
     return idx, valid
+
+
+def selected_keys(idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, t: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key positions of the chosen blocks and which of them a query may read.
+
+    idx, valid: (B, G, C, n') from `select_blocks`; t: (C,) query positions.
+    Returns pos (B, G, C, n'*l') and ok (same shape): a real candidate block, key <= t.
+    """
+    pos = (idx[..., None] * spec.l_sel + torch.arange(spec.l_sel, device=idx.device)).flatten(-2)
+    ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= t[:, None])  # causal inside the current block
+    return pos, ok

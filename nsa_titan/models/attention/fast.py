@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .common import NSASpec, cmp_to_sel_map, masked_softmax, select_blocks
+from .common import NSASpec, cmp_to_sel_map, masked_softmax, select_blocks, selected_keys
 
 CHUNK = 64
 """Queries per chunk: bounds the working set (C x n x l' gathered keys per KV group)."""
@@ -55,8 +55,7 @@ def _chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor
 
     # sel: top-n blocks per (query, group) from the group-summed cmp probabilities.
     idx, valid = select_blocks(p_cmp.reshape(B, G * r, C, Nv), spec, G, t0=t0, T=T, sel_map=sel_map)  # (B, G, C, n')
-    pos = (idx[..., None] * spec.l_sel + torch.arange(spec.l_sel, device=dev)).flatten(-2)  # (B, G, C, n'*l')
-    ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= t[:, None])  # causal inside the current block
+    _, ok = selected_keys(idx, valid, spec, t)  # (B, G, C, n'*l')
     # Whole blocks are copied (index_select of l' x D rows), not single keys.
     Ns = ks.shape[2] // spec.l_sel
     flat = (torch.arange(B * G, device=dev).view(B, G, 1, 1) * Ns + idx).flatten()  # (B*G*C*n',)
