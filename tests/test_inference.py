@@ -99,3 +99,11 @@ def test_bad_checkpoint_or_config_is_a_clear_error(trained, tmp_path):
     mismatch = run(str(trained / "checkpoint" / "step-6"), "--config", str(other))
     assert mismatch.returncode == 2
     assert re.search(r"does not fit the config's model \(first differences: .*saved, .* here\)", mismatch.stderr)
+
+
+def test_evaluate_under_torchrun_shards_the_split(trained):
+    proc = torchrun(["-m", "nsa_titan.evaluate", str(trained / "checkpoint" / "step-6"), "--batches", "2"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(r"validation: loss ([\d.]+) \| perplexity [\d.]+ \| bits/byte [\d.]+ \| 2 batches, ([\d,]+) tokens",
+                     proc.stdout)
+    assert line and int(line.group(2).replace(",", "")) == 2 * 2 * 4 * 64  # 2 ranks x 2 batches x 4 x 64 tokens
