@@ -403,7 +403,7 @@ def _split_overrides(args: list[str]) -> tuple[Path, bool, list[tuple[str, str |
         if name in ("config", "job.config_file"):
             if not has_value:
                 raise ConfigError("--config needs a file path, e.g. --config train_configs/m7c.toml")
-            config_path = Path(value)
+            config_path = Path(resolve_path(value))  # from the working directory, else the repository
         elif name == "print_config":
             print_config = value.lower() != "false" if has_value else True
         else:
