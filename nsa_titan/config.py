@@ -171,7 +171,7 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 means world_size / data_parallel_replicate_degree."""
     data_parallel_replicate_degree: int = 1
-    """HSDP replicas (across nodes); 1 means plain FSDP."""
+    """HSDP replicas (across nodes); 1 means plain FSDP; -1 means world_size / data_parallel_shard_degree."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default`: reshard every block but not the root (its params are used at once in backward)."""
 
@@ -525,8 +525,16 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     ck.initial_load_path = resolve_path(ck.initial_load_path)
 
     # Mesh degrees: replicate x shard must equal the world size.
+    _require(not (p.data_parallel_replicate_degree == -1 and p.data_parallel_shard_degree == -1),
+             "[parallelism] data_parallel_replicate_degree and data_parallel_shard_degree are both -1: set one of "
+             "them (e.g. the shard degree to the GPUs per node) and the other is inferred")
+    if p.data_parallel_replicate_degree == -1:
+        _require(p.data_parallel_shard_degree >= 1 and world_size % p.data_parallel_shard_degree == 0,
+                 f"[parallelism] data_parallel_shard_degree = {p.data_parallel_shard_degree} does not divide the "
+                 f"world size {world_size}")
+        p.data_parallel_replicate_degree = world_size // p.data_parallel_shard_degree
     _require(p.data_parallel_replicate_degree >= 1,
-             f"[parallelism] data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: must be >= 1")
+             f"[parallelism] data_parallel_replicate_degree = {p.data_parallel_replicate_degree}: must be >= 1 or -1")
     if p.data_parallel_shard_degree == -1:
         _require(world_size % p.data_parallel_replicate_degree == 0,
                  f"[parallelism] data_parallel_replicate_degree = {p.data_parallel_replicate_degree} "

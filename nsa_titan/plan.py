@@ -14,6 +14,7 @@ and the step time and tokens/s at the given peak and MFU. Exit code 1 when it do
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import warnings
 from collections import defaultdict
@@ -81,7 +82,8 @@ def activation_bytes(cfg: JobConfig) -> float:
     What a block keeps for backward is measured on one real block at two short lengths and
     extrapolated to seq_len as a*T + b*T^2 (the b term is the reference NSA's T x T masks).
     AC none keeps every block's; a checkpointed block keeps its input only, and one block's
-    worth is rebuilt during its recompute. Plus the fp32 logits the loss keeps.
+    worth is rebuilt during its recompute. Plus the fp32 log-probabilities the loss keeps and
+    their gradient, alive together when backward starts.
     """
     m, t = cfg.model, cfg.training
     T1 = min(t.seq_len, max(256, m.window_size, 2 * m.sel_block_size))
@@ -96,8 +98,61 @@ def activation_bytes(cfg: JobConfig) -> float:
         1 for i in range(m.n_layers)
         if ac.first_layer <= i <= last and (ac.mode == "full" or (i + 1) % ac.every_n_layers == 0))
     block_input = t.local_batch_size * t.seq_len * m.dim * DTYPES[t.mixed_precision_param].itemsize
-    logits = t.local_batch_size * t.seq_len * m.vocab_size * 4
+    # The loss keeps fp32 log-probabilities, and backward starts by materialising their gradient.
+    logits = 2 * t.local_batch_size * t.seq_len * m.vocab_size * 4
     return (m.n_layers - wrapped) * per_block + wrapped * block_input + (per_block if wrapped else 0) + logits
+
+
+def measured_activation_peak(cfg: JobConfig) -> float:
+    """Peak bytes of tensors alive during one real forward + backward of the whole model on this
+    machine (parameters and gradients allocated before; the allocator's cache not counted):
+    the CUDA allocator's peak on a GPU, the profiler's allocation events on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .parallel import apply_ac
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[cfg.training.mixed_precision_param]
+    model = Transformer(cfg.model, cfg.training.seq_len).to(device)
+    model.init_weights(0)
+    model.to(dtype)
+    apply_ac(model, cfg.activation_checkpoint)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len + 1),
+                           device=device)
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return float(torch.cuda.max_memory_allocated() - base)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                            if e.self_cpu_memory_usage):
+        live += change
+        peak = max(peak, live)
+    return float(peak)
+
+
+def check_activations(cfg: JobConfig) -> tuple[float, float, JobConfig]:
+    """Predicted vs measured activation memory on this machine, for the config cut to a size it
+    can run (at most 2 blocks, seq 1024, micro-batch 1, fp32 on a CPU)."""
+    small = copy.deepcopy(cfg)
+    small.model.n_layers = min(cfg.model.n_layers, 2)
+    small.training.seq_len = min(cfg.training.seq_len, 1024)
+    small.training.local_batch_size = 1
+    if not torch.cuda.is_available():
+        small.training.mixed_precision_param = "float32"
+    small.activation_checkpoint.last_layer = -1
+    return activation_bytes(small), measured_activation_peak(small), small
 
 
 def make_plan(cfg: JobConfig, world_size: int, peak_flops: float, mfu: float) -> Plan:
@@ -162,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
     parser.add_argument("--peak_tflops", type=float, default=989.0, help="bf16 peak of one GPU (H100: 989)")
     parser.add_argument("--mfu", type=float, default=0.4)
+    parser.add_argument("--check_activations", action="store_true",
+                        help="also run the config, cut to a size this machine can run, and compare the activation "
+                             "estimate with the measured peak")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg, _ = load_config(rest, world_size=args.world_size)
@@ -177,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(cfg, args.world_size, args.peak_tflops * 1e12, args.mfu)
     finally:
         dist.destroy_process_group()
-    return 0 if report(plan, cfg, args.world_size, args.gpu_memory_gib, args.peak_tflops * 1e12, args.mfu) else 1
+    fits = report(plan, cfg, args.world_size, args.gpu_memory_gib, args.peak_tflops * 1e12, args.mfu)
+    if args.check_activations:
+        predicted, measured, small = check_activations(cfg)
+        print(f"activation check on this machine ({small.model.n_layers} blocks, seq {small.training.seq_len}, "
+              f"micro-batch 1, {small.training.mixed_precision_param}): predicted {predicted / GIB:.3f} GiB, "
+              f"measured peak {measured / GIB:.3f} GiB ({predicted / measured:.2f}x)")
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from nsa_titan import train
-from nsa_titan.config import JobConfig, load_config, parse_args
+from nsa_titan.config import ConfigError, JobConfig, load_config, parse_args
 
 from conftest import ROOT
 
@@ -101,6 +101,17 @@ def test_derived_values_filled_in():
     assert cfg.training.global_batch_size == 32  # 8 local x 2 ranks x 2 accumulation steps
     cfg, _ = load_config(["--parallelism.data_parallel_replicate_degree", "2"], world_size=4)
     assert cfg.parallelism.data_parallel_shard_degree == 2 and cfg.training.global_batch_size == 32
+
+
+def test_hsdp_degrees_inferred_from_either_side():
+    cfg, _ = load_config(["--parallelism.data_parallel_replicate_degree", "-1",
+                          "--parallelism.data_parallel_shard_degree", "8"], world_size=64)
+    assert (cfg.parallelism.data_parallel_replicate_degree, cfg.parallelism.data_parallel_shard_degree) == (8, 8)
+    with pytest.raises(ConfigError, match="both -1"):
+        load_config(["--parallelism.data_parallel_replicate_degree", "-1"], world_size=8)
+    with pytest.raises(ConfigError, match="data_parallel_shard_degree = 3 does not divide the world size 8"):
+        load_config(["--parallelism.data_parallel_replicate_degree", "-1",
+                     "--parallelism.data_parallel_shard_degree", "3"], world_size=8)
 
 
 def test_print_config_is_a_toml_that_reproduces_the_run(tmp_path, capsys):

@@ -101,3 +101,18 @@ def test_activation_estimate_matches_the_memory_a_whole_model_keeps_for_backward
         F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten())
     measured = sum(seen.values())
     assert activation_bytes(cfg) == pytest.approx(measured, rel=0.25)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("model", ["tiny", "m7c"])
+def test_activation_estimate_within_25_percent_of_the_measured_peak(ac, model):
+    """The peak of live tensor bytes over a real forward + backward on this CPU (profiler
+    allocation events), fast NSA attention, activation checkpointing off and full."""
+    from nsa_titan.plan import check_activations
+
+    base = ([*TINY, "--model.n_layers", "4", "--training.seq_len", "512", "--model.attn_impl", "fast"]
+            if model == "tiny" else ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.vocab_size", "4096"])
+    cfg, _ = load_config([*base, "--activation_checkpoint.mode", ac], world_size=1)
+    predicted, measured, small = check_activations(cfg)
+    assert small.training.local_batch_size == 1 and small.model.n_layers == 2
+    assert predicted == pytest.approx(measured, rel=0.25), (predicted, measured)
