@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .config import ConfigError, JobConfig, load_config
