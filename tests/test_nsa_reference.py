@@ -9,7 +9,7 @@ import torch
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import (
-    NSASpec, cmp_to_sel_map, cmp_visibility, dense_causal, nsa_reference, select_blocks,
+    NSASpec, cmp_visibility, sel_members, dense_causal, nsa_reference, select_blocks,
 )
 from nsa_titan.models.transformer import NSAAttention, Transformer, rope_tables
 
@@ -78,20 +78,31 @@ def naive_nsa(q, kc, vc, ks, vs, kw, vw, gates, spec: NSASpec) -> torch.Tensor:
     return out
 
 
-def test_cmp_to_sel_map_hand_worked():
+def members_of(spec: NSASpec, T: int) -> list[set[int]]:
+    m = sel_members(spec, T, torch.device("cpu"))
+    return [set(i for i in row.tolist() if i < spec.num_cmp_blocks(T)) for row in m]
+
+
+def test_sel_members_hand_worked():
     # Paper sizes l=32, d=16, l'=64 at T=256: 15 cmp blocks, 4 sel blocks.
     spec = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
-    m = cmp_to_sel_map(spec, 256, torch.device("cpu"))
-    assert m.shape == (15, 4)
-    cols = [set(torch.nonzero(m[:, j]).flatten().tolist()) for j in range(4)]
+    cols = members_of(spec, 256)
+    assert len(cols) == 4
     # sel block 0 = keys [0, 64): cmp blocks 0 [0,32), 1 [16,48), 2 [32,64), 3 [48,80).
     assert cols[0] == {0, 1, 2, 3}
     # sel block 1 = keys [64, 128): cmp blocks 3 [48,80) .. 7 [112,144).
     assert cols[1] == {3, 4, 5, 6, 7}
     assert cols[3] == {11, 12, 13, 14}  # [176,208) .. [224,256); block 15 would be incomplete
     # With l = d = l' the mapping is the identity: p_sel = p_cmp.
-    eq = NSASpec(l=16, d=16, l_sel=16, n=4, w=64)
-    assert torch.equal(cmp_to_sel_map(eq, 64, torch.device("cpu")), torch.eye(4))
+    assert members_of(NSASpec(l=16, d=16, l_sel=16, n=4, w=64), 64) == [{0}, {1}, {2}, {3}]
+
+
+@pytest.mark.parametrize("l,d,l_sel,T", [(32, 16, 64, 300), (8, 4, 16, 101), (12, 5, 16, 97), (16, 16, 32, 70), (8, 8, 8, 5)])
+def test_sel_members_are_the_overlapping_cmp_blocks(l, d, l_sel, T):
+    spec = NSASpec(l=l, d=d, l_sel=l_sel, n=4, w=16)
+    want = [{i for i in range(spec.num_cmp_blocks(T)) if i * d < (j + 1) * l_sel and i * d + l > j * l_sel}
+            for j in range(spec.num_sel_blocks(T))]
+    assert members_of(spec, T) == want
 
 
 def test_cmp_visibility_hand_worked():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import NSASpec, cmp_to_sel_map, cmp_visibility, masked_attention, select_blocks
+from .attention import cmp_visibility, masked_attention, select_blocks
 from .attention.common import selected_keys
 from .transformer import DenseAttention, NSAAttention, Transformer, apply_rope
 
@@ -25,16 +25,6 @@ class LayerCache:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self.length: dict[str, int] = {}
-        self.sel_map: torch.Tensor | None = None  # cmp_to_sel_map for `sel_map_keys` keys
-        self.sel_map_keys = 0
-
-    def sel_map_for(self, spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
-        """cmp_to_sel_map(spec, T), cut from one map built for a capacity that doubles: M[i, j]
-        depends on i and j only, so a smaller T is its top-left corner."""
-        if T > self.sel_map_keys:
-            self.sel_map_keys = 2 * max(T, spec.l_sel)
-            self.sel_map = cmp_to_sel_map(spec, self.sel_map_keys, device)
-        return self.sel_map[:spec.num_cmp_blocks(T), :spec.num_sel_blocks(T)]
 
     def append(self, name: str, x: torch.Tensor) -> torch.Tensor:
         n = self.length.get(name, 0)
@@ -88,7 +78,7 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
     kc, vc = cache.get("kc"), cache.get("vc")
     kc, vc = (empty, empty) if kc is None else (kc, vc)
     o_cmp, p_cmp = masked_attention(q, kc, vc, torch.ones(1, kc.shape[1], dtype=torch.bool, device=x.device))
-    idx, valid = select_blocks(p_cmp, spec, G, t0=t, T=t + 1, sel_map=cache.sel_map_for(spec, t + 1, x.device))
+    idx, valid = select_blocks(p_cmp, spec, G, t0=t, T=t + 1)
     ks, vs = cache.get("ksel"), cache.get("vsel")
     pos, ok = selected_keys(idx, valid, spec, torch.tensor([t], device=x.device))  # (B, G, 1, S)
     pos = pos.clamp(max=t)[:, :, 0]  # (B, G, S): only the selected keys are read

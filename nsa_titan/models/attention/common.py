@@ -56,19 +56,22 @@ def cmp_visibility(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
     return (i * spec.d + spec.l - 1)[None, :] <= t[:, None]
 
 
-def cmp_to_sel_map(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
-    """(Nc, Ns) 0/1 float: M[i, j] = 1 iff cmp block i overlaps sel block j.
+def sel_members(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
+    """(Ns, K) long: the cmp blocks whose probabilities make up each sel block's score.
 
     The paper's Eq. 9 mapping, stated exactly: a selection block's importance is the sum of
     the cmp probabilities of every compression block sharing at least one key with it,
     i.e. i*d < (j+1)*l' and i*d + l > j*l'. For l=32, d=16, l'=64, sel block j collects
     cmp blocks 4j-1 .. 4j+3 (those that exist). With l = d = l' it is the identity.
+    Those blocks are consecutive; rows are padded with Nc, an index past the last block.
     """
-    i = torch.arange(spec.num_cmp_blocks(T), device=device)[:, None]
-    j = torch.arange(spec.num_sel_blocks(T), device=device)[None, :]
-    start = i * spec.d
-    overlaps = (start < (j + 1) * spec.l_sel) & (start + spec.l > j * spec.l_sel)
-    return overlaps.float()
+    Nc, Ns = spec.num_cmp_blocks(T), spec.num_sel_blocks(T)
+    j = torch.arange(Ns)
+    lo = torch.clamp(torch.div(j * spec.l_sel - spec.l, spec.d, rounding_mode="floor") + 1, min=0)
+    hi = torch.clamp(-torch.div(-(j + 1) * spec.l_sel, spec.d, rounding_mode="floor") - 1, max=Nc - 1)
+    K = max(1, -(-(spec.l + spec.l_sel) // spec.d))  # an upper bound on hi - lo + 1
+    i = lo[:, None] + torch.arange(K)
+    return torch.where(i <= hi[:, None], i, Nc).to(device)
 
 
 def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -82,36 +85,44 @@ def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return e / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0, T: int | None = None,
-                  sel_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0, T: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the top-n sel blocks per (query, KV group) from the cmp probabilities.
 
     p_cmp: (B, H, C, Nc) softmax probabilities of the cmp branch (0 where not visible) for the
-    queries t0 .. t0 + C - 1 of a sequence of T keys (default: C, from 0); `sel_map` is
-    cmp_to_sel_map(spec, T) when the caller has it already.
+    queries t0 .. t0 + C - 1 of a sequence of T keys (default: C, from 0). Scores are summed
+    over the query heads of a group (Eq. 10), then `choose_blocks`.
+    """
+    B, H, C, Nc = p_cmp.shape
+    with torch.no_grad():
+        p_group = p_cmp.view(B, n_groups, H // n_groups, C, Nc).sum(2)  # (B, G, C, Nc)
+    return choose_blocks(p_group, spec, t0, C if T is None else T)
+
+
+def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
+    first Nv <= Nc cmp blocks are all that queries t0 .. t0 + C - 1 can see.
+
     Returns idx (B, G, C, n') long and valid (B, G, C, n') bool, n' = min(n, Ns): the chosen
     block indices (descending score) and whether each is a real candidate (j*l' <= t).
-    Scores are summed over the query heads of a group (Eq. 10); block 0 and the 2 local
-    blocks are forced. Ties keep the lower block index (a stable sort), so every
-    implementation picks the same set. No gradient flows through the choice.
+    Block 0 and the 2 local blocks are forced. Ties keep the lower block index (a stable
+    sort), so every implementation picks the same set. No gradient flows through the choice.
     """
     with torch.no_grad():
-        B, H, C, Nc = p_cmp.shape
-        T = C if T is None else T
-        if sel_map is None:
-            sel_map = cmp_to_sel_map(spec, T, p_cmp.device)
-        Ns = sel_map.shape[1]
-        p_group = p_cmp.float().view(B, n_groups, H // n_groups, C, Nc).sum(2)  # (B, G, C, Nc)
-        scores = p_group @ sel_map[:Nc]  # (B, G, C, Ns)
-        t = torch.arange(t0, t0 + C, device=p_cmp.device)[:, None]
-        j = torch.arange(Ns, device=p_cmp.device)[None, :]
+        B, G, C, Nv = p_group.shape
+        members = sel_members(spec, T, p_group.device).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
+        Ns = members.shape[0]
+        padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)
+        scores = padded[..., members].sum(-1)  # (B, G, C, Ns)
+        t = torch.arange(t0, t0 + C, device=p_group.device)[:, None]
+        j = torch.arange(Ns, device=p_group.device)[None, :]
         jt = t // spec.l_sel  # the block holding t
         candidate = j <= jt  # (C, Ns)
         forced = (j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL))
         scores = scores.masked_fill(forced, float("inf")).masked_fill(~candidate, float("-inf"))
         n = min(spec.n, Ns)
         idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
-        valid = candidate.expand(B, n_groups, C, Ns).gather(-1, idx)
+        valid = candidate.expand(B, G, C, Ns).gather(-1, idx)
     return idx, valid
 
 
