@@ -35,9 +35,10 @@ class Job:
 class Model:
     attention: Literal["nsa", "dense"] = "nsa"
     """`nsa`: native sparse attention; `dense`: plain causal attention, the baseline."""
-    attn_impl: Literal["reference", "fast"] = "reference"
-    """NSA implementation: `reference`, the exact definition (dense per-branch masks, O(T^2)
-    memory); `fast`, chunked and sparse (memory linear in T; see benchmarks/README.md for speed)."""
+    attn_impl: Literal["fast", "reference"] = "fast"
+    """NSA implementation: `fast`, sparse (cost grows with the keys attended, memory linear in
+    T; Triton / flash-attn on GPUs when installed); `reference`, the exact definition with
+    dense per-branch masks (O(T^2) memory), the yardstick."""
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 4

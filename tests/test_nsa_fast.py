@@ -130,3 +130,47 @@ def test_fast_backward_does_not_keep_per_chunk_scores(small_chunks):
     # The largest saved tensor is an input or the output (12 x 512 x 16), never a score block
     # (one sel chunk's scores alone would be 12 x 40 x 80, all T x T ones 12 x 512 x 512).
     assert largest <= 12 * T * 16, largest
+
+
+def flash_attn_as_documented(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """flash_attn_func as flash-attn documents it: q (B, Sq, H, D), k, v (B, Sk, G, D) with G | H;
+    query i reads keys j in [i + Sk - Sq - left, i + Sk - Sq + right] (-1: unbounded), and
+    j <= i + Sk - Sq when causal. Dense, for checking how nsa_fast calls it."""
+    B, Sq, H, D = q.shape
+    Sk, G = k.shape[1], k.shape[2]
+    i = torch.arange(Sq)[:, None] + Sk - Sq
+    j = torch.arange(Sk)[None, :]
+    ok = torch.ones(Sq, Sk, dtype=torch.bool)
+    if window_size[0] >= 0:
+        ok &= j >= i - window_size[0]
+    if window_size[1] >= 0:
+        ok &= j <= i + window_size[1]
+    if causal:
+        ok &= j <= i
+    k, v = k.repeat_interleave(H // G, 2), v.repeat_interleave(H // G, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (softmax_scale or D**-0.5)
+    return torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(~ok, float("-inf")).softmax(-1), v)
+
+
+def test_window_branch_calls_flash_attn_as_documented(monkeypatch):
+    """On GPUs with flash-attn the win branch is flash_attn_func's sliding window; checked here
+    with a stand-in written from its documentation (flash-attn itself needs CUDA)."""
+    calls = []
+
+    def standin(*args, **kwargs):
+        calls.append(kwargs)
+        return flash_attn_as_documented(*args, **kwargs)
+
+    monkeypatch.setattr(fast_module, "flash_attn_func", standin)
+    monkeypatch.setattr(fast_module, "_flash_usable", lambda q: True)
+    args = random_inputs(2, 90, 12, 2, 16, SPEC, seed=4)
+    for a in args:
+        a.requires_grad_(True)
+    ref = nsa_reference(*args, SPEC)
+    grads_ref = torch.autograd.grad(ref.square().sum(), args)
+    out = nsa_fast(*args, SPEC)
+    grads = torch.autograd.grad(out.square().sum(), args)
+    assert calls == [{"causal": True, "window_size": (SPEC.w - 1, 0)}]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for name, gf, gr in zip(("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"), grads, grads_ref):
+        torch.testing.assert_close(gf, gr, rtol=1e-9, atol=1e-11, msg=name)

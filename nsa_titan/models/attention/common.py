@@ -66,12 +66,12 @@ def sel_members(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
     Those blocks are consecutive; rows are padded with Nc, an index past the last block.
     """
     Nc, Ns = spec.num_cmp_blocks(T), spec.num_sel_blocks(T)
-    j = torch.arange(Ns)
+    j = torch.arange(Ns, device=device)
     lo = torch.clamp(torch.div(j * spec.l_sel - spec.l, spec.d, rounding_mode="floor") + 1, min=0)
     hi = torch.clamp(-torch.div(-(j + 1) * spec.l_sel, spec.d, rounding_mode="floor") - 1, max=Nc - 1)
     K = max(1, -(-(spec.l + spec.l_sel) // spec.d))  # an upper bound on hi - lo + 1
-    i = lo[:, None] + torch.arange(K)
-    return torch.where(i <= hi[:, None], i, Nc).to(device)
+    i = lo[:, None] + torch.arange(K, device=device)
+    return torch.where(i <= hi[:, None], i, Nc)
 
 
 def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -16,15 +16,21 @@ No T x T tensor exists, nothing data-dependent reaches Python, and the loops are
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 
-from .common import NSASpec, choose_blocks
+from . import triton_sel
+from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, choose_blocks
+
+try:
+    from flash_attn import flash_attn_func
+except ImportError:  # optional GPU extra
+    flash_attn_func = None
 
 CHUNK_CMP = 256
 """Queries per cmp chunk."""
-CHUNK_WIN = 128
+CHUNK_WIN = 64
 """Queries per win chunk: the chunk reads C + w - 1 keys for its C windows of w."""
 CHUNK_SEL = 4096
 """Queries per sel chunk: bounds the gathered rows (C x n x heads x D per KV group)."""
@@ -116,22 +122,23 @@ class _Shared(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _tiles(idx: torch.Tensor, valid: torch.Tensor, t0: int, spec: NSASpec
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tiles of the (query, group) -> block choices of the queries t0 .. t0 + C - 1.
+def _tiles(idx: torch.Tensor, use: torch.Tensor, per_query: int, t0: int, spec: NSASpec
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiles of the (query, group) -> block choices `idx` (B, G, C, n') of queries t0 .. t0 + C - 1
+    where `use` (same shape) is True, at most `per_query` of them per (query, group).
 
-    idx, valid (B, G, C, n'). Returns rows (NT, R): each lane's chunk-local query row
-    (b*G + g)*C + c, or the dummy row B*G*C for an empty lane; bg, j (NT,): the (batch, group)
-    and the block shared by the tile; t (NT, R): each lane's position (-1 when empty).
-    NT = ceil(pairs / R) + B*G*Ns_c is a static bound (Ns_c: the blocks the chunk can choose).
+    Returns rows (NT, R): each lane's chunk-local query row (b*G + g)*C + c, or the dummy row
+    B*G*C for an empty lane; bg, j (NT,): the (batch, group) and the block shared by the tile.
+    NT = ceil(B*G*C*per_query / R) + B*G*Ns_c is a static bound (Ns_c: the blocks the chunk can
+    choose; each block leaves at most one tile part-filled).
     """
     B, G, C, n = idx.shape
     R, dev = TILE, idx.device
     Ns_c = (t0 + C - 1) // spec.l_sel + 1
     K, P = B * G * Ns_c, B * G * C * n
-    NT = -(-P // R) + K
+    NT = -(-B * G * C * per_query // R) + K
     bg = torch.arange(B * G, device=dev).view(B, G, 1, 1)
-    key = torch.where(valid, bg * Ns_c + idx, K).flatten()  # (P,): the block, K when not a candidate
+    key = torch.where(use, bg * Ns_c + idx, K).flatten()  # (P,): the block, K when not used
     row = (bg * C + torch.arange(C, device=dev).view(1, 1, C, 1)).expand(B, G, C, n).flatten()
     order = torch.argsort(key, stable=True)
     key, row = key[order], row[order]
@@ -145,28 +152,92 @@ def _tiles(idx: torch.Tensor, valid: torch.Tensor, t0: int, spec: NSASpec
     rows = torch.full(((NT + 1) * R,), B * G * C, dtype=torch.long, device=dev)
     rows = rows.scatter_(0, tile * R + rank % R, torch.where(real, row, B * G * C))[:NT * R].view(NT, R)
     block = torch.zeros(NT + 1, dtype=torch.long, device=dev).scatter_(0, tile, key)[:NT]
-    t = torch.where(rows < B * G * C, t0 + rows % C, -1)
-    return rows, block // Ns_c, block % Ns_c, t
-
-
-def _tile_scores(q: torch.Tensor, kb: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor,
-                 j: torch.Tensor, t: torch.Tensor, l_sel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gathered queries Qt (NT, R*r, D) and keys Kt = kb[blocks] (NT, l', D), and the masked
-    scores (NT, R, r, l') of each tile; q (rows + 1, r, D), already scaled by D^-1/2, ends with
-    the dummy (zero) row."""
-    NT, R = rows.shape
-    r, D = q.shape[1:]
-    qt = q.index_select(0, rows.flatten()).view(NT, R * r, D)
-    kt = kb.index_select(0, blocks)
-    s = (qt @ kt.transpose(1, 2)).view(NT, R, r, l_sel)
-    causal = (j[:, None] * l_sel + torch.arange(l_sel, device=j.device))[:, None, :] <= t[:, :, None]
-    return qt, kt, s.masked_fill_(~causal[:, :, None], float("-inf"))
+    return rows, block // Ns_c, block % Ns_c
 
 
 def _with_dummy(x: torch.Tensor) -> torch.Tensor:
-    """(B, G, C, r, ...) -> (B*G*C + 1, r, ...) with a trailing zero row for empty lanes."""
-    x = x.reshape(-1, *x.shape[3:])
+    """(BG, C, r, ...) -> (BG*C + 1, r, ...) with a trailing zero row for empty lanes."""
+    x = x.reshape(-1, *x.shape[2:])
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+
+def _pad_blocks(x: torch.Tensor, nb: int, L: int) -> torch.Tensor:
+    """(BG, C, ...) -> (BG, nb * L, ...), zero rows after C."""
+    pad = x.new_zeros(x.shape[0], nb * L - x.shape[1], *x.shape[2:])
+    return torch.cat([x, pad], 1)
+
+
+class _SelChunk:
+    """The selected keys of queries t0 .. t1 - 1 (t0 a multiple of l'), in three dense parts:
+      tiles: the blocks chosen by score (j <= jt - 2: wholly in the past, no mask);
+      loc:   the block holding t and the one before (jt - 1, jt), causal: per query block one
+             (l' * r) x 2l' product, no gather;
+      ini:   block 0 for queries with jt >= 2 (before that it is one of the local blocks).
+    Scores are of queries scaled by D^-1/2; masked entries are -inf."""
+
+    def __init__(self, qs: torch.Tensor, kbp: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                 t0: int, spec: NSASpec):
+        BG, C, r, D = qs.shape  # qs (BG, C, r, D); kbp (BG, Ns + 1, L, D): zero block, then block j at j + 1
+        L = spec.l_sel
+        self.BG, self.C, self.r, self.D, self.L = BG, C, r, D, L
+        self.j0, self.nb = t0 // L, -(-C // L)
+        self.a = max(0, min(C, 2 * L - t0))  # chunk rows from here on also read block 0 (ini)
+        dev = qs.device
+        jt = (torch.arange(t0, t0 + C, device=dev) // L)[:, None]  # (C, 1)
+        scored = valid & (idx > 0) & (idx < jt - 1)  # (B, G, C, n')
+        n_forced = N_FORCED_INITIAL + N_FORCED_LOCAL  # all chosen whenever a block is scored
+        self.rows, bg, j = _tiles(idx, scored, max(0, idx.shape[-1] - n_forced), t0, spec)
+        self.blocks = bg * kbp.shape[1] + j + 1
+        NT, R = self.rows.shape
+        self.qt = _with_dummy(qs).index_select(0, self.rows.flatten()).view(NT, R * r, D)
+        self.kt = kbp.flatten(0, 1).index_select(0, self.blocks)  # (NT, L, D)
+        self.s_t = (self.qt @ self.kt.transpose(1, 2)).view(NT, R, r, L)
+        # loc: query block b (position (j0 + b) * L + c) against keys of blocks j0 + b - 1, j0 + b.
+        self.q_loc = _pad_blocks(qs, self.nb, L).view(BG * self.nb, L * r, D)
+        self.k_loc = self.local_keys(kbp)
+        k = torch.arange(2 * L, device=dev)
+        c = torch.arange(L, device=dev)[:, None]
+        first = (torch.arange(self.nb, device=dev) + self.j0 == 0)[:, None, None]
+        ok = (k <= L + c) & ~(first & (k < L))  # (nb, L, 2L): causal; block -1 does not exist
+        s = (self.q_loc @ self.k_loc.transpose(1, 2)).view(BG, self.nb, L, r, 2 * L)
+        self.s_loc = s.masked_fill_(~ok[None, :, :, None, :], float("-inf"))
+        # ini: block 0 for rows a.. (t >= 2L), all of it in the past.
+        self.q_ini = qs[:, self.a:].reshape(BG, -1, D)
+        self.s_ini = (self.q_ini @ kbp[:, 1].transpose(1, 2)).view(BG, C - self.a, r, L)
+
+    def local_keys(self, xbp: torch.Tensor) -> torch.Tensor:
+        """(BG * nb, 2L, D): for query block b, blocks j0 + b - 1 and j0 + b of xbp (zero for block -1)."""
+        j0, nb = self.j0, self.nb
+        return torch.cat([xbp[:, j0:j0 + nb], xbp[:, j0 + 1:j0 + nb + 1]], 2).flatten(0, 1)
+
+    def per_lane(self, x: torch.Tensor) -> torch.Tensor:
+        """Row statistics (BG, C, r) -> (NT, R, r, 1) for the tiles' lanes (dummy lanes: 0)."""
+        NT, R = self.rows.shape
+        return _with_dummy(x).index_select(0, self.rows.flatten()).view(NT, R, self.r, 1)
+
+    def per_loc(self, x: torch.Tensor) -> torch.Tensor:
+        """(BG, C, r, ...) -> (BG, nb, L, r, ...) zero-padded, the loc layout."""
+        return _pad_blocks(x, self.nb, self.L).view(self.BG, self.nb, self.L, *x.shape[2:])
+
+    def scatter_local(self, dxbp: torch.Tensor, d_loc: torch.Tensor) -> None:
+        """Adds a (BG * nb, 2L, D) local-key gradient into dxbp (BG, Ns + 1, L, D)."""
+        j0, nb, L = self.j0, self.nb, self.L
+        d_loc = d_loc.view(self.BG, nb, 2 * L, -1)
+        dxbp[:, j0:j0 + nb] += d_loc[:, :, :L]
+        dxbp[:, j0 + 1:j0 + nb + 1] += d_loc[:, :, L:]
+
+
+def _key_blocks(x: torch.Tensor, L: int) -> torch.Tensor:
+    """(B, G, T, D) -> (B*G, Ns + 1, L, D): a zero block, then the key blocks (zero-padded past T)."""
+    B, G, T, D = x.shape
+    Ns = -(-T // L)
+    x = torch.nn.functional.pad(x.reshape(B * G, T, D), (0, 0, L, Ns * L - T))
+    return x.view(B * G, Ns + 1, L, D)
+
+
+def _sel_chunks(T: int, L: int) -> range:
+    """Chunk starts: CHUNK_SEL queries rounded to whole blocks of l'."""
+    return range(0, T, max(L, CHUNK_SEL // L * L))
 
 
 class _Selected(torch.autograd.Function):
@@ -176,57 +247,103 @@ class _Selected(torch.autograd.Function):
     def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec):
         """q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid (B, G, T, n') -> (B, G, T, r, D)."""
         B, G, T, r, D = q.shape
-        L, Ns = spec.l_sel, spec.num_sel_blocks(T)
-        pad = (0, 0, 0, Ns * L - T)
-        kb, vb = (torch.nn.functional.pad(x, pad).view(B * G * Ns, L, D) for x in (ks, vs))
+        kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
+        qs = q.reshape(B * G, T, r, D) * D**-0.5
         out, lse = torch.empty_like(q), q.new_empty(B, G, T, r)
-        for t0 in range(0, T, CHUNK_SEL):
-            t1 = min(T, t0 + CHUNK_SEL)
-            rows, bg, j, t = _tiles(idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec)
-            blocks = bg * Ns + j
-            _, _, s = _tile_scores(_with_dummy(q[:, :, t0:t1] * D**-0.5), kb, rows, blocks, j, t, L)
-            NT, R = rows.shape
-            lanes = rows.flatten()
-            m = s.new_full((B * G * (t1 - t0) + 1, r), float("-inf"))
-            m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), s.amax(-1).view(-1, r), "amax")
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # the dummy row
-            e = s.sub_(m.index_select(0, lanes).view(NT, R, r, 1)).exp_()  # in place: s is not needed again
-            total = torch.zeros_like(m).index_add_(0, lanes, e.sum(-1).view(-1, r))
-            o = (e.view(NT, R * r, L) @ vb.index_select(0, blocks)).view(NT * R, r, D)
-            o = q.new_zeros(m.shape[0], r, D).index_add_(0, lanes, o)[:-1]
-            out[:, :, t0:t1] = (o / total[:-1, :, None]).view(B, G, -1, r, D)
-            lse[:, :, t0:t1] = (m + torch.log(total))[:-1].view(B, G, -1, r)
-        ctx.save_for_backward(q, kb, vb, idx, valid, out, lse)
+        chunks = _sel_chunks(T, spec.l_sel)
+        for t0 in chunks:
+            t1 = min(T, t0 + chunks.step)
+            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec)
+            BG, C, a = ch.BG, ch.C, ch.a
+            lanes = ch.rows.flatten()
+            # Row maxima over all three parts, then one exp per score.
+            m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
+            m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
+            m = torch.maximum(m[:-1].view(BG, C, r), ch.s_loc.amax(-1).view(BG, -1, r)[:, :C])
+            m[:, a:] = torch.maximum(m[:, a:], ch.s_ini.amax(-1))  # finite: key t is always read
+            e_t = ch.s_t.sub_(ch.per_lane(m)).exp_()
+            e_loc = ch.s_loc.sub_(ch.per_loc(m)[..., None]).exp_()
+            e_ini = ch.s_ini.sub_(m[:, a:, :, None]).exp_()
+            total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
+            total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
+            total[:, a:] += e_ini.sum(-1)
+            o = (e_t.view(ch.qt.shape[0], -1, ch.L) @ vbp.flatten(0, 1).index_select(0, ch.blocks)).view(-1, r, D)
+            o = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
+            o += (e_loc.view(BG * ch.nb, -1, 2 * ch.L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
+            o[:, a:] += (e_ini.view(BG, -1, ch.L) @ vbp[:, 1]).view(BG, -1, r, D)
+            out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
+            lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
+        ctx.save_for_backward(q, ks, vs, idx, valid, out, lse)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, kb, vb, idx, valid, out, lse = ctx.saved_tensors
+        q, ks, vs, idx, valid, out, lse = ctx.saved_tensors
         spec = ctx.spec
         B, G, T, r, D = q.shape
-        L, Ns = spec.l_sel, spec.num_sel_blocks(T)
-        dq, dkb, dvb = torch.empty_like(q), torch.zeros_like(kb), torch.zeros_like(vb)
-        delta = (d_out * out).sum(-1, keepdim=True)  # (B, G, T, r, 1): sum over keys of p * dp
-        for t0 in range(0, T, CHUNK_SEL):
-            t1 = min(T, t0 + CHUNK_SEL)
-            rows, bg, j, t = _tiles(idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec)
-            blocks = bg * Ns + j
-            qt, kt, s = _tile_scores(_with_dummy(q[:, :, t0:t1] * D**-0.5), kb, rows, blocks, j, t, L)
-            NT, R = rows.shape
-            lanes = rows.flatten()
-            stats = _with_dummy(torch.cat([lse[:, :, t0:t1, :, None], delta[:, :, t0:t1]], -1))
-            stats = stats.index_select(0, lanes).view(NT, R, r, 2, 1)
-            p = s.sub_(stats[:, :, :, 0]).exp_()  # (NT, R, r, L); 0 where masked
-            dot = _with_dummy(d_out[:, :, t0:t1]).index_select(0, lanes).view(NT, R * r, D)
-            dvb.index_add_(0, blocks, p.view(NT, R * r, L).transpose(1, 2) @ dot)
-            ds = (dot @ vb.index_select(0, blocks).transpose(1, 2)).view_as(p)  # dp
-            ds = ds.sub_(stats[:, :, :, 1]).mul_(p).view(NT, R * r, L)  # p * (dp - delta)
-            dkb.index_add_(0, blocks, ds.transpose(1, 2) @ qt)
-            dq_c = q.new_zeros(B * G * (t1 - t0) + 1, r, D).index_add_(0, lanes, (ds @ kt).view(NT * R, r, D))
-            dq[:, :, t0:t1] = dq_c[:-1].view(B, G, -1, r, D) * D**-0.5
-        dks, dvs = (x.view(B, G, Ns * L, D)[:, :, :T] for x in (dkb, dvb))
-        return dq, dks, dvs, None, None, None
+        kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
+        dkbp, dvbp = torch.zeros_like(kbp), torch.zeros_like(vbp)
+        qs = q.reshape(B * G, T, r, D) * D**-0.5
+        d_out = d_out.reshape(B * G, T, r, D)
+        lse = lse.reshape(B * G, T, r)
+        delta = (d_out * out.reshape(B * G, T, r, D)).sum(-1)  # (BG, T, r): sum over keys of p * dp
+        dq = torch.empty_like(qs)
+        chunks = _sel_chunks(T, spec.l_sel)
+        for t0 in chunks:
+            t1 = min(T, t0 + chunks.step)
+            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec)
+            BG, C, a, L, nb = ch.BG, ch.C, ch.a, ch.L, ch.nb
+            lanes = ch.rows.flatten()
+            NT = ch.qt.shape[0]
+            do, ls, dl = d_out[:, t0:t1], lse[:, t0:t1], delta[:, t0:t1]
+            # tiles
+            p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
+            dot = _with_dummy(do).index_select(0, lanes).view(NT, -1, D)
+            vt = vbp.flatten(0, 1).index_select(0, ch.blocks)
+            dvbp.view(-1, L, D).index_add_(0, ch.blocks, p.view(NT, -1, L).transpose(1, 2) @ dot)
+            ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, -1, L)
+            dkbp.view(-1, L, D).index_add_(0, ch.blocks, ds.transpose(1, 2) @ ch.qt)
+            dqc = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, (ds @ ch.kt).view(-1, r, D))[:-1].view(BG, C, r, D)
+            # loc
+            p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, 2 * L)
+            do_loc = ch.per_loc(do).reshape(BG * nb, -1, D)
+            v_loc = ch.local_keys(vbp)
+            ch.scatter_local(dvbp, p.transpose(1, 2) @ do_loc)
+            ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, 2 * L).sub_(ch.per_loc(dl)[..., None])
+            ds = ds.view_as(p).mul_(p)
+            ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
+            dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
+            # ini
+            p = ch.s_ini.sub_(ls[:, a:, :, None]).exp_().view(BG, -1, L)
+            do_ini = do[:, a:].reshape(BG, -1, D)
+            dvbp[:, 1] += p.transpose(1, 2) @ do_ini
+            ds = (do_ini @ vbp[:, 1].transpose(1, 2)).view(BG, -1, r, L).sub_(dl[:, a:, :, None]).view_as(p).mul_(p)
+            dkbp[:, 1] += ds.transpose(1, 2) @ ch.q_ini
+            dqc[:, a:] += (ds @ kbp[:, 1]).view(BG, -1, r, D)
+            dq[:, t0:t1] = dqc * D**-0.5
+        dks, dvs = (x[:, 1:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
+        return dq.view(B, G, T, r, D), dks, dvs, None, None, None
+
+
+def _selected_function(q: torch.Tensor, spec: NSASpec) -> type[torch.autograd.Function]:
+    """The Triton kernels for CUDA tensors when Triton is installed and the shapes suit it (and
+    on CPU under TRITON_INTERPRET=1, to check them); the PyTorch tiles otherwise."""
+    wanted = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_sel.SelectedTriton if wanted and triton_sel.usable(q, spec) else _Selected
+
+
+def _flash_usable(q: torch.Tensor) -> bool:
+    """flash-attn installed, and inputs it takes: CUDA, fp16 or bf16."""
+    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec) -> torch.Tensor:
+    """The win branch by flash-attn's sliding window: q (B, T, H, D), k, v (B, T, G, D) ->
+    (B, G, T, r, D). Query t reads keys t - w + 1 .. t (window_size = (w - 1, 0))."""
+    B, T, H, D = q.shape
+    o = flash_attn_func(q, k, v, causal=True, window_size=(spec.w - 1, 0))  # (B, T, H, D)
+    return o.view(B, T, k.shape[2], H // k.shape[2], D).transpose(1, 2)
 
 
 def nsa_fast(
@@ -244,12 +361,23 @@ def nsa_fast(
     B, T, H, D = q.shape
     G = k_sel.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    # (B, G, T, r, D): the r = H/G query heads of a group side by side; keys (B, G, S, D).
+    if spec.n < N_FORCED_INITIAL + N_FORCED_LOCAL:
+        raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
+
+    def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Keys / values (B, S, G, D) -> (B, G, S, D)."""
+        return x.to(dtype).transpose(1, 2).contiguous()
+
+    # (B, G, T, r, D): the r = H/G query heads of a group side by side.
     qg = q.to(acc).view(B, T, G, H // G, D).transpose(1, 2).contiguous()
-    kc, vc, ks, vs, kw, vw = (x.to(acc).transpose(1, 2).contiguous() for x in (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win))
-    o_cmp, idx, valid = _Shared.apply(qg, kc, vc, "cmp", spec, T)
-    o_sel = _Selected.apply(qg, ks, vs, idx, valid, spec)
-    o_win, _, _ = _Shared.apply(qg, kw, vw, "win", spec, T)
+    o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T)
+    sel = _selected_function(qg, spec)
+    dt = acc if sel is _Selected else q.dtype  # the Triton kernels take bf16 / fp16 as they are
+    o_sel = sel.apply(qg.to(dt), grouped(k_sel, dt), grouped(v_sel, dt), idx, valid, spec).to(acc)
+    if _flash_usable(q):
+        o_win = _window_flash(q, k_win, v_win, spec).to(acc)
+    else:
+        o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T)
     g = gates.to(acc).view(B, T, G, H // G, 3).transpose(1, 2)
     out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win  # (B, G, T, r, D)
     return out.transpose(1, 2).reshape(B, T, H, D).to(q.dtype)

@@ -1,0 +1,140 @@
+"""The sel branch as Triton kernels (GPU), after the paper's group-centric kernel.
+
+One program per (query t, batch b, KV group g): it loads the query rows of all r heads of the
+group once (padded to at least 16 rows for tl.dot), walks the n chosen blocks of l' keys with an
+online softmax, and writes the r outputs and their logsumexps. The backward program recomputes
+each block's probabilities from the logsumexp, accumulates dQ in registers and adds dK, dV into
+fp32 buffers with atomics (several queries choose the same block). The loop is over n blocks,
+never over T; memory is the inputs and outputs.
+
+Used by `nsa_fast` on CUDA tensors when Triton is installed; checked on CPU against the PyTorch
+path under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: CPU machines run the PyTorch path
+    triton = None
+
+from .common import NSASpec
+
+AVAILABLE = triton is not None
+"""Whether the kernels can be used (Triton importable)."""
+
+if AVAILABLE:
+
+    @triton.jit
+    def _sel_fwd(Q, K, V, IDX, O, LSE, scale,
+                 sq_t, sk_t, si_t, slse_t, T,
+                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
+        t = tl.program_id(0)
+        bg = tl.program_id(1)  # b * G + g: q, o (B, G, T, r, D), k, v (B, G, T, D), idx (B, G, T, N)
+        rr = tl.arange(0, BLOCK_R)
+        dd = tl.arange(0, D)
+        ll = tl.arange(0, L)
+        q_off = bg * T * sq_t + t * sq_t + rr[:, None] * D + dd[None, :]
+        q = tl.load(Q + q_off, mask=rr[:, None] < R, other=0.0)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for i in range(N):
+            j = tl.load(IDX + bg * T * si_t + t * si_t + i)  # -1: not a candidate
+            pos = j * L + ll
+            ok = (pos >= 0) & (pos <= t)  # j = -1 gives negative positions
+            kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
+            k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m = m_new
+        o = acc / total[:, None]
+        tl.store(O + q_off, o.to(O.dtype.element_ty), mask=rr[:, None] < R)
+        tl.store(LSE + bg * T * slse_t + t * slse_t + rr, m + tl.log(total), mask=rr < R)
+
+    @triton.jit
+    def _sel_bwd(Q, K, V, IDX, DO, LSE, DELTA, DQ, DK, DV, scale,
+                 sq_t, sk_t, si_t, slse_t, T,
+                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
+        t = tl.program_id(0)
+        bg = tl.program_id(1)
+        rr = tl.arange(0, BLOCK_R)
+        dd = tl.arange(0, D)
+        ll = tl.arange(0, L)
+        q_off = bg * T * sq_t + t * sq_t + rr[:, None] * D + dd[None, :]
+        rows = rr[:, None] < R
+        q = tl.load(Q + q_off, mask=rows, other=0.0)
+        do = tl.load(DO + q_off, mask=rows, other=0.0)
+        stat_off = bg * T * slse_t + t * slse_t + rr
+        lse = tl.load(LSE + stat_off, mask=rr < R, other=float("inf"))  # padded rows: p = 0
+        delta = tl.load(DELTA + stat_off, mask=rr < R, other=0.0)
+        dq = tl.zeros([BLOCK_R, D], tl.float32)
+        for i in range(N):
+            j = tl.load(IDX + bg * T * si_t + t * si_t + i)
+            pos = j * L + ll
+            ok = (pos >= 0) & (pos <= t)  # j = -1 gives negative positions
+            kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
+            k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)  # (BLOCK_R, L)
+            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+            ds = p * (dp - delta[:, None]) * scale
+            dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)  # (L, D)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+            tl.atomic_add(DK + kv_off, dk, mask=ok[:, None])
+            tl.atomic_add(DV + kv_off, dv, mask=ok[:, None])
+        tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=rows)
+
+
+def usable(q: torch.Tensor, spec: NSASpec) -> bool:
+    """Triton importable and the shapes tl.dot takes: head dim and l' powers of two >= 16."""
+    D = q.shape[-1]
+    return AVAILABLE and all(x >= 16 and x & (x - 1) == 0 for x in (D, spec.l_sel))
+
+
+def _launch_args(q: torch.Tensor, idx: torch.Tensor, spec: NSASpec) -> dict:
+    B, G, T, r, D = q.shape
+    return dict(scale=D**-0.5, sq_t=r * D, sk_t=D, si_t=idx.shape[-1], slse_t=r, T=T, R=r,
+                BLOCK_R=max(16, triton.next_power_of_2(r)), D=D, L=spec.l_sel, N=idx.shape[-1])
+
+
+class SelectedTriton(torch.autograd.Function):
+    """Same contract as fast._Selected: q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid
+    (B, G, T, n') -> (B, G, T, r, D). Head dim and l' must be powers of two >= 16."""
+
+    @staticmethod
+    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec):
+        q, ks, vs = q.contiguous(), ks.contiguous(), vs.contiguous()
+        B, G, T, r, D = q.shape
+        idx32 = torch.where(valid, idx, -1).to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        lse = torch.empty(B, G, T, r, dtype=torch.float32, device=q.device)
+        _sel_fwd[(T, B * G)](q, ks, vs, idx32, out, lse, **_launch_args(q, idx32, spec))
+        ctx.save_for_backward(q, ks, vs, idx32, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, ks, vs, idx32, out, lse = ctx.saved_tensors
+        B, G, T, r, D = q.shape
+        d_out = d_out.contiguous()
+        delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, T, r)
+        dq = torch.empty_like(q)
+        dk = torch.zeros(ks.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        _sel_bwd[(T, B * G)](q, ks, vs, idx32, d_out, lse, delta, dq, dk, dv,
+                             **_launch_args(q, idx32, ctx.spec))
+        return dq, dk.to(ks.dtype), dv.to(vs.dtype), None, None, None
