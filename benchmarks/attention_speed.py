@@ -1,6 +1,6 @@
 """NSA attention speed and memory: fast vs reference vs dense SDPA vs the public peer, side by side.
 
-    python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--reference_max_T 4096]
+    python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--reference_max_T 4096] [--peer_max_T 8192]
 
 At the M7C attention shape (dim 768, 12 query heads, 2 KV groups, head dim 64; NSA l=32, d=16,
 l'=64, n=16, w=512), batch 1, fp32 on CPU (bf16 on a GPU), forward + backward of one attention
@@ -11,6 +11,9 @@ layer *module* on x (1, T, 768), projections included:
   dense      nsa_titan DenseAttention (causal scaled_dot_product_attention, same heads)
   peer       native_sparse_attention_pytorch.SparseAttention at the same configuration (if installed:
              `pip install native-sparse-attention-pytorch`)
+  fast-core, reference-core, dense-core
+             the attention function alone (nsa_fast / nsa_reference / causal SDPA) on random
+             q, k, v, compressed blocks and gates of those shapes: no projections
 
 Each (variant, T) runs in its own process: the median time of `--repeats` runs after one
 warm-up, and the peak resident memory it added. Also prints the algorithmic limit: the keys a
@@ -34,14 +37,33 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
-from nsa_titan.models.attention import NSASpec  # noqa: E402
+from nsa_titan.models.attention import NSA_IMPLS, NSASpec, dense_causal  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
            sel_top_n=16, window_size=512)
 
 
+def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module, object]:
+    """The attention function alone on random q, k, v (and cmp blocks, gates), no projections."""
+    spec = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+    g = torch.Generator().manual_seed(0)
+    heads = lambda n: torch.randn(1, T, n, 64, generator=g)  # noqa: E731
+    if impl == "dense":
+        shapes = [heads(12), heads(2), heads(2)]
+    else:
+        blocks = lambda: torch.randn(1, spec.num_cmp_blocks(T), 2, 64, generator=g)  # noqa: E731
+        shapes = [heads(12), blocks(), blocks(), heads(2), heads(2), heads(2), heads(2),
+                  torch.rand(1, T, 12, 3, generator=g)]
+    inputs = torch.nn.ParameterList(shapes).to(device)
+    if impl == "dense":
+        return inputs, lambda x: dense_causal(*inputs)
+    return inputs, lambda x: NSA_IMPLS[impl](*inputs, spec)
+
+
 def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, object]:
+    if variant.endswith("-core"):
+        return build_core(variant.removesuffix("-core"), T, device)
     if variant == "peer":
         from native_sparse_attention_pytorch import SparseAttention
 
@@ -93,6 +115,7 @@ def main() -> None:
     parser.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reference_max_T", type=int, default=4096)
+    parser.add_argument("--peer_max_T", type=int, default=8192, help="the peer runs out of memory above (24 GiB)")
     parser.add_argument("--variants", nargs="+", default=["fast", "reference", "dense", "peer"])
     parser.add_argument("--one", nargs=3, metavar=("VARIANT", "T", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,13 +133,15 @@ def main() -> None:
         dm, nm, dl, nl = keys_per_query(T)
         print(f"| {T} | {dm:,.0f}, {dl:,.0f} | {nm:,.0f}, {nl:,.0f} | {dm / nm:.2f}x |")
     print()
-    print("| T | variant | fwd+bwd median (s) | vs fast | peak memory added (GiB) |")
+    print(f"| T | variant | fwd+bwd median (s) | vs {args.variants[0]} | peak memory added (GiB) |")
     print("|---|---|---|---|---|")
     for T in args.T:
         results = {}
         for variant in args.variants:
-            if variant == "reference" and T > args.reference_max_T:
-                print(f"| {T} | reference | skipped (O(T^2) memory) | | |", flush=True)
+            limit = {"reference": args.reference_max_T, "reference-core": args.reference_max_T,
+                     "peer": args.peer_max_T}.get(variant, T)
+            if T > limit:
+                print(f"| {T} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
                 continue
             proc = subprocess.run([sys.executable, __file__, "--one", variant, str(T), str(args.repeats)],
                                   capture_output=True, text=True)
@@ -125,7 +150,8 @@ def main() -> None:
                 print(f"| {T} | {variant} | failed: {why[:80]} | | |", flush=True)
                 continue
             r = results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-            ratio = r["seconds"] / results["fast"]["seconds"] if "fast" in results else float("nan")
+            first = next(iter(results.values()))
+            ratio = r["seconds"] / first["seconds"]
             print(f"| {T} | {variant} | {r['seconds']:.2f} | {ratio:.2f}x | {r['peak_gib']:.2f} |", flush=True)
 
 

@@ -30,7 +30,7 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert all(int(m.group(2)) == 6 for m in lines)
     assert float(lines[-1].group(3)) < float(lines[0].group(3))
     assert "FSDP mesh {'dp_shard': 2}" in proc.stdout
-    assert "model: nsa attention (reference)" in proc.stdout
+    assert "model: nsa attention (fast)" in proc.stdout
     assert re.search(r"validation at step 6: loss [\d.]+ \| perplexity [\d.]+ \| 8 batches", proc.stdout)
     assert (dump / "config.toml").read_text().count("steps = 6") == 1
     events = EventAccumulator(str(dump / "tb"))

@@ -1,17 +1,23 @@
 """Fast NSA attention in PyTorch: the cost grows with the keys a query attends to, not with T^2.
 
-Each branch is a flash-style autograd Function: the forward keeps only its output and the
-logsumexp of each (query, head); the backward recomputes the scores once, chunk by chunk.
+Each branch is a flash-style autograd Function that keeps only its inputs (and, for sel, the
+output and the logsumexp of each (query, head)) and recomputes its scores once in backward,
+chunk by chunk: memory is linear in T and no T x T tensor exists.
   cmp, win (`_Shared`): chunks of queries against the keys the whole chunk may read, the Nv
       compressed keys visible to its last query, or the C + w - 1 keys covering its windows.
-      The query heads of a KV group are stacked, so a chunk is two matmuls per group. The cmp
-      forward also picks each chunk's sel blocks from its probabilities.
-  sel (`_Selected`): block-centric. The (query, group) -> block choices of a chunk are sorted
-      by block and cut into tiles of R queries that share one block, so a tile is a dense
-      (R * heads x D) @ (D x l') product over a block loaded once; the per-query results are
-      summed back with index_add. Gathered bytes: R queries' rows per block, not l' x D keys
-      per query. Tile counts have a static bound, so there is no host sync.
-No T x T tensor exists, nothing data-dependent reaches Python, and the loops are over chunks.
+      The r query heads of a KV group are stacked, so a chunk is two matmuls per group; only
+      the columns where the mask varies are masked. The cmp forward also picks each chunk's sel
+      blocks from its probabilities.
+  sel (`_Selected`, `_SelChunk`): in three dense parts per chunk. The forced blocks need no
+      gather: the block holding t and the one before are one (l' * r) x 2l' product per query
+      block, block 0 one product for all queries past the second block. The blocks chosen by
+      score are block-centric: the (query, group) -> block choices are sorted by block and cut
+      into tiles of R queries sharing one block, so a tile is a dense (R * r) x D @ D x l'
+      product over a block loaded once for all the group's heads (the paper's group-centric
+      sharing); what gets gathered is R query rows per block, not l' x D keys per query. Tile
+      counts have a static bound: no host sync, no data-dependent shapes.
+The loops are over chunks, never over tokens. On CUDA, sel runs as Triton kernels
+(`triton_sel.py`) and win through flash-attn when those are installed.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ class _Shared(torch.autograd.Function):
                 idx.append(chosen[0])
                 valid.append(chosen[1])
         ctx.save_for_backward(q, k, v)
-        ctx.kind, ctx.spec, ctx.T = kind, spec, T
+        ctx.kind, ctx.spec = kind, spec
         if kind != "cmp":
             return out, None, None
         idx, valid = torch.cat(idx, 2), torch.cat(valid, 2)
