@@ -24,6 +24,22 @@ def module_pair(H: int, G: int, D: int, spec: NSASpec, dtype: torch.dtype) -> tu
     return ref.to(dtype), fast.to(dtype)
 
 
+NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+
+
+def fast_and_reference(args: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None = None) -> list:
+    """[(output, gradients of every input)] of nsa_fast, then nsa_reference, for the loss
+    sum(out * grad_out) (default: sum(out^2))."""
+    for a in args:
+        a.requires_grad_(True)
+    results = []
+    for fn in (nsa_fast, nsa_reference):
+        out = fn(*args, SPEC)
+        loss = out.square().sum() if grad_out is None else (out * grad_out).sum()
+        results.append((out.detach(), torch.autograd.grad(loss, args)))
+    return results
+
+
 CASES = [  # (batch, T, H, G, D): T not a multiple of l, d or l'; T < l; T < l'; T < w; GQA 1, 6, 16
     (2, 5, 4, 4, 32),     # T < l: no compressed block at all
     (2, 13, 6, 1, 32),    # T < l' and T < w; MQA-like ratio 6
@@ -61,15 +77,9 @@ def test_fast_equals_reference_output_and_every_gradient(B, T, H, G, D, dtype, t
 
 @pytest.mark.parametrize("T", [40, 130])
 def test_fast_equals_reference_on_raw_branch_inputs_in_fp64(T):
-    args = random_inputs(2, T, 12, 2, 16, SPEC, seed=T)
-    for a in args:
-        a.requires_grad_(True)
-    ref = nsa_reference(*args, SPEC)
-    grads_ref = torch.autograd.grad(ref.square().sum(), args)
-    fast = nsa_fast(*args, SPEC)
-    grads_fast = torch.autograd.grad(fast.square().sum(), args)
+    (fast, grads_fast), (ref, grads_ref) = fast_and_reference(random_inputs(2, T, 12, 2, 16, SPEC, seed=T))
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
-    for name, gf, gr in zip(("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"), grads_fast, grads_ref):
+    for name, gf, gr in zip(NAMES, grads_fast, grads_ref):
         torch.testing.assert_close(gf, gr, rtol=1e-9, atol=1e-11, msg=name)
 
 
@@ -100,15 +110,10 @@ def small_chunks(monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_fast_equals_reference_across_many_chunks_and_tiles(small_chunks, T, dtype, tol):
     args = random_inputs(2, T, 12, 2, 16, SPEC, dtype=dtype, seed=T + 1)
-    for a in args:
-        a.requires_grad_(True)
-    ref = nsa_reference(*args, SPEC)
-    grad_out = torch.randn_like(ref)
-    grads_ref = torch.autograd.grad((ref * grad_out).sum(), args)
-    fast = nsa_fast(*args, SPEC)
-    grads_fast = torch.autograd.grad((fast * grad_out).sum(), args)
+    grad_out = torch.randn(args[0].shape, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    (fast, grads_fast), (ref, grads_ref) = fast_and_reference(args, grad_out)
     assert float((fast - ref).norm() / ref.norm()) < tol
-    for name, gf, gr in zip(("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"), grads_fast, grads_ref):
+    for name, gf, gr in zip(NAMES, grads_fast, grads_ref):
         assert float((gf - gr).norm() / gr.norm()) < tol, name
 
 
@@ -163,14 +168,8 @@ def test_window_branch_calls_flash_attn_as_documented(monkeypatch):
 
     monkeypatch.setattr(fast_module, "flash_attn_func", standin)
     monkeypatch.setattr(fast_module, "_flash_usable", lambda q: True)
-    args = random_inputs(2, 90, 12, 2, 16, SPEC, seed=4)
-    for a in args:
-        a.requires_grad_(True)
-    ref = nsa_reference(*args, SPEC)
-    grads_ref = torch.autograd.grad(ref.square().sum(), args)
-    out = nsa_fast(*args, SPEC)
-    grads = torch.autograd.grad(out.square().sum(), args)
+    (out, grads), (ref, grads_ref) = fast_and_reference(random_inputs(2, 90, 12, 2, 16, SPEC, seed=4))
     assert calls == [{"causal": True, "window_size": (SPEC.w - 1, 0)}]
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    for name, gf, gr in zip(("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"), grads, grads_ref):
+    for name, gf, gr in zip(NAMES, grads, grads_ref):
         torch.testing.assert_close(gf, gr, rtol=1e-9, atol=1e-11, msg=name)

@@ -29,6 +29,19 @@ AVAILABLE = triton is not None
 if AVAILABLE:
 
     @triton.jit
+    def _block(K, V, IDX, i, t, bg, T, sk_t, si_t, dd, ll, L: tl.constexpr):
+        """Keys and values (L, D) of query t's i-th chosen block, zero where it may not read;
+        the readable mask (L,) and the offsets. A block index of -1 (not a candidate) gives
+        negative positions, all masked."""
+        j = tl.load(IDX + bg * T * si_t + t * si_t + i)
+        pos = j * L + ll
+        ok = (pos >= 0) & (pos <= t)
+        kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
+        k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+        return k, v, ok, kv_off
+
+    @triton.jit
     def _sel_fwd(Q, K, V, IDX, O, LSE, scale,
                  sq_t, sk_t, si_t, slse_t, T,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
@@ -43,12 +56,7 @@ if AVAILABLE:
         total = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            j = tl.load(IDX + bg * T * si_t + t * si_t + i)  # -1: not a candidate
-            pos = j * L + ll
-            ok = (pos >= 0) & (pos <= t)  # j = -1 gives negative positions
-            kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
-            k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+            k, v, ok, kv_off = _block(K, V, IDX, i, t, bg, T, sk_t, si_t, dd, ll, L)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -80,12 +88,7 @@ if AVAILABLE:
         delta = tl.load(DELTA + stat_off, mask=rr < R, other=0.0)
         dq = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            j = tl.load(IDX + bg * T * si_t + t * si_t + i)
-            pos = j * L + ll
-            ok = (pos >= 0) & (pos <= t)  # j = -1 gives negative positions
-            kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
-            k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
+            k, v, ok, kv_off = _block(K, V, IDX, i, t, bg, T, sk_t, si_t, dd, ll, L)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)  # (BLOCK_R, L)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
