@@ -12,7 +12,12 @@
 #   RDZV_ENDPOINT  host:port of the c10d rendezvous (multi-node; e.g. the first node)
 #   RDZV_ID        job id shared by all nodes (default: nsa_titan)
 #   LOG_RANK       comma-separated ranks whose output is shown (default: all)
-#   SHUTDOWN_TIMEOUT  seconds ranks get to save a checkpoint after SIGTERM/SIGUSR1 (default 120)
+#   SHUTDOWN_TIMEOUT  seconds ranks get to save a checkpoint after SIGTERM/SIGUSR1/SIGINT (default 120)
+#   MAX_RESTARTS   times torchrun restarts every rank after one fails (default 0); each restart
+#                  resumes from the latest complete checkpoint
+#
+# Exit code: the trainer's (0 done or stopped by a signal after saving, 2 bad input, 3 halted on a
+# non-finite step, 124 a hang, 130 a second Ctrl-C, 128+N a rank killed by signal N, 1 a crash).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"
@@ -22,10 +27,11 @@ if [[ -z "${NGPU:-}" ]]; then
 fi
 NNODES="${NNODES:-1}"
 
-# SIGUSR1 too (Slurm's --signal=USR1@N): passed on to every rank, which saves and exits; ranks get
-# SHUTDOWN_TIMEOUT seconds to finish that checkpoint before torchrun kills them.
-args=(--nproc_per_node "${NGPU}" --nnodes "${NNODES}" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
-      --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}")
+# nsa_titan.launch is torchrun plus the stop signals (SIGTERM, SIGUSR1 as Slurm's --signal=USR1@N
+# sends, SIGINT): every rank saves and exits 0 within SHUTDOWN_TIMEOUT seconds. Config errors stop
+# it before any rank starts.
+args=(--nproc_per_node "${NGPU}" --nnodes "${NNODES}" --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}"
+      --max-restarts "${MAX_RESTARTS:-0}")
 if [[ "${NNODES}" == "1" && -z "${RDZV_ENDPOINT:-}" ]]; then
   args+=(--standalone)
 else
@@ -36,4 +42,4 @@ fi
 [[ -n "${LOG_RANK:-}" ]] && args+=(--local-ranks-filter "${LOG_RANK}")
 
 # Without --config the trainer uses train_configs/debug_model.toml.
-exec python3 -m torch.distributed.run "${args[@]}" -m nsa_titan.train "$@"
+exec python3 -m nsa_titan.launch "${args[@]}" -m nsa_titan.train "$@"

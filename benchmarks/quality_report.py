@@ -26,7 +26,7 @@ def train(attention: str, steps: int, every: int, dump: Path) -> dict[int, float
     subprocess.run([str(ROOT / "run_train.sh"), "--model.attention", attention, "--training.steps", str(steps),
                     "--validation.freq", str(every), "--validation.steps", "8", "--job.dump_folder", str(dump),
                     "--metrics.log_freq", "50"], check=True, capture_output=True, text=True)
-    events = EventAccumulator(str(dump / "tb"))
+    events = EventAccumulator(str(next((dump / "tb").iterdir())))  # the run's own subfolder
     events.Reload()
     return {e.step: e.value for e in events.Scalars("validation/loss")}
 

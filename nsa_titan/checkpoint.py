@@ -36,7 +36,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
@@ -197,13 +199,42 @@ class _KillAfterWrite(FileSystemWriter):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _root_cause(error: BaseException) -> tuple[str, bool]:
+    """One line for why a save failed, and whether it is an OSError (disk full, permission): that one
+    if DCP's wrapped per-rank failures hold one, else the first wrapped exception."""
+    todo: list[Any] = [error]
+    found: list[BaseException] = []
+    while todo and len(found) < 100:
+        e = todo.pop(0)
+        if isinstance(e, tuple):  # DCP's wrapped exception: (exception, stack summary)
+            todo += [x for x in e if isinstance(x, BaseException)]
+        elif isinstance(e, BaseException) and e not in found:
+            found.append(e)
+            if isinstance(e, OSError):
+                return str(e), True
+            todo += [x for x in (e.__cause__, e.__context__, *getattr(e, "failures", {}).values()) if x is not None]
+    cause = found[1] if len(found) > 1 else error  # found[0] is DCP's summary of every rank's traceback
+    return f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}", False
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested state dict."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
 class CheckpointManager:
-    """Saves and restores everything a run needs to continue exactly; preemption-aware."""
+    """Saves and restores everything a run needs to continue exactly."""
 
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
                  dp_rank: int, kill_in_save_step: int = 0):
-        self.cfg, self.config_toml, self.model = cfg, config_toml, model
+        self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
         self.folder = Path(dump_folder) / cfg.folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.train_state, self.dp_rank, self.kill_in_save_step = train_state, dp_rank, kill_in_save_step
@@ -212,26 +243,23 @@ class CheckpointManager:
             "lr_scheduler": lr_scheduler, "train_state": train_state,
             f"dataloader.dp_rank_{dp_rank}": Opaque(dataloader), f"rng.rank_{self.rank}": Opaque(RNGState()),
         }
-        # Checkpoint traffic (async writes, preemption votes) runs on its own gloo group:
-        # the default group may be NCCL, and is busy with training collectives.
-        self.pg = dist.new_group(backend="gloo")
+        # Checkpoint traffic (async writes) runs on its own gloo group: the default group may be
+        # NCCL, and is busy with training collectives. None when nothing is saved or loaded.
+        self.pg = dist.new_group(backend="gloo") if cfg.enable or cfg.initial_load_path else None
         token = [f"{int(time.time())}-{os.getpid()}"]
-        dist.broadcast_object_list(token, src=0, group=self.pg)
-        self.token = token[0]
-        self.pending: Any = None  # the future of an async save in flight
-        self.committed = threading.Event()  # rank 0: its commit of that save has finished
-        self.preempt_signal: int | None = None
-        self.preempt_vote: tuple[dist.Work, torch.Tensor] | None = None
         if cfg.enable:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._on_signal)
+            dist.broadcast_object_list(token, src=0, group=self.pg)
+        self.token = token[0]
+        self.pending: Any = None  # the future of an async save in flight: (future, step, tmp folder)
+        self.committed = threading.Event()  # rank 0: its commit of that save has finished
+        self.last_saved: Path | None = None  # rank 0: the newest checkpoint committed by this run
 
     # ---------------------------------------------------------------- loading
 
-    def load(self) -> bool:
+    def load(self) -> Path | None:
         """Resume from the latest (or `load_step`) complete checkpoint, else the initial load.
 
-        Returns True when a run was resumed (step > 0 restored).
+        Returns the checkpoint a run was resumed from (step > 0 restored), else None.
         """
         target = self._resume_target() if self.cfg.enable else None
         if target is not None:
@@ -239,10 +267,15 @@ class CheckpointManager:
             self._load(target, exclude)
             logger.info("resumed from %s at step %d%s", target, self.train_state.step,
                         f" (not restored: {', '.join(sorted(exclude))})" if exclude else "")
-            return True
+            return target
         if self.cfg.initial_load_path:
             self._initial_load(Path(self.cfg.initial_load_path))
-        return False
+        return None
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint in the folder (this run's or an earlier one's), if any."""
+        complete = [f for f in scan(self.folder) if f.problem is None] if self.cfg.enable else []
+        return complete[-1].path if complete else None
 
     def _resume_target(self) -> Path | None:
         found = scan(self.folder)
@@ -327,13 +360,18 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- saving
 
-    def maybe_save(self, step: int, force: bool = False) -> None:
-        """Save at every `interval`-th step, or now when `force` (last step, preemption)."""
+    def maybe_save(self, step: int, force: bool = False) -> Path | None:
+        """Save at every `interval`-th step, or now when `force` (last step, preemption).
+
+        Returns the folder the checkpoint is committed to (an async one once written), or None.
+        A save that cannot be written (disk full, folder not writable) raises a CheckpointError
+        naming the folder and the bytes needed; the previous checkpoints are left as they were.
+        """
         if not self.cfg.enable or not (force or step % self.cfg.interval == 0):
-            return
+            return None
         final = self.folder / f"step-{step}"
         if final.exists():  # e.g. the last step is also an interval step
-            return
+            return final
         self.wait()  # one async save in flight at a time
         tmp = self.folder / f"step-{step}.incomplete-{self.token}"
         start = time.perf_counter()
@@ -342,22 +380,57 @@ class CheckpointManager:
                   else FileSystemWriter(str(tmp)))
         if self.cfg.async_mode == "async":
             self.committed.clear()
-            self.pending = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+            future = self._guarded(step, tmp, lambda: dcp.async_save(state, storage_writer=writer,
+                                                                     process_group=self.pg))
+            self.pending = (future, step, tmp)
             blocked = time.perf_counter() - start
             if self.rank == 0:  # rank 0's save finishes after every rank's write: commit then
-                self.pending.add_done_callback(lambda fut: self._commit(fut, tmp, final, step, start, blocked))
+                future.add_done_callback(lambda fut: self._commit(fut, tmp, final, step, start, blocked))
         else:
-            dcp.save(state, storage_writer=writer, process_group=self.pg)
+            self._guarded(step, tmp, lambda: dcp.save(state, storage_writer=writer, process_group=self.pg))
             if self.rank == 0:
                 self._commit(None, tmp, final, step, start, time.perf_counter() - start)
+        return final
+
+    def _guarded(self, step: int, tmp: Path, save: Any) -> Any:
+        try:
+            return save()
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise self._save_failed(step, tmp, e) from None
+
+    def _save_failed(self, step: int, tmp: Path, error: BaseException) -> CheckpointError:
+        """The error for a save that could not be written. When the disk is at fault (full, not writable),
+        rank 0 removes the partial folder to give the space back; after a crashed peer it stays, as
+        an interrupted save that resumes ignore."""
+        cause, disk_error = _root_cause(error)
+        needed = self._bytes_needed()
+        try:
+            free_bytes = shutil.disk_usage(self.folder).free
+            if free_bytes < needed and not disk_error:  # torch.save's zip writer hides ENOSPC
+                cause, disk_error = f"the disk is full ({cause})", True
+            free = f"{free_bytes / 1e6:,.1f} MB free there now"
+        except OSError:
+            free = "free space unknown"
+        if disk_error and self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = [f for f in scan(self.folder) if f.problem is None]
+        kept = (f"the last complete checkpoint, {previous[-1].path}, is intact and a rerun resumes from it"
+                if previous else "there is no earlier checkpoint")
+        return CheckpointError(f"the checkpoint of step {step} could not be written to {self.folder}: {cause}. "
+                               f"It needs about {needed / 1e6:,.1f} MB ({free}). Nothing was lost: {kept}. Free "
+                               f"space there, or set [checkpoint] folder or [job] dump_folder to another disk")
+
+    def _bytes_needed(self) -> int:
+        """About the size of one checkpoint: this rank's parameter and optimizer shards times the number
+        of ranks (no collective: the other ranks may be gone)."""
+        local = _tensors([*self.model.parameters(), *self.optimizer.state.values()])
+        return sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for v in local) * self.world_size
 
     def _commit(self, fut: Any, tmp: Path, final: Path, step: int, start: float, blocked: float) -> None:
         """Rank 0, after every rank has written: rename, then write the manifest last."""
         try:
-            if fut is not None and fut.exception() is not None:
-                logger.error("async checkpoint of step %d failed: %s (left as %s)", step, fut.exception(), tmp)
-                return
-            self._rename_and_mark(tmp, final, step, start, blocked)
+            if fut is None or fut.exception() is None:
+                self._rename_and_mark(tmp, final, step, start, blocked)
         finally:
             self.committed.set()
 
@@ -370,6 +443,7 @@ class CheckpointManager:
         with open(manifest) as f:
             os.fsync(f.fileno())
         os.replace(manifest, final / MANIFEST)
+        self.last_saved = final
         size = sum(files.values())
         logger.info("checkpoint %s: %.1f MB in %.2f s (training blocked %.2f s, %s)", final, size / 1e6,
                     time.perf_counter() - start, blocked, "async" if self.cfg.async_mode == "async" else "sync")
@@ -388,35 +462,17 @@ class CheckpointManager:
             logger.info("removed checkpoint %s%s", f.path, f" ({f.problem})" if f.problem else "")
 
     def wait(self) -> None:
-        """Block until an async save in flight is written and committed."""
-        if self.pending is not None:
-            self.pending.result()
-            if self.rank == 0:
-                self.committed.wait()
-            dist.barrier(group=self.pg)
-            self.pending = None
-
-    # ------------------------------------------------------------- preemption
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.preempt_signal = signum
-
-    def preemption_requested(self) -> bool:
-        """Whether any rank got SIGTERM/SIGUSR1, agreed by all ranks without stalling the step.
-
-        Each step starts a non-blocking vote on the gloo group and reads the previous one, so
-        every rank stops after the same step, one step after the first signal.
-        """
-        if not self.cfg.enable:
-            return False
-        stop = False
-        if self.preempt_vote is not None:
-            work, flag = self.preempt_vote
-            work.wait()
-            stop = bool(flag.item())
-        flag = torch.tensor([1 if self.preempt_signal is not None else 0])
-        self.preempt_vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg, async_op=True), flag)
-        return stop
+        """Block until an async save in flight is written and committed; raise if it failed."""
+        if self.pending is None:
+            return
+        future, step, tmp = self.pending
+        self.pending = None
+        error = future.exception()
+        if self.rank == 0:
+            self.committed.wait()
+        if error is not None:
+            raise self._save_failed(step, tmp, error)
+        dist.barrier(group=self.pg)
 
     # ----------------------------------------------------------------- export
 
@@ -435,7 +491,10 @@ class CheckpointManager:
         return path
 
     def close(self) -> None:
-        self.wait()
-        if self.preempt_vote is not None:
-            self.preempt_vote[0].wait()
-        dist.destroy_process_group(self.pg)
+        """Finish an async save in flight (raises if it failed) and release the checkpoint group."""
+        try:
+            self.wait()
+        finally:
+            if self.pg is not None:
+                dist.destroy_process_group(self.pg)
+                self.pg = None

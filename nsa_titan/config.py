@@ -201,6 +201,7 @@ class Metrics:
     log_freq: int = 10
     enable_tensorboard: bool = True
     save_tb_folder: str = "tb"
+    """Under job.dump_folder; each run writes its events to its own subfolder named by its start time."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 means look it up from the GPU name (no MFU on CPU)."""
     nsa_stats: bool = False

@@ -18,8 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import CheckpointError
-from .config import ConfigError
+from .cli import ArgumentParser, run_command
 from .data import DataError, build_validation_dataloader
 from .inference import load_model
 
@@ -52,22 +51,26 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nsa_titan.evaluate", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
     parser.add_argument("--split", default="validation")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
     args, overrides = parser.parse_known_args(argv)
+    if args.batches < 0:
+        parser.error("--batches must be >= 0 (0: the whole split)")
     if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
         dist.init_process_group("gloo")
     try:
-        r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides)
-    except (CheckpointError, ConfigError, DataError) as e:
-        print(f"nsa_titan.evaluate: {e}", file=sys.stderr)
-        return 2
+        return run_command("nsa_titan.evaluate", lambda: _report(args, overrides))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report(args: argparse.Namespace, overrides: list[str]) -> int:
+    r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{args.split}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte "
               f"{r['bits_per_byte']:.4f} | {r['batches']} batches, {r['tokens']:,} tokens")

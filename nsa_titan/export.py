@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import EXPORT_DTYPES, CheckpointError, inspect_folder
+from .cli import ArgumentParser, run_command
 
 
 def load_tensors(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
@@ -39,8 +40,13 @@ def load_tensors(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
 
 def export(path: Path, output: Path, dtype: str) -> int:
     """Write the model of checkpoint `path` to `output` in `dtype`; returns the byte size."""
+    if output.is_dir():
+        raise CheckpointError(f"--output {output} is a folder: give the path of the .pt file to write")
     state = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in load_tensors(path).items()}
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--output {output}: its folder cannot be created ({e.strerror})") from None
     tmp = output.with_name(output.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, output)
@@ -48,18 +54,19 @@ def export(path: Path, output: Path, dtype: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nsa_titan.export", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a complete step-N checkpoint folder")
     parser.add_argument("--output", type=Path, required=True, help="the .pt file to write")
     parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="bfloat16")
     args = parser.parse_args(argv)
-    try:
+
+    def write() -> int:
         size = export(args.checkpoint, args.output, args.dtype)
-    except CheckpointError as e:
-        print(f"nsa_titan.export: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output} ({size / 1e6:.1f} MB, {args.dtype})")
-    return 0
+        print(f"wrote {args.output} ({size / 1e6:.1f} MB, {args.dtype})")
+        return 0
+
+    return run_command("nsa_titan.export", write)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .checkpoint import CheckpointError
-from .config import ConfigError
-from .data import DataError, Tokenizer
+from .cli import ArgumentParser, run_command
+from .data import Tokenizer
 from .inference import load_model
 from .models.decode import Decoder
 from .models.transformer import Transformer
@@ -56,7 +55,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_toke
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nsa_titan.generate", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
     parser.add_argument("--prompt", default="")
     parser.add_argument("--max_new_tokens", type=int, default=200)
@@ -66,12 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
     args = parser.parse_args(argv)
-    try:
-        model, tokenizer, _ = load_model(args.checkpoint, args.config,
-                                         max_seq_len=len(args.prompt.encode()) + args.max_new_tokens + 1)
-    except (CheckpointError, ConfigError, DataError) as e:
-        print(f"nsa_titan.generate: {e}", file=sys.stderr)
-        return 2
+    for bad, why in ((args.max_new_tokens < 1, "--max_new_tokens must be >= 1"),
+                     (args.temperature < 0, "--temperature must be >= 0 (0: greedy)"),
+                     (args.top_k < 0, "--top_k must be >= 0 (0: off)"),
+                     (not 0 < args.top_p <= 1, "--top_p must lie in (0, 1]")):
+        if bad:
+            parser.error(why)
+    return run_command("nsa_titan.generate", lambda: _generate(args))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    model, tokenizer, _ = load_model(args.checkpoint, args.config,
+                                     max_seq_len=len(args.prompt.encode()) + args.max_new_tokens + 1)
     ids: list[int] = []
     shown = ""
     print(args.prompt, end="", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import resource
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +49,23 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def current_rss_gib() -> float:
+    """This process's resident memory now (the heartbeat's leak check; peak_memory_gib only grows)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**30
+
+
+def tb_run_folder(root: Path) -> Path:
+    """A new folder under `root` for this run's TensorBoard events, named by its start time, so that
+    separate runs (a resume, a restart) show as separate curves."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder, k = root / stamp, 1
+    while folder.exists():
+        k += 1
+        folder = root / f"{stamp}-{k}"
+    return folder
+
+
 @dataclass
 class StepStats:
     step: int
@@ -72,7 +90,7 @@ class MetricsLogger:
         if m.enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            log_dir = Path(dump_folder) / m.save_tb_folder
+            log_dir = tb_run_folder(Path(dump_folder) / m.save_tb_folder)
             self.writer = SummaryWriter(log_dir=str(log_dir))
             logger.info("TensorBoard logs in %s", log_dir)
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .config import ConfigError, JobConfig, load_config
-from .data import DataError, build_tokenizer, vocab_for_model
+from .cli import ArgumentParser, run_command
+from .config import JobConfig, load_config
+from .data import build_tokenizer, vocab_for_model
 from .diagnostics import clean_name
 from .models.transformer import Transformer, TransformerBlock, flops_per_token, rope_tables
 from .parallel import DTYPES, build_mesh, parallelize
@@ -211,7 +212,8 @@ def report(plan: Plan, cfg: JobConfig, world_size: int, gpu_gib: float, peak_flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nsa_titan.plan", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world_size", type=int, required=True)
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0)
     parser.add_argument("--peak_tflops", type=float, default=989.0, help="bf16 peak of one GPU (H100: 989)")
@@ -220,13 +222,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run the config, cut to a size this machine can run, and compare the activation "
                              "estimate with the measured peak")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, _ = load_config(rest, world_size=args.world_size)
-        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-        cfg.model.vocab_size = vocab_for_model(tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
-    except (ConfigError, DataError) as e:
-        print(f"nsa_titan.plan: impossible plan: {e}", file=sys.stderr)
-        return 2
+    for bad, why in ((args.world_size < 1, "--world_size must be >= 1"),
+                     (args.gpu_memory_gib <= 0, "--gpu_memory_gib must be > 0"),
+                     (args.peak_tflops <= 0, "--peak_tflops must be > 0"),
+                     (not 0 < args.mfu <= 1, "--mfu must lie in (0, 1]")):
+        if bad:
+            parser.error(why)
+    return run_command("nsa_titan.plan", lambda: _plan(args, rest))
+
+
+def _plan(args: argparse.Namespace, rest: list[str]) -> int:
+    cfg, _ = load_config(rest, world_size=args.world_size)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    cfg.model.vocab_size = vocab_for_model(tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)

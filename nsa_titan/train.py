@@ -1,8 +1,11 @@
 """The trainer: `python -m nsa_titan.train --config FILE [--section.key value ...]` under torchrun.
 
-Reads top to bottom: config -> watchdog -> distributed -> model on meta -> AC/compile/FSDP ->
-materialise + init -> optimizer, schedule, data -> resume -> loop (accumulate, clip, check,
-step, log, heartbeat, save).
+Reads top to bottom: config -> output folder, stop signals, watchdog -> distributed -> model on
+meta -> AC/compile/FSDP -> materialise + init -> optimizer, schedule, data -> resume -> loop
+(accumulate, clip, check, step, log, heartbeat, save, stop on a signal) -> a summary line.
+
+Exit codes: 0 done or stopped by a signal (after saving), 2 bad input, 3 halted on a non-finite
+step, 124 a hang found by the watchdog, 130 a second Ctrl-C, 1 a crash.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -21,15 +25,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import CheckpointError, CheckpointManager, TrainState
+from .checkpoint import CheckpointManager, TrainState
+from .cli import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line, make_folder, note_failure, report
 from .config import ConfigError, JobConfig, load_config
-from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, vocab_for_model
+from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers, vocab_for_model
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
 from .fault import Heartbeat, StepWatchdog, install_fault_injection, set_collective_timeout
-from .metrics import MetricsLogger, StepStats, peak_flops, peak_memory_gib
+from .metrics import MetricsLogger, StepStats, current_rss_gib, peak_flops, peak_memory_gib
 from .models.transformer import Transformer, flops_per_token
 from .optim import build_lr_scheduler, build_optimizer
 from .parallel import build_mesh, device_for_rank, init_distributed, parallelize
+from .stop import StopRequest
 
 logger = logging.getLogger("nsa_titan")
 
@@ -59,8 +65,16 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, stop: StopRequest | None = None):
+        """`stop`: the process's stop-signal handlers (main() installs them first); None makes one, owned here."""
         self.cfg = cfg
+        make_folder(Path(cfg.job.dump_folder), "[job] dump_folder")
+        self.owns_stop, self.stop = stop is None, stop or StopRequest()
+        self.started = time.monotonic()
+        self.stopped_by: str | None = None  # the stop signal that ended the run early
+        self.last_validation: tuple[int, float] | None = None
+        self.history: list[StepStats] = []
+        self.window_start, self.window_step, self.last_inputs = 0.0, 0, None
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
         rank = int(os.environ.get("RANK", "0"))
@@ -70,6 +84,8 @@ class Trainer:
             self._build(cfg)
         except BaseException:
             self.watchdog.stop()
+            if self.owns_stop:
+                self.stop.close()
             raise
 
     def _build(self, cfg: JobConfig) -> None:
@@ -89,6 +105,16 @@ class Trainer:
         # The tokenizer fixes the vocabulary unless the config sets a (large enough) one.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
         cfg.model.vocab_size = vocab_for_model(self.tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
+        d = cfg.data
+        source = (f"synthetic tokens (seed {d.seed})" if d.source == "synthetic" else
+                  f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
+        logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
+                    source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
+                    self.tokenizer.vocab_size, cfg.model.vocab_size, d.num_workers)
+        ck = cfg.checkpoint
+        logger.info("output: %s | checkpoints %s", Path(cfg.job.dump_folder).resolve(),
+                    f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
+                    else "off ([checkpoint] enable = false)")
 
         # Model: built on meta, wrapped, then materialised and initialised.
         with torch.device("meta"):
@@ -118,15 +144,22 @@ class Trainer:
         self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.to_toml(), model,
                                               self.optimizer, self.lr_scheduler, self.dataloader, self.state,
                                               self.rank, cfg.debug.fault_kill_in_save_step)
-        self.checkpointer.load()
+        resumed = self.checkpointer.load()
         self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart:
+            logger.info("restart %d of %s (torchrun --max-restarts): %s", restart,
+                           os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+                           f"resumed from {resumed} at step {self.state.step}" if resumed
+                           else "no complete checkpoint yet: starting from step 0")
         install_fault_injection(cfg.debug, model, self.optimizer, self.rank, lambda: self.state.step)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
         if self.rank == 0:
             Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
-        logger.info("training %d steps: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
-                    t.steps, t.global_batch_size, self.world_size, t.local_batch_size,
+        logger.info("training %d steps%s: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
+                    t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step {self.state.step})"
+                    if self.state.step else "", t.global_batch_size, self.world_size, t.local_batch_size,
                     self.grad_accum_steps, t.seq_len)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -247,7 +280,6 @@ class Trainer:
             logger.info("already at step %d of training.steps = %d: nothing to train (raise --training.steps to "
                         "continue)", self.state.step, t.steps)
         batches = iter(self.dataloader)
-        self.history: list[StepStats] = []
         self.window_start, self.window_step, self.data_wait_s = time.perf_counter(), self.state.step, 0.0
         while self.state.step < t.steps:
             self.state.step += 1
@@ -268,33 +300,60 @@ class Trainer:
                 self.heartbeat.write(step=step, loss=loss_value, grad_norm=norm_value, step_time_s=round(step_time, 4),
                                      tokens_per_s=round(t.global_batch_size * t.seq_len / step_time),
                                      memory_gib=round(peak_memory_gib(self.device), 3),
+                                     rss_gib=round(current_rss_gib(), 4),
                                      data_wait_s=round(self.data_wait_s, 4), skipped=self.skips_in_a_row > 0)
             self.watchdog.beat(step, "validation, logging and checkpointing", first_step_done=True)
+            stopping = self.stop.agreed(self.device)  # a stop signal on any rank, agreed by all
             if v.enable and (step % v.freq == 0 or last):
                 with self.paused():
-                    self.metrics.log_validation(step, *self.validate())
-            if step % self.cfg.metrics.log_freq == 0 or step == 1 or last:
+                    loss_v, batches_v = self.validate()
+                    self.metrics.log_validation(step, loss_v, batches_v)
+                    self.last_validation = (step, loss_v)
+            if step % self.cfg.metrics.log_freq == 0 or step == 1 or last or stopping:
                 self.log_step(loss, norm_value, lr)
-            preempted = self.checkpointer.preemption_requested()
             with self.paused():
-                self.checkpointer.maybe_save(step, force=preempted or last)
-            if preempted:
-                logger.warning("preempted by a signal: saved step %d, exiting cleanly", step)
+                saved = self.checkpointer.maybe_save(step, force=stopping or last)
+            if stopping:
+                self.stopped_by = self.stop.name or "a stop signal to another rank"
+                logger.info("stopped by %s after step %d: %s", self.stopped_by, step,
+                               f"checkpoint {saved}; the same command resumes from it" if saved else
+                               "nothing saved ([checkpoint] enable = false)")
                 break
+        self.stop.finish_vote()
         if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:
             self.checkpointer.export(self.state.step)
         if self.skips_total:
             logger.warning("%d non-finite step(s) were skipped in this run", self.skips_total)
         return self.history
 
+    def summary(self) -> str:
+        """The run in one line: steps, wall time, final losses, the last checkpoint."""
+        t, last = self.cfg.training, self.history[-1] if self.history else None
+        how = f"stopped by {self.stopped_by} at" if self.stopped_by else "reached"
+        parts = [f"run summary: {how} step {self.state.step} of {t.steps} ({self.state.step - self.first_step + 1} "
+                 f"steps in this run, {timedelta(seconds=round(time.monotonic() - self.started))})"]
+        if last is not None:
+            parts.append(f"loss {last.loss:.4f}")
+        if self.last_validation is not None:
+            parts.append(f"validation loss {self.last_validation[1]:.4f} (step {self.last_validation[0]})")
+        latest = self.checkpointer.latest()
+        parts.append(f"last checkpoint {latest}" if latest else "no checkpoint saved")
+        return " | ".join(parts)
+
     def close(self) -> None:
-        self.watchdog.stop()
-        self.metrics.close()
-        self.checkpointer.close()
-        if self.heartbeat is not None:
-            self.heartbeat.close()
-        if self.owns_process_group:
-            dist.destroy_process_group()
+        """Finish what is in flight (an async save), then release threads, files and groups."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.watchdog.stop()
+            self.metrics.close()
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+            shutdown_workers(self.dataloader)
+            if self.owns_stop:
+                self.stop.close()
+            if self.owns_process_group:
+                dist.destroy_process_group()
 
 
 def setup_logging() -> None:
@@ -309,36 +368,46 @@ def setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2: bad input, 3: halted on a non-finite step)."""
+    """Entry point; returns the process exit code (see the module docstring)."""
     setup_logging()
-    rank = os.environ.get("RANK", "0")
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, print_config = load_config(argv)
     except ConfigError as e:
-        if rank == "0":
-            print(f"nsa_titan: config error: {e}", file=sys.stderr)
-        return 2
+        if rank == 0:
+            report(bad_input_line("nsa_titan", e))
+        return EXIT_BAD_INPUT
     if print_config:
-        if rank == "0":
+        if rank == 0:
             print(cfg.to_toml())
         return 0
+    stop = StopRequest()
     trainer = None
     try:
-        trainer = Trainer(cfg)
-        trainer.train()
-    except (DataError, CheckpointError) as e:
-        kind = "data" if isinstance(e, DataError) else "checkpoint"
-        print(f"[rank{rank}] nsa_titan: {kind} error: {e}", file=sys.stderr)
-        return 2
+        trainer = Trainer(cfg, stop)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()  # an async save still in flight is finished here, and its failure reported
+        logger.info(trainer.summary())
+        return 0
+    except BAD_INPUT as e:
+        report(bad_input_line("nsa_titan", e))
+        return EXIT_BAD_INPUT
     except TrainingHalted as e:
-        print(f"[rank{rank}] nsa_titan: halted: {e}", file=sys.stderr)
+        report(f"nsa_titan: halted: {e}")
         return EXIT_HALTED
+    except Exception as e:
+        line = f"nsa_titan: rank {rank} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        note_failure(line)
+        if stop.signal is not None:  # stopping anyway (torchrun stops the other ranks after one failed)
+            print(f"{line} (while stopping on {stop.name})", file=sys.stderr, flush=True)
+            return 1
+        raise
     finally:
-        if trainer is not None:
-            trainer.close()
-        elif dist.is_initialized():  # the trainer failed while starting up
+        stop.close()
+        if trainer is None and dist.is_initialized():  # the trainer failed while starting up
             dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

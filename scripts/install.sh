@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # Install what is missing: torch (the CPU build on a machine without NVIDIA GPUs), then this
-# package and its dependencies. `--test` adds the test tools. Safe to run again.
+# package and its dependencies. `--test` adds the test tools. Safe to run again. Prints each step.
 #   TORCH_SPEC   torch requirement to install (default: torch==2.13.0 on CPU, torch>=2.7 on GPU)
 #   PIP_ARGS     extra pip arguments (e.g. --index-url https://download.pytorch.org/whl/cpu)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras=""
 [[ "${1:-}" == "--test" ]] && extras="[test]"
+say() { echo "nsa_titan install: $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   torch_spec="${TORCH_SPEC:-torch>=2.7}"
 else
   torch_spec="${TORCH_SPEC:-torch==2.13.0}"  # resolves to the CPU build on our CPU machines
 fi
-if ! python3 -c 'import torch' >/dev/null 2>&1; then
-  python3 -m pip install -q ${PIP_ARGS:-} "${torch_spec}"
+if python3 -c 'import torch' >/dev/null 2>&1; then
+  say "[1/2] torch $(python3 -c 'import torch; print(torch.__version__)') is installed"
+else
+  say "[1/2] installing ${torch_spec} (a large download: a few minutes on a fresh machine)"
+  python3 -m pip install --progress-bar on ${PIP_ARGS:-} "${torch_spec}" | grep -v -E "^(Requirement already|  )" || true
 fi
-python3 -m pip install -q ${PIP_ARGS:-} -e "${here}${extras}"
+say "[2/2] installing nsa_titan${extras} and its dependencies"
+python3 -m pip install --progress-bar on ${PIP_ARGS:-} -e "${here}${extras}" \
+  | grep -v -E "^(Requirement already satisfied|  )" || true
+python3 -c "import nsa_titan, torch, torchdata, datasets, sentencepiece, tensorboard${extras:+, pytest}" \
+  || { say "the install did not complete (see pip's messages above)"; exit 1; }
+say "done"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -25,6 +26,19 @@ TINY = [
     "--data.source", "synthetic", "--data.tokenizer", "byte", "--data.num_workers", "0",
     "--validation.enable", "false",
 ]
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path: to show that nothing changed."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def tb_run(folder: Path) -> str:
+    """The one run folder under a TensorBoard root (each run writes into a subfolder of its own)."""
+    runs = sorted(p for p in Path(folder).iterdir() if p.is_dir())
+    assert len(runs) == 1, f"expected one TensorBoard run under {folder}, found {[p.name for p in runs]}"
+    return str(runs[0])
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ from nsa_titan.inference import load_model
 from nsa_titan.models.decode import Decoder
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, tb_run, torchrun
 
 # Small blocks so that 70 tokens cross many window, compression and selection boundaries.
 SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97, cmp_block_size=8,
@@ -62,7 +62,7 @@ def trained(tmp_path_factory):
 
 
 def test_evaluate_reports_the_trainers_validation_loss(trained):
-    events = EventAccumulator(str(trained / "tb"))
+    events = EventAccumulator(tb_run(trained / "tb"))
     events.Reload()
     validation = events.Scalars("validation/loss")[-1]
     assert validation.step == 6

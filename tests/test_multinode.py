@@ -7,13 +7,13 @@ import subprocess
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, TINY, free_port
+from conftest import ROOT, TINY, free_port, tb_run
 
 STEPS = ["--training.steps", "6", "--metrics.enable_tensorboard", "true"]
 
 
 def tb_losses(folder) -> list[float]:
-    events = EventAccumulator(str(folder))
+    events = EventAccumulator(tb_run(folder))
     events.Reload()
     return [e.value for e in events.Scalars("train/loss")]
 

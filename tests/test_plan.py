@@ -67,7 +67,7 @@ def test_plan_counts_shards_exactly():
 def test_impossible_plans_are_reported_with_numbers():
     bad_mesh = plan("--world_size", "8", "--parallelism.data_parallel_replicate_degree", "3")
     assert bad_mesh.returncode == 2
-    assert "impossible plan" in bad_mesh.stderr and "does not divide the world size 8" in bad_mesh.stderr
+    assert "nsa_titan.plan: config error:" in bad_mesh.stderr and "does not divide the world size 8" in bad_mesh.stderr
     too_big = plan("--world_size", "1", "--config", str(ROOT / "train_configs" / "m7c.toml"),
                    "--activation_checkpoint.mode", "none", "--training.seq_len", "32768", "--gpu_memory_gib", "40")
     assert too_big.returncode == 1

@@ -8,7 +8,7 @@ import subprocess
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT
+from conftest import ROOT, tb_run
 
 LINE = re.compile(
     r"step +(\d+)/(\d+) \| loss +([\d.]+) \| grad_norm +([\d.]+) \| lr ([\d.e+-]+) \| tok/s ([\d,]+) "
@@ -33,7 +33,7 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert "model: nsa attention (fast)" in proc.stdout
     assert re.search(r"validation at step 6: loss [\d.]+ \| perplexity [\d.]+ \| 8 batches", proc.stdout)
     assert (dump / "config.toml").read_text().count("steps = 6") == 1
-    events = EventAccumulator(str(dump / "tb"))
+    events = EventAccumulator(tb_run(dump / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/memory_gib", "train/data_wait",

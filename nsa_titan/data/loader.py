@@ -8,6 +8,7 @@ from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import Data, Validation
+from ..stop import ignore_stop_signals
 from .packing import PackedTextDataset
 from .sources import open_text_stream
 from .synthetic import SyntheticTokens
@@ -24,7 +25,8 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
                      dp_rank: int, dp_size: int) -> StatefulDataLoader:
     """Training batches of (inputs, labels), each (local_batch, seq_len), for one dp rank.
 
-    The loader's state_dict() holds every worker's position: restoring it resumes exactly.
+    The loader's state_dict() holds every worker's position: restoring it resumes exactly. Its
+    workers ignore the stop signals, so that the rank can save their position before they stop.
     """
     if data.source == "synthetic":
         dataset = SyntheticTokens(data.seed, seq_len, vocab_size, dp_rank, dp_size, local_batch)
@@ -34,7 +36,8 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
         dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, data.shuffle_buffer,
                                     data.seed, dp_rank)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
-                              persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY)
+                              persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
+                              worker_init_fn=ignore_stop_signals)
 
 
 def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
@@ -44,3 +47,12 @@ def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer,
                                    rank=dp_rank, world_size=dp_size)
     dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0)
+
+
+def shutdown_workers(loader: StatefulDataLoader) -> None:
+    """Stop the loader's worker processes now. They ignore the stop signals and are ended by their
+    rank: here, rather than by the interpreter's exit, which would wait on them."""
+    iterator = loader._iterator
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None

@@ -1,0 +1,79 @@
+"""What every command-line entry point shares: bad input ends in one line and exit code 2.
+
+Bad input is a `ConfigError`, `DataError` or `CheckpointError` (or a wrong flag): the message names
+the problem and the fix, and no traceback follows. Under `nsa_titan.launch` a rank does not print
+it but writes it to torchrun's error file, and the launcher prints it once for the whole job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from .checkpoint import CheckpointError
+from .config import ConfigError
+from .data import DataError
+
+EXIT_BAD_INPUT = 2
+BAD_INPUT = (ConfigError, DataError, CheckpointError)
+KINDS = {ConfigError: "config", DataError: "data", CheckpointError: "checkpoint"}
+
+
+def bad_input_line(prog: str, e: BaseException) -> str:
+    """`prog: <kind> error: <message>` on one line."""
+    kind = next((k for cls, k in KINDS.items() if isinstance(e, cls)), "input")
+    return f"{prog}: {kind} error: " + " ".join(str(e).split("\n"))
+
+
+def note_failure(line: str) -> bool:
+    """Leave `line` in torchrun's error file, where the launcher reads why a rank failed; False if none."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    return True
+
+
+def report(line: str) -> None:
+    """Print `line` to stderr, or, under the launcher, leave it to the launcher to print once."""
+    if not (os.environ.get("NSA_TITAN_LAUNCHER") and note_failure(line)):
+        print(line, file=sys.stderr, flush=True)
+
+
+def make_folder(path: Path, what: str) -> None:
+    """Create `path` (with parents) and check that files can be written there; ConfigError if not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(f"{what} = '{path}' is a file, not a folder: choose another path") from None
+    except OSError as e:
+        reason = "a part of the path is a file" if isinstance(e, NotADirectoryError) else e.strerror
+        raise ConfigError(f"{what} = '{path}' cannot be created or written ({reason}): choose a folder "
+                          f"you can write to") from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a wrong flag is one line (`prog: error: ... (see --help)`) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def run_command(prog: str, command: Callable[[], int]) -> int:
+    """Run an entry point's body; bad input becomes one line on stderr and exit code 2."""
+    try:
+        return command()
+    except BAD_INPUT as e:
+        report(bad_input_line(prog, e))
+        return EXIT_BAD_INPUT

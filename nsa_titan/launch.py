@@ -1,0 +1,187 @@
+"""torchrun, with the operator's contract on top: clean stops, one-line errors, the trainer's exit code.
+
+    python -m nsa_titan.launch [torchrun options] -m nsa_titan.train [trainer options]
+
+`run_train.sh` execs this. It runs torchrun's own launcher in this process (rendezvous, worker
+processes, `--max-restarts`) and adds three things:
+
+- **Stop signals.** SIGTERM, SIGUSR1 and SIGINT are passed on to every local rank, which finishes
+  its step, saves a checkpoint and exits 0 (`nsa_titan/stop.py`); torchrun keeps SIGHUP and
+  SIGQUIT (hard stop). A second SIGINT kills the ranks at once. Ranks that have not exited
+  `SHUTDOWN_TIMEOUT` seconds after the signal are killed.
+- **Exit codes.** The exit code is the first failed rank's: 2 bad input, 3 halted on a non-finite
+  step, 124 a detected hang, 128 + N a rank killed by signal N; 0 when every rank exited 0.
+- **Errors.** A config or folder problem is found here, before any rank starts. A rank that stops
+  on bad input writes its one-line message to torchrun's error file; this prints that line once,
+  without torchrun's failure report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+from .cli import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line, make_folder
+from .config import load_config
+from .config import parse_args as parse_config
+from .stop import EXIT_ABORTED, STOP_SIGNALS
+from .fault import EXIT_HANG
+from .train import EXIT_HALTED
+
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+"""The signals left to torchrun (it forwards them and raises); the stop signals are ours."""
+LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
+"""Set for the ranks: they leave the bad-input message to this process (no duplicate lines)."""
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """The direct children of `parent` (default: this process, whose children are torchrun's ranks)."""
+    me, pids = os.getpid() if parent is None else parent, []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4, after the command name
+            pids.append(int(entry.name))
+    return pids
+
+
+def _signal_all(sig: int, group: bool = False) -> None:
+    for pid in child_pids():
+        try:
+            os.killpg(pid, sig) if group else os.kill(pid, sig)  # group: the rank and its loader workers
+        except ProcessLookupError:
+            pass
+
+
+class Aborted(Exception):
+    """A second SIGINT: the ranks were killed without saving."""
+
+
+class StopForwarder:
+    """Passes the first stop signal on to the ranks; a second SIGINT, or the shutdown timeout, kills them."""
+
+    def __init__(self, shutdown_timeout: float):
+        self.shutdown_timeout = shutdown_timeout
+        self.first: int | None = None
+        self.timer: threading.Timer | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first = signum
+            _say(f"{name} received: every rank finishes its step, saves a checkpoint and exits"
+                 f"{' (Ctrl-C again to abort without saving)' if signum == signal.SIGINT else ''}")
+            self.timer = threading.Timer(self.shutdown_timeout, self._timed_out)
+            self.timer.daemon = True
+            self.timer.start()
+            _signal_all(signum)
+        elif signum == signal.SIGINT:
+            _signal_all(signal.SIGKILL, group=True)
+            raise Aborted("second SIGINT: stopped at once, nothing more was saved (the last complete "
+                          "checkpoint is still the one a rerun resumes from)")
+        else:  # the same stop again (a scheduler and a user, or torchrun's group): already under way
+            _signal_all(signum)
+
+    def _timed_out(self) -> None:
+        _say(f"the ranks did not exit within SHUTDOWN_TIMEOUT = {self.shutdown_timeout:.0f} s of the stop "
+             f"signal: killing them (a checkpoint in progress is left incomplete and ignored on resume)")
+        _signal_all(signal.SIGKILL, group=True)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def _say(line: str) -> None:
+    print(f"nsa_titan: {line}", file=sys.stderr, flush=True)
+
+
+def preflight(trainer_args: list[str], world_size: int | None) -> None:
+    """Config and output folders, checked before any rank starts (raises a bad-input error)."""
+    cfg = load_config(trainer_args, world_size)[0] if world_size else parse_config(trainer_args)[0]
+    make_folder(Path(cfg.job.dump_folder), "[job] dump_folder")
+    if cfg.checkpoint.enable:
+        make_folder(Path(cfg.job.dump_folder) / cfg.checkpoint.folder, "[checkpoint] folder")
+
+
+def _world_size(nnodes: str, nproc: str) -> int | None:
+    """nnodes x nproc_per_node when both are fixed numbers (not an elastic range, not 'gpu')."""
+    return int(nnodes) * int(nproc) if nnodes.isdigit() and nproc.isdigit() else None
+
+
+def first_failure(e: ChildFailedError) -> tuple[int, str]:
+    """The exit code of the failure that explains the others, and the line to print for it.
+
+    A rank that stopped on bad input, a non-finite step or a hang comes first; then one that left a
+    message; last, ranks that torchrun killed after that (a signal) or that failed in a collective
+    with it (exit code 1). Within each, the earliest.
+    """
+    def code(f: Any) -> int:
+        return f.exitcode if f.exitcode >= 0 else 128 - f.exitcode
+
+    def message(f: Any) -> str:
+        return f.message if isinstance(f.message, str) and f.message.startswith("nsa_titan") else ""
+
+    def priority(item: tuple[int, Any]) -> tuple[int, int]:
+        f = item[1]
+        return (0 if code(f) in (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_HANG) else 1 if message(f) else 2), f.timestamp
+
+    rank, failure = min(e.failures.items(), key=priority)
+    if code(failure) in (EXIT_BAD_INPUT, EXIT_HALTED) and message(failure):
+        return code(failure), message(failure)  # the rank's own one-line explanation
+    return code(failure), (f"nsa_titan: rank {rank} failed with exit code {code(failure)}"
+                           + (f": {message(failure) or failure.message}" if failure.message else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.signals_to_handle = TORCHRUN_SIGNALS
+    if args.module and args.training_script == "nsa_titan.train":
+        try:
+            preflight(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
+        except BAD_INPUT as e:
+            print(bad_input_line("nsa_titan", e), file=sys.stderr)
+            return EXIT_BAD_INPUT
+    os.environ[LAUNCHED_BY] = "1"
+    # Each attempt's ranks get a store of their own: on a shared rendezvous store, restarted ranks
+    # read the previous attempt's addresses and never connect (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torchrun's own failure report repeats what the ranks said; keep its warnings and errors only.
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):  # also its OMP_NUM_THREADS = 1 banner
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    forwarder = StopForwarder(float(args.shutdown_timeout))
+    started = time.monotonic()
+    try:
+        run(args)
+    except Aborted as e:
+        _say(str(e))
+        return EXIT_ABORTED
+    except ChildFailedError as e:
+        code, line = first_failure(e)
+        print(line if code in (EXIT_BAD_INPUT, EXIT_HALTED) else f"{line} ({time.monotonic() - started:.0f} s after "
+              f"the start)", file=sys.stderr, flush=True)
+        return code
+    finally:
+        forwarder.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

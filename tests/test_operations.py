@@ -1,0 +1,227 @@
+"""Operator journeys through `run_train.sh`, as users and schedulers run it: stop signals (SIGTERM,
+SIGUSR1, SIGINT) with 0, 1 and 2 loader workers, sync and async saves, 1 and 2 ranks; a second
+Ctrl-C; automatic restart after a rank is killed; a disk that fills up during a save.
+
+Every job uses the shipped default config (embedded corpus, sentencepiece, loader workers,
+checkpoints) with a smaller model, so that a run takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_titan.checkpoint import inspect_folder
+from nsa_titan.export import load_tensors
+from nsa_titan.launch import child_pids
+
+from conftest import ROOT, tree_digest
+
+STEPS = 40
+SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
+         "--training.seq_len", "128", "--training.local_batch_size", "4", "--training.steps", str(STEPS),
+         "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.interval", "1000",
+         "--data.shuffle_buffer", "64"]
+
+
+class Job:
+    """`run_train.sh ARGS` in a session of its own (as a scheduler or a terminal starts it), output read live."""
+
+    def __init__(self, dump: Path, *args: str, nproc: int = 1, env: dict | None = None,
+                 preexec: Callable[[], None] | None = None):
+        self.cmd = [str(ROOT / "run_train.sh"), *SMALL, "--job.dump_folder", str(dump), *args]
+        self.proc = subprocess.Popen(self.cmd, cwd=dump.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True, preexec_fn=preexec,
+                                     env={**os.environ, "NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})})
+        self.lines: list[str] = []
+
+    def wait_for(self, pattern: str, timeout: float = 300) -> re.Match:
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+            assert time.monotonic() < deadline, f"no line matching {pattern!r} in time:\n{self.out[-3000:]}"
+        raise AssertionError(f"the job ended without a line matching {pattern!r}:\n{self.out[-4000:]}")
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        rest, _ = self.proc.communicate(timeout=timeout)
+        self.lines.append(rest)
+        return self.proc.returncode, self.out
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of global rank `rank`: the launcher's child with RANK=`rank` in its environment."""
+        for pid in child_pids(self.proc.pid):
+            if f"\0RANK={rank}\0".encode() in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+                return pid
+        raise AssertionError(f"rank {rank} not found among the launcher's children")
+
+
+def run_job(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -> str:
+    rc, out = Job(dump, *args, nproc=nproc, env=env).finish()
+    assert rc == 0, out[-4000:]
+    return out
+
+
+def final_tensors(dump: Path) -> dict[str, dict[str, torch.Tensor]]:
+    path = dump / "checkpoint" / f"step-{STEPS}"
+    assert inspect_folder(path) is None, f"{path}: {inspect_folder(path)}"
+    return {prefix: load_tensors(path, prefix) for prefix in ("model", "optimizer")}
+
+
+def assert_bit_equal(a: Path, b: Path) -> None:
+    ta, tb = final_tensors(a), final_tensors(b)
+    for prefix in ta:
+        assert ta[prefix].keys() == tb[prefix].keys() and len(ta[prefix]) > 10
+        for k in ta[prefix]:
+            assert torch.equal(ta[prefix][k], tb[prefix][k]), f"{prefix}.{k} differs from the uninterrupted run"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of each (loader workers, ranks), trained once on first use."""
+    done: dict[tuple[int, int], Path] = {}
+
+    def get(workers: int, nproc: int) -> Path:
+        if (workers, nproc) not in done:
+            dump = tmp_path_factory.mktemp(f"uninterrupted-w{workers}-r{nproc}") / "out"
+            run_job(dump, "--data.num_workers", str(workers), nproc=nproc)
+            done[workers, nproc] = dump
+        return done[workers, nproc]
+
+    return get
+
+
+# Pairwise over loader workers x save mode x ranks for SIGTERM (every pair appears), then SIGUSR1 and
+# SIGINT (sent to the whole process group, as a terminal's Ctrl-C is) with the shipped worker counts.
+CASES = [
+    ("SIGTERM", 0, "disabled", 1), ("SIGTERM", 0, "async", 2), ("SIGTERM", 1, "disabled", 2),
+    ("SIGTERM", 1, "async", 1), ("SIGTERM", 2, "disabled", 1), ("SIGTERM", 2, "async", 2),
+    ("SIGUSR1", 2, "async", 2), ("SIGINT", 1, "async", 2),
+]
+
+
+@pytest.mark.parametrize("sig,workers,mode,nproc", CASES, ids=[f"{s}-w{w}-{m}-r{n}" for s, w, m, n in CASES])
+def test_stop_signal_saves_the_step_exits_0_and_the_rerun_is_bit_equal(tmp_path, uninterrupted, sig, workers, mode,
+                                                                        nproc):
+    dump = tmp_path / "out"
+    args = ["--data.num_workers", str(workers), "--checkpoint.async_mode", mode]
+    at = random.randint(2, 10)
+    job = Job(dump, *args, nproc=nproc)
+    job.wait_for(rf"step +{at}/{STEPS} ")
+    if sig == "SIGINT":
+        os.killpg(job.proc.pid, signal.SIGINT)  # the whole process group, as Ctrl-C in a terminal
+    else:
+        job.proc.send_signal(getattr(signal, sig))  # run_train.sh's process (it execs the launcher)
+    rc, out = job.finish()
+    assert rc == 0, f"signal at step {at}:\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    m = re.search(rf"stopped by {sig} after step (\d+): checkpoint (\S+); the same command resumes from it", out)
+    assert m, out[-3000:]
+    step = int(m.group(1))
+    assert at <= step < STEPS
+    saved = dump / "checkpoint" / f"step-{step}"
+    assert m.group(2) == str(saved) and inspect_folder(saved) is None
+    assert re.search(rf"run summary: stopped by {sig} at step {step} of {STEPS} .*last checkpoint {saved}$",
+                     out, re.M), out[-2000:]
+
+    resumed = run_job(dump, *args, nproc=nproc)  # the same command
+    assert f"resumed from {saved} at step {step}" in resumed
+    assert f"training {STEPS} steps ({STEPS - step} remain after step {step})" in resumed
+    assert_bit_equal(dump, uninterrupted(workers, nproc))
+
+
+def test_second_ctrl_c_aborts_at_once_without_saving(tmp_path):
+    dump = tmp_path / "out"
+    # Rank 0 hangs in the forward of step 3, so the first Ctrl-C cannot finish the step: the second must end it.
+    job = Job(dump, "--debug.fault_hang_rank", "0", "--debug.fault_hang_step", "3", "--fault.step_timeout_seconds",
+              "300", nproc=2)
+    job.wait_for("fault injection: rank 0 hangs")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.wait_for("SIGINT received")
+    time.sleep(1.5)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    start = time.monotonic()
+    rc, out = job.finish(timeout=60)
+    assert rc == 130, out[-3000:]
+    assert time.monotonic() - start < 30
+    assert out.count("second SIGINT: stopped at once, nothing more was saved") == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not [p for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-")]
+
+
+def test_max_restarts_resumes_after_a_rank_is_killed_and_ends_bit_equal(tmp_path, uninterrupted):
+    dump = tmp_path / "out"
+    job = Job(dump, "--checkpoint.interval", "5", nproc=2, env={"MAX_RESTARTS": "1"})
+    job.wait_for(r"checkpoint \S+/step-5: ")
+    os.kill(job.rank_pid(1), signal.SIGKILL)
+    rc, out = job.finish()
+    assert rc == 0, out[-4000:]
+    m = re.search(r"restart 1 of 1 \(torchrun --max-restarts\): resumed from (\S+)/step-(\d+) at step (\d+)", out)
+    assert m and m.group(2) == m.group(3) and int(m.group(2)) >= 5, out[-4000:]
+    assert f"run summary: reached step {STEPS} of {STEPS}" in out
+    assert_bit_equal(dump, uninterrupted(1, 2))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MB tmpfs, for a real full disk (needs the right to mount: root, as in CI), else a folder on which
+    the failing run gets a 256 KB file-size limit (RLIMIT_FSIZE: writes past it fail with EFBIG)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)],
+                             capture_output=True).returncode == 0
+    yield disk, mounted
+    if mounted:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _limit_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_the_rerun_resumes(small_disk, mode):
+    disk, mounted = small_disk
+    dump = disk / "out"
+    args = ["--training.steps", "20", "--checkpoint.interval", "10", "--checkpoint.async_mode", mode,
+            "--metrics.enable_tensorboard", "false", "--fault.heartbeat", "false"]
+    run_job(dump, *args, "--training.steps", "10", nproc=2)
+    good = dump / "checkpoint" / "step-10"
+    before = tree_digest(good)
+    size = sum(f.stat().st_size for f in good.iterdir())
+    filler = disk / "filler"
+    if mounted:  # leave less free space than one checkpoint needs
+        filler.write_bytes(b"\0" * max(shutil.disk_usage(disk).free - size // 2, 0))
+    rc, out = Job(dump, *args, nproc=2, preexec=None if mounted else _limit_file_size).finish()
+    assert rc == 2, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    m = re.search(r"nsa_titan: checkpoint error: the checkpoint of step 20 could not be written to (\S+): .*"
+                  r"It needs about ([\d,.]+) MB \(([\d,.]+) MB free there now\)\. Nothing was lost: the last complete "
+                  r"checkpoint, (\S+), is intact and a rerun resumes from it", out)
+    assert m, out[-4000:]
+    assert m.group(1) == str(dump / "checkpoint") and m.group(4) == str(good)
+    assert float(m.group(2).replace(",", "")) * 1e6 >= 0.5 * size
+    assert tree_digest(good) == before
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-10"]  # the partial one is gone
+
+    filler.unlink(missing_ok=True)
+    resumed = run_job(dump, *args, nproc=2)
+    assert f"resumed from {good} at step 10" in resumed
+    assert inspect_folder(dump / "checkpoint" / "step-20") is None
