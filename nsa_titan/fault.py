@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .cli import note_failure
 from .config import Debug, Fault
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class StepWatchdog:
             faulthandler.dump_traceback(f, all_threads=True)
         print(message, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        note_failure(message)
         if self.heartbeat is not None:
             self.heartbeat.write(event="hang", step=self.step, phase=self.what, waited_s=round(waited, 1),
                                  in_collective=collective, stacks=str(self.stack_path))

@@ -146,8 +146,8 @@ def first_failure(e: ChildFailedError) -> tuple[int, str]:
     rank, failure = min(e.failures.items(), key=priority)
     if code(failure) in (EXIT_BAD_INPUT, EXIT_HALTED) and message(failure):
         return code(failure), message(failure)  # the rank's own one-line explanation
-    return code(failure), (f"nsa_titan: rank {rank} failed with exit code {code(failure)}"
-                           + (f": {message(failure) or failure.message}" if failure.message else ""))
+    detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
+    return code(failure), f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -304,7 +304,7 @@ class Trainer:
                                      data_wait_s=round(self.data_wait_s, 4), skipped=self.skips_in_a_row > 0)
             self.watchdog.beat(step, "validation, logging and checkpointing", first_step_done=True)
             stopping = self.stop.agreed(self.device)  # a stop signal on any rank, agreed by all
-            if v.enable and (step % v.freq == 0 or last):
+            if v.enable and (step % v.freq == 0 or last) and not stopping:  # stopping: save first, quickly
                 with self.paused():
                     loss_v, batches_v = self.validate()
                     self.metrics.log_validation(step, loss_v, batches_v)
@@ -316,8 +316,8 @@ class Trainer:
             if stopping:
                 self.stopped_by = self.stop.name or "a stop signal to another rank"
                 logger.info("stopped by %s after step %d: %s", self.stopped_by, step,
-                               f"checkpoint {saved}; the same command resumes from it" if saved else
-                               "nothing saved ([checkpoint] enable = false)")
+                            f"checkpoint {saved}; the same command resumes from it" if saved else
+                            "nothing saved ([checkpoint] enable = false)")
                 break
         self.stop.finish_vote()
         if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:

@@ -225,3 +225,15 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_the_rerun_res
     resumed = run_job(dump, *args, nproc=2)
     assert f"resumed from {good} at step 10" in resumed
     assert inspect_folder(dump / "checkpoint" / "step-20") is None
+
+
+@pytest.mark.parametrize("fault,code,line", [
+    (["--debug.fault_nan_step", "3"], 3, "nsa_titan: halted: step 3: non-finite gradient norm nan"),
+    (["--debug.fault_hang_rank", "1", "--debug.fault_hang_step", "3", "--fault.step_timeout_seconds", "3"], 124,
+     "nsa_titan: rank 1 failed with exit code 124"),
+], ids=["nonfinite", "hang"])
+def test_run_train_sh_exits_with_the_trainers_code(tmp_path, fault, code, line):
+    rc, out = Job(tmp_path / "out", *fault, nproc=2).finish()
+    assert rc == code, out[-3000:]
+    assert out.count(line) == 1, out[-3000:]
+    assert "ChildFailedError" not in out and "Root Cause" not in out  # torchrun's report is not repeated
