@@ -164,6 +164,21 @@ def test_train_tokenizer_command_round_trips(tmp_path):
     assert len(tok.encode("the function returns")) < 0.8 * len("the function returns")  # it learned merges
 
 
+
+def test_train_tokenizer_stops_reading_after_max_docs(tmp_path, monkeypatch):
+    """--max_docs stops the stream there (a hub dataset is not streamed to its end)."""
+    import nsa_titan.data.train_tokenizer as tt
+
+    def stream(*args, **kwargs):
+        for k in range(10**9):
+            if k >= 300:
+                raise AssertionError("read past max_docs")
+            yield {"text": f"document {k}: def f(x): return x + {k}\n" * 5}
+
+    monkeypatch.setattr(tt, "open_text_stream", stream)
+    tt.train_tokenizer("unused", str(tmp_path / "t.model"), vocab_size=300, max_docs=300)
+    assert (tmp_path / "t.model").stat().st_size > 0
+
 def test_model_vocab_follows_the_tokenizer(monkeypatch):
     cfg, _ = load_config(["--training.steps", "1"], world_size=1)
     assert cfg.model.vocab_size == 0  # decided once the tokenizer is loaded

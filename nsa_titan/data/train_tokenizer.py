@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 from pathlib import Path
 
 import sentencepiece as spm
@@ -23,7 +24,7 @@ def train_tokenizer(path: str, output: str, vocab_size: int, name: str = "", spl
                     text_column: str = "text", max_docs: int = 0) -> None:
     """Train on the documents of `path` (all of them, or the first `max_docs`); write `output`."""
     stream = open_text_stream(path, name, split, text_column)
-    texts = (ex[text_column] for k, ex in enumerate(stream) if not max_docs or k < max_docs)
+    texts = (ex[text_column] for ex in (itertools.islice(stream, max_docs) if max_docs else stream))
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=texts, model_writer=model, vocab_size=vocab_size, model_type="bpe",
