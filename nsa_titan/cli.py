@@ -21,6 +21,8 @@ from .config import ConfigError
 from .data import DataError
 
 EXIT_BAD_INPUT = 2
+LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
+"""Set by the launcher for its ranks: they leave their bad-input line to it (no duplicate lines)."""
 BAD_INPUT = (ConfigError, DataError, CheckpointError)
 KINDS = {ConfigError: "config", DataError: "data", CheckpointError: "checkpoint"}
 
@@ -43,7 +45,7 @@ def note_failure(line: str) -> bool:
 
 def report(line: str) -> None:
     """Print `line` to stderr, or, under the launcher, leave it to the launcher to print once."""
-    if not (os.environ.get("NSA_TITAN_LAUNCHER") and note_failure(line)):
+    if not (os.environ.get(LAUNCHED_BY) and note_failure(line)):
         print(line, file=sys.stderr, flush=True)
 
 

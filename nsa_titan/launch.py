@@ -30,17 +30,15 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from .cli import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line, make_folder
+from .cli import BAD_INPUT, EXIT_BAD_INPUT, LAUNCHED_BY, bad_input_line, make_folder
 from .config import load_config
 from .config import parse_args as parse_config
-from .stop import EXIT_ABORTED, STOP_SIGNALS
 from .fault import EXIT_HANG
+from .stop import EXIT_ABORTED, STOP_SIGNALS
 from .train import EXIT_HALTED
 
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 """The signals left to torchrun (it forwards them and raises); the stop signals are ours."""
-LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
-"""Set for the ranks: they leave the bad-input message to this process (no duplicate lines)."""
 
 
 def child_pids(parent: int | None = None) -> list[int]:
