@@ -1,5 +1,5 @@
 # The two quick-start commands: `make train` and `make test` (each installs what is missing).
-.PHONY: install install-test train test
+.PHONY: install install-test train test test-fast
 
 install:
 	./scripts/install.sh
@@ -12,3 +12,7 @@ train: install
 
 test: install-test
 	python3 -m pytest -q tests
+
+# The inner loop (about 2 minutes): everything in-process and quick; CI runs `make test`, all of it.
+test-fast: install-test
+	python3 -m pytest -q -m "not slow and not multiprocess" tests

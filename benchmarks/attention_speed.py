@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
-from nsa_titan.models.attention import NSA_IMPLS, NSASpec, dense_causal  # noqa: E402
+from nsa_titan.models.attention import NSASpec, dense_causal, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
@@ -58,7 +58,7 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
     inputs = torch.nn.ParameterList(shapes).to(device)
     if impl == "dense":
         return inputs, lambda x: dense_causal(*inputs)
-    return inputs, lambda x: NSA_IMPLS[impl](*inputs, spec)
+    return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)
 
 
 def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, object]:

@@ -22,10 +22,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.config import load_config  # noqa: E402
-from nsa_titan.data import build_dataloader, build_tokenizer, padded_vocab_size  # noqa: E402
+from nsa_titan.config import derive, load_config, padded_vocab  # noqa: E402
+from nsa_titan.data import build_dataloader, build_tokenizer  # noqa: E402
 from nsa_titan.metrics import PEAK_BF16_FLOPS  # noqa: E402
-from nsa_titan.models.transformer import Transformer, flops_per_token  # noqa: E402
+from nsa_titan.models.transformer import Transformer  # noqa: E402
 
 M7C_ON_LOCAL_DATA = ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--data.path", "data/python_docs", "--data.name="]
 
@@ -35,7 +35,7 @@ def loader_tokens_per_s(workers: int, batches: int, ranks: int) -> float:
     cfg, _ = load_config([*M7C_ON_LOCAL_DATA, "--data.num_workers", str(workers)], world_size=ranks)
     t = cfg.training
     tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    loader = build_dataloader(cfg.data, tok, t.seq_len, padded_vocab_size(tok), t.local_batch_size, 0, ranks)
+    loader = build_dataloader(cfg.data, tok, t.seq_len, padded_vocab(tok.vocab_size), t.local_batch_size, 0, ranks)
     it = iter(loader)
     for _ in range(3):  # start the workers and fill the shuffle buffer
         next(it)
@@ -48,10 +48,9 @@ def loader_tokens_per_s(workers: int, batches: int, ranks: int) -> float:
 def m7c_consumption(mfu: float, peak: float) -> tuple[float, float]:
     """(FLOPs per token, tokens/s one GPU consumes at `mfu` of `peak`)."""
     cfg, _ = load_config(M7C_ON_LOCAL_DATA, world_size=8)
-    cfg.model.vocab_size = padded_vocab_size(build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
+    cfg = derive(cfg, 8, build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size)
     with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.training.seq_len)
-    f = flops_per_token(model, cfg.model, cfg.training.seq_len)
+        f = Transformer(cfg.model, cfg.training.seq_len).flops_per_token(cfg.training.seq_len)
     return f, mfu * peak / f
 
 

@@ -28,8 +28,8 @@ from nsa_titan.fault import Heartbeat, StepWatchdog  # noqa: E402
 
 def per_call_us(calls: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as dump:
-        hb = Heartbeat(dump, 0)
-        wd = StepWatchdog(Fault(), dump, 0, hb)
+        hb = Heartbeat(Path(dump) / "heartbeat", 0)
+        wd = StepWatchdog(Fault(), Path(dump) / "fault", 0, hb)
         start = time.perf_counter()
         for i in range(calls):
             wd.beat(i, "the training step", first_step_done=True)

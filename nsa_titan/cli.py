@@ -19,10 +19,9 @@ from typing import NoReturn
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .data import DataError
+from .env import LAUNCHED_BY, quiet_libraries
 
 EXIT_BAD_INPUT = 2
-LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
-"""Set by the launcher for its ranks: they leave their bad-input line to it (no duplicate lines)."""
 BAD_INPUT = (ConfigError, DataError, CheckpointError)
 KINDS = {ConfigError: "config", DataError: "data", CheckpointError: "checkpoint"}
 
@@ -73,7 +72,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_command(prog: str, command: Callable[[], int]) -> int:
-    """Run an entry point's body; bad input becomes one line on stderr and exit code 2."""
+    """Run an entry point's body, with the quiet library loggers (`env.quiet_libraries`); bad input
+    becomes one line on stderr and exit code 2."""
+    quiet_libraries()
     try:
         return command()
     except BAD_INPUT as e:

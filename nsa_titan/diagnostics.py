@@ -88,12 +88,12 @@ def nsa_stats(model: nn.Module, inputs: torch.Tensor) -> dict[str, float]:
     return {f"nsa/layer{i}/{k}": values[j * len(keys) + n] for j, (i, _) in enumerate(attns) for n, k in enumerate(keys)}
 
 
-def step_profiler(step: int, profile_step: int, memory_step: int, dump_folder: str, rank: int,
+def step_profiler(step: int, profile_step: int, memory_step: int, folder: Path, rank: int,
                   device: torch.device) -> AbstractContextManager:
-    """A context around one step: a profiler trace and/or a CUDA memory snapshot when asked."""
+    """A context around one step: a profiler trace and/or a CUDA memory snapshot (into `folder`) when asked."""
     if step not in (profile_step, memory_step):
         return nullcontext()
-    return _Profile(step, step == profile_step, step == memory_step, Path(dump_folder) / "profile", rank, device)
+    return _Profile(step, step == profile_step, step == memory_step, folder, rank, device)
 
 
 class _Profile(AbstractContextManager):

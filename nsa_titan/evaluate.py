@@ -9,18 +9,19 @@ torchrun), so at a checkpoint's step it reports the trainer's validation loss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from .cli import ArgumentParser, run_command
 from .data import DataError, build_validation_dataloader
 from .inference import load_model
+from .loss import cross_entropy_loss
 
 
 @torch.no_grad()
@@ -29,15 +30,14 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)."""
     model, tokenizer, cfg = load_model(checkpoint, config, overrides)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    cfg.validation.split = split
-    loader = build_validation_dataloader(cfg.data, cfg.validation, tokenizer, cfg.training.seq_len,
+    loader = build_validation_dataloader(cfg.data, dataclasses.replace(cfg.validation, split=split), tokenizer,
+                                         cfg.training.seq_len,
                                          cfg.training.local_batch_size, rank, world)
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
     for k, (inputs, labels) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0, total=batches or None)):
         if batches and k >= batches:
             break
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss = cross_entropy_loss(model(inputs), labels)
         text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())
         totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64)
     if dist.is_initialized():

@@ -1,4 +1,4 @@
-"""Fault detection: a step watchdog, a heartbeat, collective timeouts, and fault injection.
+"""Fault detection: a step watchdog, a heartbeat and collective timeouts.
 
 A rank whose step makes no progress past its limit writes the stack of every thread (to
 stderr and to `<dump_folder>/fault/rank<R>_stacks.txt`), a final heartbeat record, and exits
@@ -19,14 +19,12 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from .cli import note_failure
-from .config import Debug, Fault
+from .config import Fault
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +42,10 @@ stacks and exits this much later."""
 
 
 class Heartbeat:
-    """One JSON line per step in `<dump_folder>/heartbeat/rank<R>.jsonl`; flushed each time."""
+    """One JSON line per step in `<folder>/rank<R>.jsonl` (the run's heartbeat folder); flushed each time."""
 
-    def __init__(self, dump_folder: str, rank: int):
-        path = Path(dump_folder) / "heartbeat" / f"rank{rank}.jsonl"
+    def __init__(self, folder: Path, rank: int):
+        path = folder / f"rank{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = path.open("a")
         self.lock = threading.Lock()
@@ -73,9 +71,9 @@ def _in_collective(frame: Any) -> str | None:
 class StepWatchdog:
     """A thread that fires when no `beat()` came for longer than the current limit."""
 
-    def __init__(self, cfg: Fault, dump_folder: str, rank: int, heartbeat: Heartbeat | None):
+    def __init__(self, cfg: Fault, folder: Path, rank: int, heartbeat: Heartbeat | None):
+        """`folder`: where the stack dumps go (the run's fault folder)."""
         self.cfg, self.rank, self.heartbeat = cfg, rank, heartbeat
-        folder = Path(dump_folder) / "fault"
         folder.mkdir(parents=True, exist_ok=True)
         self.stack_path = folder / f"rank{rank}_stacks.txt"
         self.backstop_file = (folder / f"rank{rank}_stacks_backstop.txt").open("w")
@@ -143,27 +141,3 @@ def set_collective_timeout(seconds: float) -> None:
             _set_pg_timeout(timedelta(seconds=seconds), group)
         except (RuntimeError, ValueError) as e:  # a backend that cannot change it
             logger.debug("could not set the timeout of %s: %s", group, e)
-
-
-def _hang_forever(where: str, rank: int, step: int) -> None:
-    """Fault injection: never return (the watchdog must find this frame)."""
-    print(f"fault injection: rank {rank} hangs in the {where} of step {step}", file=sys.stderr, flush=True)
-    while True:
-        time.sleep(3600)
-
-
-def install_fault_injection(d: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                            current_step: Callable[[], int]) -> None:
-    """Test switches: make `fault_hang_rank` sleep forever at `fault_hang_step` in the forward
-    pass (of the first block) or in the optimizer step."""
-    if rank != d.fault_hang_rank or d.fault_hang_step <= 0:
-        return
-    if d.fault_hang_where == "forward":
-        first_block = next(iter(model.layers.values()))
-        first_block.register_forward_pre_hook(
-            lambda module, args: _hang_forever("forward", rank, current_step())
-            if current_step() == d.fault_hang_step and torch.is_grad_enabled() else None)
-    else:
-        optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs: _hang_forever("optimizer step", rank, current_step())
-            if current_step() == d.fault_hang_step else None)

@@ -18,7 +18,6 @@ processes, `--max-restarts`) and adds three things:
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -30,10 +29,12 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from .cli import BAD_INPUT, EXIT_BAD_INPUT, LAUNCHED_BY, bad_input_line, make_folder
+from .cli import EXIT_BAD_INPUT, make_folder, run_command
 from .config import load_config
+from .env import set_launcher_env
 from .config import parse_args as parse_config
 from .fault import EXIT_HANG
+from .paths import RunPaths
 from .stop import EXIT_ABORTED, STOP_SIGNALS
 from .train import EXIT_HALTED
 
@@ -114,9 +115,10 @@ def _say(line: str) -> None:
 def preflight(trainer_args: list[str], world_size: int | None) -> None:
     """Config and output folders, checked before any rank starts (raises a bad-input error)."""
     cfg = load_config(trainer_args, world_size)[0] if world_size else parse_config(trainer_args)[0]
-    make_folder(Path(cfg.job.dump_folder), "[job] dump_folder")
+    paths = RunPaths.of(cfg)
+    make_folder(paths.root, "[job] dump_folder")
     if cfg.checkpoint.enable:
-        make_folder(Path(cfg.job.dump_folder) / cfg.checkpoint.folder, "[checkpoint] folder")
+        make_folder(paths.checkpoints, "[checkpoint] folder")
 
 
 def _world_size(nnodes: str, nproc: str) -> int | None:
@@ -151,19 +153,13 @@ def first_failure(e: ChildFailedError) -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.signals_to_handle = TORCHRUN_SIGNALS
+    return run_command("nsa_titan", lambda: _launch(args))
+
+
+def _launch(args: Any) -> int:
     if args.module and args.training_script == "nsa_titan.train":
-        try:
-            preflight(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
-        except BAD_INPUT as e:
-            print(bad_input_line("nsa_titan", e), file=sys.stderr)
-            return EXIT_BAD_INPUT
-    os.environ[LAUNCHED_BY] = "1"
-    # Each attempt's ranks get a store of their own: on a shared rendezvous store, restarted ranks
-    # read the previous attempt's addresses and never connect (pytorch/pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # torchrun's own failure report repeats what the ranks said; keep its warnings and errors only.
-    for name in ("torch.distributed.elastic", "torch.distributed.run"):  # also its OMP_NUM_THREADS = 1 banner
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+        preflight(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
+    set_launcher_env()
     forwarder = StopForwarder(float(args.shutdown_timeout))
     started = time.monotonic()
     try:

@@ -6,6 +6,8 @@ import logging
 import math
 import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -81,16 +83,63 @@ class StepStats:
     """Fraction of the time since the last log line spent waiting for batches."""
 
 
+class Throughput:
+    """The clock of the training loop: each step's time and tokens/s (the heartbeat), and per window
+    between log lines the mean step time, tokens/s, MFU and the share spent waiting for data.
+    Time inside `paused()` (validation, checkpoints) counts in neither."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, world_size: int):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_flops, self.world_size = peak_flops, world_size
+        self.window_start = self.step_start = time.perf_counter()
+        self.window_step, self.data_wait_s = 0, 0.0
+
+    def start(self, step: int) -> None:
+        """A new window after `step` (the loop's start, or a log line)."""
+        self.window_start, self.window_step, self.data_wait_s = time.perf_counter(), step, 0.0
+
+    def step_started(self) -> None:
+        self.step_start = time.perf_counter()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.window_start += time.perf_counter() - start
+
+    @contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """Around waiting for a batch."""
+        start = time.perf_counter()
+        yield
+        self.data_wait_s += time.perf_counter() - start
+
+    def last_step(self) -> tuple[float, float]:
+        """(seconds, tokens/s) of the step since `step_started`."""
+        seconds = time.perf_counter() - self.step_start
+        return seconds, self.tokens_per_step / seconds
+
+    def window(self, step: int) -> tuple[float, float, float | None, float]:
+        """(mean step time, tokens/s, MFU or None, data-wait share) since the window began; then a new one."""
+        elapsed = time.perf_counter() - self.window_start
+        step_time = elapsed / max(1, step - self.window_step)
+        tokens_per_s = self.tokens_per_step / step_time
+        mfu = tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        data_wait = self.data_wait_s / elapsed if elapsed > 0 else 0.0
+        self.start(step)
+        return step_time, tokens_per_s, mfu, data_wait
+
+
 class MetricsLogger:
     """Formats and writes the step metrics; TensorBoard is written by rank 0 only."""
 
-    def __init__(self, m: Metrics, dump_folder: str, rank: int, total_steps: int):
+    def __init__(self, m: Metrics, tb_root: Path, rank: int, total_steps: int):
         self.total_steps = total_steps
         self.writer = None
         if m.enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            log_dir = tb_run_folder(Path(dump_folder) / m.save_tb_folder)
+            log_dir = tb_run_folder(tb_root)
             self.writer = SummaryWriter(log_dir=str(log_dir))
             logger.info("TensorBoard logs in %s", log_dir)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .config import ActivationCheckpoint, Compile, Parallelism, Training
+from .config import DTYPES, Compile, Parallelism, Training
+from .env import set_rank_env
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def device_for_rank() -> torch.device:
@@ -34,24 +34,16 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0, trace_folder: str | None = None) -> bool:
+def init_distributed(device: torch.device, timeout_s: float = 600.0, trace_folder: Path | None = None) -> bool:
     """Join the torchrun job (world size 1 without torchrun): NCCL on GPUs, gloo on CPU.
 
     On GPUs the NCCL flight recorder keeps the last collectives of each rank and dumps them to
-    `trace_folder/nccl_trace_rank_<R>` when a collective times out.
+    `trace_folder/nccl_trace_rank_<R>` when a collective times out (`env.set_rank_env`).
     Returns True when this call created the process group (and so owns its teardown).
     """
     if dist.is_initialized():
         return False
-    if device.type == "cuda" and trace_folder:
-        os.makedirs(trace_folder, exist_ok=True)
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "20000")
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(trace_folder, "nccl_trace_rank_"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    set_rank_env(device, trace_folder)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
@@ -66,14 +58,10 @@ def build_mesh(p: Parallelism, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (p.data_parallel_shard_degree,), mesh_dim_names=("dp_shard",))
 
 
-def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
-    """Wrap blocks in non-reentrant checkpointing: all (`full`) or every N-th (`selective`),
-    among blocks first_layer..last_layer (a range, to bisect a misbehaving layer)."""
-    if ac.mode == "none":
-        return
-    last = len(model.layers) - 1 if ac.last_layer == -1 else ac.last_layer
+def apply_ac(model: nn.Module, layers: list[int]) -> None:
+    """Wrap the blocks `layers` (`config.ac_layers`) in non-reentrant activation checkpointing."""
     for i, (name, block) in enumerate(model.layers.named_children()):
-        if ac.first_layer <= i <= last and (ac.mode == "full" or (i + 1) % ac.every_n_layers == 0):
+        if i in layers:
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
@@ -101,13 +89,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, t: Training, p: Parallelism) 
                 reshard_after_forward=p.fsdp_reshard_after_forward == "always")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, ac: ActivationCheckpoint, c: Compile,
-                t: Training, p: Parallelism) -> None:
+def parallelize(model: nn.Module, mesh: DeviceMesh, ac_layers: list[int], c: Compile, t: Training,
+                p: Parallelism) -> None:
     """AC, then compile, then FSDP: the order in which the wrappers compose."""
-    apply_ac(model, ac)
+    apply_ac(model, ac_layers)
     apply_compile(model, c)
     apply_fsdp(model, mesh, t, p)
-    logger.info("parallelized: AC %s, compile %s, FSDP mesh %s, params %s / reduce %s",
-                ac.mode if ac.mode != "selective" else f"every {ac.every_n_layers} blocks",
-                c.backend if c.enable else "off", dict(zip(mesh.mesh_dim_names, mesh.shape)),
-                t.mixed_precision_param, t.mixed_precision_reduce)
+    logger.info("parallelized: AC on blocks %s, compile %s, FSDP mesh %s, params %s / reduce %s",
+                _ranges(ac_layers) or "none", c.backend if c.enable else "off",
+                dict(zip(mesh.mesh_dim_names, mesh.shape)), t.mixed_precision_param, t.mixed_precision_reduce)
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +25,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .cli import ArgumentParser, run_command
-from .config import JobConfig, load_config
-from .data import build_tokenizer, vocab_for_model
-from .diagnostics import clean_name
-from .models.transformer import Transformer, TransformerBlock, flops_per_token, rope_tables
-from .parallel import DTYPES, build_mesh, parallelize
+from .config import DTYPES, JobConfig, ac_layers, derive, load_config
+from .data import build_tokenizer
+from .loss import cross_entropy_loss
+from .models.transformer import Transformer, TransformerBlock, rope_tables
+from .parallel import apply_ac, build_mesh, parallelize
 
 GIB = 2**30
-PARTS = {  # parameter name fragment -> part of the model, first match wins
-    "tok_embeddings": "embedding", "output": "output head", "wkv_cmp": "cmp K/V", "compress_": "cmp compression MLPs",
-    "wkv_sel": "sel K/V", "wkv_win": "win K/V", "wkv": "dense K/V", "attention.wq": "queries",
-    "attention.wo": "attention output", "gate": "gates", "feed_forward": "MLP", "norm": "norms",
-}
 
 
 @dataclass
@@ -48,10 +43,6 @@ class Plan:
     flops_per_token: float
     step_seconds: float
     tokens_per_second: float
-
-
-def part_of(name: str) -> str:
-    return next(part for key, part in PARTS.items() if key in name)
 
 
 def block_saved_bytes(cfg: JobConfig, T: int) -> float:
@@ -82,8 +73,8 @@ def activation_bytes(cfg: JobConfig) -> float:
     What a block keeps for backward is measured on one real block at two short lengths and
     extrapolated to seq_len as a*T + b*T^2 (the b term is the reference NSA's T x T masks).
     AC none keeps every block's; a checkpointed block keeps its input only, and one block's
-    worth is rebuilt during its recompute. Plus the fp32 log-probabilities the loss keeps and
-    their gradient, alive together when backward starts.
+    worth is rebuilt during its recompute. Plus the fp32 log-probabilities the loss keeps (the
+    logits themselves are not kept: `loss.cross_entropy_loss` holds no reference to them).
     """
     m, t = cfg.model, cfg.training
     T1 = min(t.seq_len, max(256, m.window_size, 2 * m.sel_block_size))
@@ -92,14 +83,9 @@ def activation_bytes(cfg: JobConfig) -> float:
     b = max(0.0, (s2 / T2 - s1 / T1) / (T2 - T1))  # per token, per extra token of context
     a = s1 / T1 - b * T1
     per_block = t.local_batch_size * (a * t.seq_len + b * t.seq_len**2)
-    ac = cfg.activation_checkpoint
-    last = m.n_layers - 1 if ac.last_layer == -1 else ac.last_layer
-    wrapped = 0 if ac.mode == "none" else sum(
-        1 for i in range(m.n_layers)
-        if ac.first_layer <= i <= last and (ac.mode == "full" or (i + 1) % ac.every_n_layers == 0))
+    wrapped = len(ac_layers(m, cfg.activation_checkpoint))
     block_input = t.local_batch_size * t.seq_len * m.dim * DTYPES[t.mixed_precision_param].itemsize
-    # The loss keeps fp32 log-probabilities, and backward starts by materialising their gradient.
-    logits = 2 * t.local_batch_size * t.seq_len * m.vocab_size * 4
+    logits = t.local_batch_size * t.seq_len * m.vocab_size * 4
     return (m.n_layers - wrapped) * per_block + wrapped * block_input + (per_block if wrapped else 0) + logits
 
 
@@ -109,22 +95,19 @@ def measured_activation_peak(cfg: JobConfig) -> float:
     the CUDA allocator's peak on a GPU, the profiler's allocation events on the CPU."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .parallel import apply_ac
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[cfg.training.mixed_precision_param]
     model = Transformer(cfg.model, cfg.training.seq_len).to(device)
     model.init_weights(0)
     model.to(dtype)
-    apply_ac(model, cfg.activation_checkpoint)
+    apply_ac(model, ac_layers(cfg.model, cfg.activation_checkpoint))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.training.local_batch_size, cfg.training.seq_len + 1),
                            device=device)
 
     def step() -> None:
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
 
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -160,20 +143,18 @@ def make_plan(cfg: JobConfig, world_size: int, peak_flops: float, mfu: float) ->
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "Initializing zero-element tensors is a no-op"
         model = Transformer(cfg.model, cfg.training.seq_len)
-    by_part: dict[str, int] = defaultdict(int)
-    for name, p in model.named_parameters():
-        by_part[part_of(name)] += p.numel()
+    by_part = model.parameter_parts()
     total = sum(by_part.values())
     per_block = sum(p.numel() for p in next(iter(model.layers.values())).parameters())
-    fpt = flops_per_token(model, cfg.model, cfg.training.seq_len)
+    root = total - sum(p.numel() for p in model.layers.parameters())
+    fpt = model.flops_per_token(cfg.training.seq_len)
     act = activation_bytes(cfg)
 
-    cfg.compile.enable = False  # the plan needs the shards, not compiled code
-    parallelize(model, build_mesh(cfg.parallelism, torch.device("cpu")), cfg.activation_checkpoint, cfg.compile,
-                cfg.training, cfg.parallelism)
+    no_compile = dataclasses.replace(cfg.compile, enable=False)  # the plan needs the shards, not compiled code
+    parallelize(model, build_mesh(cfg.parallelism, torch.device("cpu")),
+                ac_layers(cfg.model, cfg.activation_checkpoint), no_compile, cfg.training, cfg.parallelism)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     compute = DTYPES[cfg.training.mixed_precision_param].itemsize
-    root = sum(p.numel() for n, p in model.named_parameters() if ".layers." not in f".{clean_name(n)}")
     rank_bytes = {
         "parameters (fp32 shards)": local * 4.0,
         "gradients (fp32 shards)": local * 4.0,
@@ -184,7 +165,7 @@ def make_plan(cfg: JobConfig, world_size: int, peak_flops: float, mfu: float) ->
     }
     t = cfg.training
     step = t.global_batch_size * t.seq_len * fpt / (world_size * peak_flops * mfu)
-    return Plan(total, dict(by_part), per_block, rank_bytes, fpt, step, t.global_batch_size * t.seq_len / step)
+    return Plan(total, by_part, per_block, rank_bytes, fpt, step, t.global_batch_size * t.seq_len / step)
 
 
 def report(plan: Plan, cfg: JobConfig, world_size: int, gpu_gib: float, peak_flops: float, mfu: float) -> bool:
@@ -233,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan(args: argparse.Namespace, rest: list[str]) -> int:
     cfg, _ = load_config(rest, world_size=args.world_size)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    cfg.model.vocab_size = vocab_for_model(tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
+    cfg = derive(cfg, args.world_size, build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)

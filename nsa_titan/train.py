@@ -16,25 +16,27 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import CheckpointManager, TrainState
-from .cli import BAD_INPUT, EXIT_BAD_INPUT, bad_input_line, make_folder, note_failure, report
-from .config import ConfigError, JobConfig, load_config
-from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers, vocab_for_model
+from .cli import BAD_INPUT, make_folder, note_failure, report, run_command
+from .config import DTYPES, JobConfig, Model, ac_layers, derive, grad_accum_steps, load_config, to_toml
+from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
+from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
-from .fault import Heartbeat, StepWatchdog, install_fault_injection, set_collective_timeout
-from .metrics import MetricsLogger, StepStats, current_rss_gib, peak_flops, peak_memory_gib
-from .models.transformer import Transformer, flops_per_token
+from .env import set_deterministic
+from .fault import Heartbeat, StepWatchdog, set_collective_timeout
+from .loss import cross_entropy_loss
+from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak_flops, peak_memory_gib
+from .models.attention import Kernels, choose_kernels
+from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer
 from .parallel import build_mesh, device_for_rank, init_distributed, parallelize
+from .paths import RunPaths
 from .stop import StopRequest
 
 logger = logging.getLogger("nsa_titan")
@@ -62,125 +64,134 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
     return total
 
 
+def _attention_line(m: Model, kernels: Kernels | None) -> str:
+    """The attention that runs, with the kernel of each branch (the startup log)."""
+    if m.attention == "dense":
+        return "dense attention (causal SDPA)"
+    branch = f", only the {m.nsa_branch} branch" if m.nsa_branch != "all" else ""
+    if kernels is None:
+        return f"NSA attention (reference: dense masks for every branch{branch})"
+    return f"NSA attention (fast: {kernels.describe()}{branch})"
+
+
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop."""
 
     def __init__(self, cfg: JobConfig, stop: StopRequest | None = None):
-        """`stop`: the process's stop-signal handlers (main() installs them first); None makes one, owned here."""
-        self.cfg = cfg
-        make_folder(Path(cfg.job.dump_folder), "[job] dump_folder")
+        """`cfg`: the run's derived config (`config.load_config`); `stop`: the process's stop-signal
+        handlers (main() installs them first); None makes one, owned here."""
+        t, m = cfg.training, cfg.model
+        self.cfg, self.paths = cfg, RunPaths.of(cfg)
+        make_folder(self.paths.root, "[job] dump_folder")
         self.owns_stop, self.stop = stop is None, stop or StopRequest()
         self.started = time.monotonic()
         self.stopped_by: str | None = None  # the stop signal that ended the run early
         self.last_validation: tuple[int, float] | None = None
         self.history: list[StepStats] = []
-        self.window_start, self.window_step, self.last_inputs = 0.0, 0, None
+        self.last_inputs: torch.Tensor | None = None  # the NSA statistics' forward input
+        self.skips_in_a_row = self.skips_total = 0
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
         rank = int(os.environ.get("RANK", "0"))
-        self.heartbeat = Heartbeat(cfg.job.dump_folder, rank) if cfg.fault.heartbeat else None
-        self.watchdog = StepWatchdog(cfg.fault, cfg.job.dump_folder, rank, self.heartbeat)
+        self.heartbeat = Heartbeat(self.paths.heartbeat, rank) if cfg.fault.heartbeat else None
+        self.watchdog = StepWatchdog(cfg.fault, self.paths.fault, rank, self.heartbeat)
         try:
-            self._build(cfg)
+            # Distributed: one process per device, all of them data-parallel.
+            self.device = device_for_rank()
+            self.owns_process_group = init_distributed(self.device, cfg.fault.first_step_timeout_seconds + 60,
+                                                       self.paths.fault)
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.mesh = build_mesh(cfg.parallelism, self.device)
+            torch.manual_seed(cfg.debug.seed)
+            if cfg.debug.deterministic:
+                set_deterministic()
+
+            # The tokenizer fixes the vocabulary unless the config sets a (large enough) one.
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+            self.cfg = cfg = derive(cfg, self.world_size, self.tokenizer.vocab_size)
+            self._log_setup()
+
+            # Model: built on meta, wrapped, then materialised and initialised.
+            kernels = (choose_kernels(m.kernels, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m), m.head_dim)
+                       if m.attention == "nsa" and m.attn_impl == "fast" else None)
+            with torch.device("meta"):
+                model = Transformer(cfg.model, t.seq_len, kernels)
+            parallelize(model, self.mesh, ac_layers(cfg.model, cfg.activation_checkpoint), cfg.compile, t,
+                        cfg.parallelism)
+            model.to_empty(device=self.device)
+            model.init_weights(cfg.debug.seed)
+            self.model = model
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            flops = model.flops_per_token(t.seq_len)
+            logger.info("model: %s, %.2fM parameters, %.3f GFLOP per token",
+                        _attention_line(m, kernels), sum(p.numel() for p in self.params) / 1e6, flops / 1e9)
+
+            self.optimizer = build_optimizer(model, cfg.optimizer)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
+            self.grad_accum_steps = grad_accum_steps(cfg, self.world_size)
+            self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
+                                               t.local_batch_size, self.rank, self.world_size)
+            self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
+                                         self.world_size)
+
+            # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
+            self.state = TrainState(dp_world_size=self.world_size)
+            self.checkpointer = CheckpointManager(
+                cfg.checkpoint, folder=self.paths.checkpoints, config_toml=to_toml(cfg), model=model,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+                train_state=self.state, dp_rank=self.rank)
+            install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
+                                rank=self.rank, world_size=self.world_size, current_step=lambda: self.state.step)
+            resumed = self.checkpointer.load()
+            self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if restart:
+                logger.info("restart %d of %s (torchrun --max-restarts): %s", restart,
+                            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+                            f"resumed from {resumed} at step {self.state.step}" if resumed
+                            else "no complete checkpoint yet: starting from step 0")
+            self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps)
+            if self.rank == 0:
+                self.paths.config.write_text(to_toml(cfg))
+            logger.info("training %d steps%s: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
+                        t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step {self.state.step})"
+                        if self.state.step else "", t.global_batch_size, self.world_size, t.local_batch_size,
+                        self.grad_accum_steps, t.seq_len)
         except BaseException:
             self.watchdog.stop()
             if self.owns_stop:
                 self.stop.close()
             raise
 
-    def _build(self, cfg: JobConfig) -> None:
-        t = cfg.training
-
-        # Distributed: one process per device, all of them data-parallel.
-        self.device = device_for_rank()
-        self.owns_process_group = init_distributed(self.device, cfg.fault.first_step_timeout_seconds + 60,
-                                                   str(Path(cfg.job.dump_folder) / "fault"))
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.mesh = build_mesh(cfg.parallelism, self.device)
-        torch.manual_seed(cfg.debug.seed)
-        if cfg.debug.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-
-        # The tokenizer fixes the vocabulary unless the config sets a (large enough) one.
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-        cfg.model.vocab_size = vocab_for_model(self.tokenizer, cfg.model.vocab_size, cfg.data.source != "synthetic")
-        d = cfg.data
+    def _log_setup(self) -> None:
+        """What the run reads and where it writes."""
+        cfg, d, ck = self.cfg, self.cfg.data, self.cfg.checkpoint
+        if cfg.job.description:
+            logger.info("job: %s", cfg.job.description)
         source = (f"synthetic tokens (seed {d.seed})" if d.source == "synthetic" else
                   f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
         logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
                     source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
                     self.tokenizer.vocab_size, cfg.model.vocab_size, d.num_workers)
-        ck = cfg.checkpoint
-        logger.info("output: %s | checkpoints %s", Path(cfg.job.dump_folder).resolve(),
+        logger.info("output: %s | checkpoints %s", self.paths.root.resolve(),
                     f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
                     else "off ([checkpoint] enable = false)")
 
-        # Model: built on meta, wrapped, then materialised and initialised.
-        with torch.device("meta"):
-            model = Transformer(cfg.model, t.seq_len)
-        parallelize(model, self.mesh, cfg.activation_checkpoint, cfg.compile, t, cfg.parallelism)
-        model.to_empty(device=self.device)
-        model.init_weights(cfg.debug.seed)
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        n_params = sum(p.numel() for p in self.params)
-        self.flops_per_token = flops_per_token(model, cfg.model, t.seq_len)
-        logger.info("model: %s attention (%s), %.2fM parameters, %.3f GFLOP per token",
-                    cfg.model.attention, cfg.model.attn_impl if cfg.model.attention == "nsa" else "sdpa",
-                    n_params / 1e6, self.flops_per_token / 1e9)
-
-        self.optimizer = build_optimizer(model, cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
-        self.grad_accum_steps = t.global_batch_size // (t.local_batch_size * self.world_size)
-        self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
-                                           t.local_batch_size, self.rank, self.world_size)
-        self.peak_flops = peak_flops(cfg.metrics, self.device)
-        self.data_wait_s = 0.0
-        self.skips_in_a_row = self.skips_total = 0
-
-        # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
-        self.state = TrainState(dp_world_size=self.world_size)
-        self.checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, cfg.to_toml(), model,
-                                              self.optimizer, self.lr_scheduler, self.dataloader, self.state,
-                                              self.rank, cfg.debug.fault_kill_in_save_step)
-        resumed = self.checkpointer.load()
-        self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restart:
-            logger.info("restart %d of %s (torchrun --max-restarts): %s", restart,
-                           os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
-                           f"resumed from {resumed} at step {self.state.step}" if resumed
-                           else "no complete checkpoint yet: starting from step 0")
-        install_fault_injection(cfg.debug, model, self.optimizer, self.rank, lambda: self.state.step)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, t.steps)
-        if self.rank == 0:
-            Path(cfg.job.dump_folder).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.job.dump_folder) / "config.toml").write_text(cfg.to_toml())
-        logger.info("training %d steps%s: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
-                    t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step {self.state.step})"
-                    if self.state.step else "", t.global_batch_size, self.world_size, t.local_batch_size,
-                    self.grad_accum_steps, t.seq_len)
-
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch: fp32 cross-entropy, backward of loss / accumulation steps."""
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-        if 0 < self.cfg.debug.fault_nan_step == self.state.step and self.rank == 0:
-            loss = loss * float("nan")  # fault injection
+        loss = cross_entropy_loss(self.model(inputs), labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
 
     def next_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next micro-batch on the device; the time spent waiting adds to `data_wait_s`."""
-        start = time.perf_counter()
+        """The next micro-batch on the device; the time spent waiting counts as data wait."""
         try:
-            inputs, labels = next(batches)
+            with self.throughput.data_wait():
+                inputs, labels = next(batches)
         except StopIteration:
             raise DataError(f"rank {self.rank} ran out of training data: its share of [data] path = "
                             f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
                             f"x workers?)") from None
-        self.data_wait_s += time.perf_counter() - start
         self.last_inputs = inputs.to(self.device)
         return self.last_inputs, labels.to(self.device)
 
@@ -239,8 +250,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # loss sum, batch count
         for _, (inputs, labels) in zip(range(v.steps), loader):
-            logits = self.model(inputs.to(self.device))
-            total[0] += F.cross_entropy(logits.float().flatten(0, 1), labels.to(self.device).flatten())
+            total[0] += cross_entropy_loss(self.model(inputs.to(self.device)), labels.to(self.device))
             total[1] += 1
         self.model.train()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -249,29 +259,17 @@ class Trainer:
                             f"of seq_len {t.seq_len} on some rank: use a larger split or a smaller seq_len")
         return (total[0] / total[1]).item(), int(total[1].item()) // self.world_size
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Leave the time spent inside out of the tokens/s window (validation, checkpoints)."""
-        start = time.perf_counter()
-        yield
-        self.window_start += time.perf_counter() - start
-
     def log_step(self, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
         """The console line and TensorBoard scalars (the loss averaged over ranks)."""
-        t = self.cfg.training
         loss = loss.detach().clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        now = time.perf_counter()
-        step_time = (now - self.window_start) / (self.state.step - self.window_step)
-        tokens_per_s = t.global_batch_size * t.seq_len / step_time
-        mfu = tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        step_time, tokens_per_s, mfu, data_wait = self.throughput.window(self.state.step)
         stats = StepStats(self.state.step, loss.item() / self.world_size, grad_norm, lr, tokens_per_s, mfu,
-                          peak_memory_gib(self.device), step_time, self.data_wait_s / (now - self.window_start))
+                          peak_memory_gib(self.device), step_time, data_wait)
         self.metrics.log(stats)
         if self.cfg.metrics.nsa_stats:
             self.metrics.log_scalars(self.state.step, nsa_stats(self.model, self.last_inputs))
         self.history.append(stats)
-        self.window_start, self.window_step, self.data_wait_s = now, self.state.step, 0.0
 
     def train(self) -> list[StepStats]:
         """Run from the current step to `training.steps`; returns the logged StepStats."""
@@ -280,13 +278,14 @@ class Trainer:
             logger.info("already at step %d of training.steps = %d: nothing to train (raise --training.steps to "
                         "continue)", self.state.step, t.steps)
         batches = iter(self.dataloader)
-        self.window_start, self.window_step, self.data_wait_s = time.perf_counter(), self.state.step, 0.0
+        self.throughput.start(self.state.step)
         while self.state.step < t.steps:
             self.state.step += 1
-            step, last, started = self.state.step, self.state.step == t.steps, time.perf_counter()
+            step, last = self.state.step, self.state.step == t.steps
+            self.throughput.step_started()
             self.watchdog.beat(step, "the training step", first_step_done=step > self.first_step)
             lr = self.lr_scheduler.get_last_lr()[0]
-            with step_profiler(step, d.profile_step, d.memory_snapshot_step, self.cfg.job.dump_folder, self.rank,
+            with step_profiler(step, d.profile_step, d.memory_snapshot_step, self.paths.profile, self.rank,
                                self.device):
                 loss, loss_value, norm_value = self.train_step(batches)
             self.state.tokens_seen += t.global_batch_size * t.seq_len
@@ -296,22 +295,22 @@ class Trainer:
                     logger.info(dtype_report(self.model, self.optimizer, t.mixed_precision_param,
                                              t.mixed_precision_reduce))
             if self.heartbeat is not None:
-                step_time = time.perf_counter() - started
+                step_time, tokens_per_s = self.throughput.last_step()
                 self.heartbeat.write(step=step, loss=loss_value, grad_norm=norm_value, step_time_s=round(step_time, 4),
-                                     tokens_per_s=round(t.global_batch_size * t.seq_len / step_time),
+                                     tokens_per_s=round(tokens_per_s),
                                      memory_gib=round(peak_memory_gib(self.device), 3),
                                      rss_gib=round(current_rss_gib(), 4),
-                                     data_wait_s=round(self.data_wait_s, 4), skipped=self.skips_in_a_row > 0)
+                                     data_wait_s=round(self.throughput.data_wait_s, 4), skipped=self.skips_in_a_row > 0)
             self.watchdog.beat(step, "validation, logging and checkpointing", first_step_done=True)
             stopping = self.stop.agreed(self.device)  # a stop signal on any rank, agreed by all
             if v.enable and (step % v.freq == 0 or last) and not stopping:  # stopping: save first, quickly
-                with self.paused():
+                with self.throughput.paused():
                     loss_v, batches_v = self.validate()
                     self.metrics.log_validation(step, loss_v, batches_v)
                     self.last_validation = (step, loss_v)
             if step % self.cfg.metrics.log_freq == 0 or step == 1 or last or stopping:
                 self.log_step(loss, norm_value, lr)
-            with self.paused():
+            with self.throughput.paused():
                 saved = self.checkpointer.maybe_save(step, force=stopping or last)
             if stopping:
                 self.stopped_by = self.stop.name or "a stop signal to another rank"
@@ -370,16 +369,14 @@ def setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (see the module docstring)."""
     setup_logging()
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        cfg, print_config = load_config(argv)
-    except ConfigError as e:
-        if rank == 0:
-            report(bad_input_line("nsa_titan", e))
-        return EXIT_BAD_INPUT
+    return run_command("nsa_titan", lambda: _run(argv))
+
+
+def _run(argv: list[str] | None) -> int:
+    cfg, print_config = load_config(argv)
     if print_config:
-        if rank == 0:
-            print(cfg.to_toml())
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(to_toml(cfg))
         return 0
     stop = StopRequest()
     trainer = None
@@ -391,14 +388,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close()  # an async save still in flight is finished here, and its failure reported
         logger.info(trainer.summary())
         return 0
-    except BAD_INPUT as e:
-        report(bad_input_line("nsa_titan", e))
-        return EXIT_BAD_INPUT
     except TrainingHalted as e:
         report(f"nsa_titan: halted: {e}")
         return EXIT_HALTED
+    except BAD_INPUT:
+        raise  # one line and exit code 2 (run_command)
     except Exception as e:
-        line = f"nsa_titan: rank {rank} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        line = f"nsa_titan: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
         note_failure(line)
         if stop.signal is not None:  # stopping anyway (torchrun stops the other ranks after one failed)
             print(f"{line} (while stopping on {stop.name})", file=sys.stderr, flush=True)

@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT, tree_digest
 
+pytestmark = pytest.mark.multiprocess
+
 TINY_RUN = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
             "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
             "--validation.enable", "false", "--data.num_workers", "0"]
@@ -53,6 +55,7 @@ def cases(w: Path) -> dict[str, list[tuple[list[str], str]]]:
             ([*train, "--data.tokenizer_path", str(w / "no.model")], "no.model"),
             ([*train, "--checkpoint.load_step", "7"], "load_step = 7"),
             ([*train, "--model.dim", "128", "--model.head_dim", "32"], "does not fit this model"),
+            ([*train, "--model.kernels", "flash"], "kernels = 'flash' cannot run: flash-attn"),
         ],
         "evaluate": [
             ([*py, "nsa_titan.evaluate", str(w / "nowhere")], "not found"),

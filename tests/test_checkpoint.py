@@ -14,9 +14,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nsa_titan import export
-from nsa_titan.export import load_tensors
+from nsa_titan.checkpoint import load_tensors
 
 from conftest import ROOT, free_port, launch_ranks, tb_run, torchrun, tree_digest
+
+pytestmark = pytest.mark.multiprocess
 
 # The default data pipeline (embedded corpus, sentencepiece, 2 loader workers) and a tiny model.
 CK = [
@@ -182,6 +184,8 @@ def test_export_command_and_warm_start_from_the_file(saved_run, tmp_path):
     out = tmp_path / "model.pt"
     assert export.main([str(saved_run / "checkpoint" / "step-4"), "--output", str(out), "--dtype", "float32"]) == 0
     exported = torch.load(out, weights_only=True)
+    # Its config beside it (model.toml), where evaluate and generate find it.
+    assert (tmp_path / "model.toml").read_text() == (saved_run / "checkpoint" / "step-4" / "config.toml").read_text()
     dcp_model = load_tensors(saved_run / "checkpoint" / "step-4", "model")
     assert exported.keys() == dcp_model.keys()
     assert all(torch.equal(exported[k], dcp_model[k]) for k in exported)

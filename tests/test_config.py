@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from nsa_titan import train
-from nsa_titan.config import ConfigError, JobConfig, load_config, parse_args
+from nsa_titan.config import (
+    ActivationCheckpoint, ConfigError, JobConfig, Model, ac_layers, derive, load_config, parse_args, validate,
+)
 
 from conftest import ROOT
 
@@ -51,6 +55,11 @@ BAD = [
     (["--training.global_batch_size", "12"], 1,
      ["global_batch_size = 12 must be a positive multiple of local_batch_size x dp degree = 8 x 1 = 8"]),
     (["stray"], 1, ["unexpected argument 'stray'"]),
+    (["--fault.collective_timeout_seconds", "60", "--fault.step_timeout_seconds", "120"], 1,
+     ["collective_timeout_seconds = 60.0 must be greater than step_timeout_seconds = 120.0"]),
+    (["--model.kernels", "triton", "--model.attn_impl", "reference"], 1,
+     ["kernels = 'triton' chooses kernels of the fast NSA path", "attn_impl = 'reference'"]),
+    (["--optimizer.name", "AdamW"], 1, ["unknown key 'name' in [optimizer]"]),
 ]
 
 
@@ -78,6 +87,7 @@ def test_bad_config_stops_with_clear_message(argv, world, fragments, tmp_path, m
         assert fragment in err, f"{fragment!r} missing from: {err}"
 
 
+@pytest.mark.multiprocess
 def test_bad_config_through_run_train_sh_exits_nonzero_on_every_rank(tmp_path):
     # From another directory, with 2 ranks: both stop before building anything.
     proc = subprocess.run([str(ROOT / "run_train.sh"), "--parallelism.data_parallel_shard_degree", "3"],
@@ -101,6 +111,27 @@ def test_derived_values_filled_in():
     assert cfg.training.global_batch_size == 32  # 8 local x 2 ranks x 2 accumulation steps
     cfg, _ = load_config(["--parallelism.data_parallel_replicate_degree", "2"], world_size=4)
     assert cfg.parallelism.data_parallel_shard_degree == 2 and cfg.training.global_batch_size == 32
+
+
+def test_validation_and_derivation_leave_the_parsed_config_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data/python_docs is then found in the repository
+    parsed, _ = parse_args(["--training.global_batch_size", "-1", "--parallelism.data_parallel_shard_degree", "-1",
+                            "--data.path", "data/python_docs", "--model.vocab_size", "0"])
+    before = copy.deepcopy(parsed)
+    validate(parsed, 2)
+    derived = derive(parsed, 2, tokenizer_vocab=4000)
+    assert parsed == before  # the user's values, untouched
+    assert (derived.training.global_batch_size, derived.parallelism.data_parallel_shard_degree) == (16, 2)
+    assert derived.model.vocab_size == 4032  # the tokenizer's 4000, padded to a multiple of 64
+    assert Path(derived.data.path).is_absolute() and derived.data.path.endswith("data/python_docs")
+    assert derive(derived, 2, tokenizer_vocab=4000) == derived  # derived values are a fixed point
+
+
+def test_activation_checkpoint_layers_have_one_home():
+    m = Model(n_layers=6)
+    assert ac_layers(m, ActivationCheckpoint(mode="none")) == []
+    assert ac_layers(m, ActivationCheckpoint(mode="full", first_layer=2, last_layer=3)) == [2, 3]
+    assert ac_layers(m, ActivationCheckpoint(mode="selective", every_n_layers=2)) == [1, 3, 5]
 
 
 def test_hsdp_degrees_inferred_from_either_side():

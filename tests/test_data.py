@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nsa_titan import train
-from nsa_titan.config import Data, Validation, load_config
+from nsa_titan.config import Data, Validation, load_config, padded_vocab
 from nsa_titan.data import (
-    DataError, build_dataloader, build_tokenizer, build_validation_dataloader, padded_vocab_size,
+    DataError, build_dataloader, build_tokenizer, build_validation_dataloader,
 )
 from nsa_titan.data import sources
 from nsa_titan.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
@@ -143,14 +143,14 @@ ROUND_TRIP = [
 def test_byte_tokenizer_round_trip(text):
     tok = ByteTokenizer()
     assert tok.decode(tok.encode(text)) == text
-    assert tok.eos_id == 256 and padded_vocab_size(tok) == 320
+    assert tok.eos_id == 256 and padded_vocab(tok.vocab_size) == 320
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP)
 def test_shipped_sentencepiece_round_trip(text):
     tok = SentencePieceTokenizer(str(ROOT / "data" / "python_docs" / "tokenizer.model"))
     assert tok.decode(tok.encode(text)) == text
-    assert tok.vocab_size == 4096 and padded_vocab_size(tok) == 4096
+    assert tok.vocab_size == 4096 and padded_vocab(tok.vocab_size) == 4096
     assert tok.eos_id not in tok.encode(text)
 
 
@@ -183,7 +183,7 @@ def test_model_vocab_follows_the_tokenizer(monkeypatch):
     cfg, _ = load_config(["--training.steps", "1"], world_size=1)
     assert cfg.model.vocab_size == 0  # decided once the tokenizer is loaded
     tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    assert padded_vocab_size(tok) == 4096
+    assert padded_vocab(tok.vocab_size) == 4096
 
 
 # Bad input: each stops with its message (and exit code 2 through main).
@@ -221,7 +221,7 @@ BAD_DATA = [
     (["--data.path", "{tmp}/mixed"], "mixed kinds"),
     (["--data.tokenizer_path", "{tmp}/garbage.model"], "is not a sentencepiece model"),
     (["--data.tokenizer_path", "{tmp}/none.model"], "file not found; train one with"),
-    (["--model.vocab_size", "1000"], "vocab_size = 1000 is smaller than the tokenizer's 4096 tokens"),
+    (["--model.vocab_size", "1000"], "config error: \\[model\\] vocab_size = 1000 is smaller than the tokenizer's 4096"),
     (["--data.split", "test"], "cannot be loaded"),
 ]
 
@@ -235,5 +235,5 @@ def test_bad_data_input_stops_with_message(args, message, tmp_path, capsys, monk
             "--job.dump_folder", str(tmp_path / "out"), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
     assert train.main(argv) == 2
     err = capsys.readouterr().err
-    assert "nsa_titan: data error:" in err
+    assert err.startswith("nsa_titan: data error:" if "config error" not in message else "nsa_titan: "), err
     assert re.search(message, err), err

@@ -17,6 +17,8 @@ from nsa_titan.optim import build_lr_scheduler, build_optimizer
 
 from conftest import TINY, launch_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = 8
 SEED = ["--debug.seed", "3"]
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nsa_titan.config import ActivationCheckpoint
+from nsa_titan.config import ActivationCheckpoint, Model, ac_layers
 from nsa_titan.parallel import apply_ac
 
 from conftest import TINY, launch_ranks, tb_run, torchrun
@@ -20,23 +20,22 @@ STEP_TIMEOUT = 6
 FAST = [*TINY, "--fault.step_timeout_seconds", str(STEP_TIMEOUT), "--fault.collective_timeout_seconds", "120"]
 
 
-def train(dump: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return torchrun(["-m", "nsa_titan.train", *FAST, "--job.dump_folder", str(dump), *args], timeout=timeout)
+def train(dump: Path, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return torchrun(["-m", "nsa_titan.train", *FAST, "--job.dump_folder", str(dump), *args], timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("where,frame", [("forward", "torch/nn/modules/module.py"),
                                          ("optimizer", "torch/optim/optimizer.py")])
+@pytest.mark.multiprocess
 def test_hang_is_reported_with_every_ranks_stack_and_the_job_exits(tmp_path, where, frame):
     proc = train(tmp_path, "--training.steps", "50", "--debug.fault_hang_rank", "0", "--debug.fault_hang_step", "5",
                  "--debug.fault_hang_where", where)
-    ended = time.time()
     assert proc.returncode != 0
-    # From the last step that completed (its heartbeat) to the end of the whole job.
-    records = [json.loads(x) for x in (tmp_path / "heartbeat" / "rank1.jsonl").read_text().splitlines()]
-    last_done = max(r["time"] for r in records if r.get("step") == 4 and "event" not in r)
-    assert ended - last_done < STEP_TIMEOUT + 30, ended - last_done
+    # The watchdog fired at the step limit (as it measured it: a busy machine delays the job's
+    # teardown, not the watchdog's clock), and the rank then exited with the hang's code.
     hung = (tmp_path / "fault" / "rank0_stacks.txt").read_text()
-    assert hung.startswith("nsa_titan watchdog: rank 0 made no progress for")
+    waited = int(re.match(r"nsa_titan watchdog: rank 0 made no progress for (\d+) s", hung).group(1))
+    assert STEP_TIMEOUT <= waited <= STEP_TIMEOUT + 5, waited
     assert "of step 5" in hung and "this rank itself is stuck" in hung
     assert "in _hang_forever" in hung and frame in hung, hung[-3000:]
     peer = (tmp_path / "fault" / "rank1_stacks.txt").read_text()
@@ -48,10 +47,12 @@ def test_hang_is_reported_with_every_ranks_stack_and_the_job_exits(tmp_path, whe
     assert "rank 0 made no progress" in proc.stderr and "exitcode  : 124" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_slow_compiled_first_step_is_not_a_hang(tmp_path):
-    # Compiling takes far longer than the 2 s step limit; the first step has its own limit.
+    # Compiling takes far longer than the 2 s step limit; the first step has its own limit. Inductor's
+    # caches are off, so that a warm cache from an earlier test cannot make the compile fast.
     proc = train(tmp_path, "--training.steps", "4", "--compile.enable", "true", "--fault.step_timeout_seconds", "2",
-                 "--fault.first_step_timeout_seconds", "300")
+                 "--fault.first_step_timeout_seconds", "300", env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads((tmp_path / "heartbeat" / "rank0.jsonl").read_text().splitlines()[0])
     assert first["step_time_s"] > 2  # it really was slower than the step limit
@@ -59,6 +60,7 @@ def test_slow_compiled_first_step_is_not_a_hang(tmp_path):
     assert not (tmp_path / "fault" / "rank0_stacks.txt").exists()
 
 
+@pytest.mark.multiprocess
 def test_nan_halts_at_its_step_without_saving(tmp_path):
     proc = train(tmp_path, "--training.steps", "8", "--debug.fault_nan_step", "3", "--checkpoint.enable", "true",
                  "--checkpoint.interval", "1")
@@ -69,6 +71,7 @@ def test_nan_halts_at_its_step_without_saving(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]
 
 
+@pytest.mark.multiprocess
 def test_nan_skip_continues_and_counts(tmp_path):
     out = train(tmp_path, "--training.steps", "6", "--debug.fault_nan_step", "3", "--fault.nonfinite", "skip")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -84,6 +87,7 @@ def test_nan_skip_continues_and_counts(tmp_path):
 BRANCH_PARAMS = {"cmp": ("wkv_cmp", "compress_k", "compress_v"), "sel": ("wkv_sel",), "win": ("wkv_win",)}
 
 
+@pytest.mark.multiprocess
 def test_forced_branches_train_and_missing_params_report_names_the_cut_off_ones(tmp_path):
     specs = [{"name": b, "args": [*TINY, "--training.steps", "3", "--model.nsa_branch", b], "grad_check": True}
              for b in ("all", "cmp", "sel", "win")]
@@ -99,6 +103,7 @@ def test_forced_branches_train_and_missing_params_report_names_the_cut_off_ones(
         assert sorted(run["missing_report"]) == expected and expected, kept
 
 
+@pytest.mark.multiprocess
 def test_heartbeat_nsa_stats_and_profiler(tmp_path):
     proc = train(tmp_path, "--training.steps", "6", "--metrics.log_freq", "3", "--metrics.enable_tensorboard", "true",
                  "--metrics.nsa_stats", "true", "--debug.profile_step", "2")
@@ -130,7 +135,7 @@ def test_activation_checkpointing_on_a_range_of_blocks():
 
     def wrapped(**kw) -> list[int]:
         model = Plain()
-        apply_ac(model, ActivationCheckpoint(**kw))
+        apply_ac(model, ac_layers(Model(n_layers=6), ActivationCheckpoint(**kw)))
         return [i for i, b in enumerate(model.layers.values()) if type(b).__name__ == "CheckpointWrapper"]
 
     assert wrapped(mode="full") == [0, 1, 2, 3, 4, 5]

@@ -61,6 +61,7 @@ def trained(tmp_path_factory):
     return dump
 
 
+@pytest.mark.multiprocess
 def test_evaluate_reports_the_trainers_validation_loss(trained):
     events = EventAccumulator(tb_run(trained / "tb"))
     events.Reload()
@@ -74,6 +75,7 @@ def test_evaluate_reports_the_trainers_validation_loss(trained):
     assert exported["loss"] == pytest.approx(result["loss"], rel=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_generate_is_reproducible_with_a_seed(trained, capsys):
     ckpt = str(trained / "checkpoint" / "step-6")
     runs = []
@@ -87,6 +89,7 @@ def test_generate_is_reproducible_with_a_seed(trained, capsys):
     assert greedy[0] == greedy[1]
 
 
+@pytest.mark.multiprocess
 def test_bad_checkpoint_or_config_is_a_clear_error(trained, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "nsa_titan.generate", *args], cwd=ROOT, capture_output=True,
@@ -98,9 +101,10 @@ def test_bad_checkpoint_or_config_is_a_clear_error(trained, tmp_path):
     other.write_text((trained / "config.toml").read_text().replace("dim = 64", "dim = 96"))
     mismatch = run(str(trained / "checkpoint" / "step-6"), "--config", str(other))
     assert mismatch.returncode == 2
-    assert re.search(r"does not fit the config's model \(first differences: .*saved, .* here\)", mismatch.stderr)
+    assert re.search(r"does not fit this model \(shapes differ: .* in the checkpoint, .* here", mismatch.stderr)
 
 
+@pytest.mark.multiprocess
 def test_evaluate_under_torchrun_shards_the_split(trained):
     proc = torchrun(["-m", "nsa_titan.evaluate", str(trained / "checkpoint" / "step-6"), "--batches", "2"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

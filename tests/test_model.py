@@ -9,7 +9,7 @@ import torch
 
 from nsa_titan.config import LRScheduler, Model
 from nsa_titan.models.attention import NSASpec
-from nsa_titan.models.transformer import Compressor, Transformer, flops_per_token
+from nsa_titan.models.transformer import Compressor, Transformer
 from nsa_titan.optim import lr_factor
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=8, vocab_size=50, cmp_block_size=8,
@@ -84,12 +84,37 @@ def test_flops_per_token_counts_attended_keys():
     nsa = Model(**{**TINY, "attention": "nsa"})
     dense = Model(**{**TINY, "attention": "dense"})
     with torch.device("meta"):
-        f_nsa = flops_per_token(Transformer(nsa, 4096), nsa, 4096)
+        f_nsa = Transformer(nsa, 4096).flops_per_token(4096)
         dense_model = Transformer(dense, 4096)
-        f_dense = flops_per_token(dense_model, dense, 4096)
+        f_dense = dense_model.flops_per_token(4096)
     params = sum(p.numel() for n, p in dense_model.named_parameters() if "tok_embeddings" not in n)
     assert f_dense == pytest.approx(6 * params + 3 * 2 * 4 * 4 * 8 * (4096 + 1) / 2)
     assert f_nsa < f_dense  # at 4k, 8-key blocks and a 16-key window attend far less than T/2
+
+
+@pytest.mark.parametrize("attention,tie", [("nsa", False), ("dense", False), ("nsa", True)])
+def test_accounting_is_by_structure_not_by_name(attention, tie):
+    """Every parameter is in exactly one part, and wrapping the blocks (AC, compile: new parameter
+    names) changes neither the parts nor the FLOPs."""
+    from nsa_titan.config import Compile
+    from nsa_titan.parallel import apply_ac, apply_compile
+
+    cfg = Model(**{**TINY, "attention": attention, "tie_embeddings": tie})
+    with torch.device("meta"):
+        model = Transformer(cfg, 256)
+    parts, flops = model.parameter_parts(), model.flops_per_token(256)
+    assert sum(parts.values()) == sum(p.numel() for p in model.parameters())
+    assert ("cmp K/V" in parts) == (attention == "nsa") and "MLP" in parts and "embedding" in parts
+    apply_ac(model, [0, 1])
+    apply_compile(model, Compile(enable=True))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    assert model.parameter_parts() == parts and model.flops_per_token(256) == flops
+
+
+def test_forward_beyond_max_seq_len_is_a_clear_error():
+    model = build(Model(**TINY), seq_len=16)
+    with pytest.raises(ValueError, match="17 positions exceed the model's max_seq_len = 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
 
 
 @pytest.mark.parametrize("decay,expected", [

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import ROOT, TINY, free_port, tb_run
+
+pytestmark = pytest.mark.multiprocess
 
 STEPS = ["--training.steps", "6", "--metrics.enable_tensorboard", "true"]
 

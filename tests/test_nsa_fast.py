@@ -7,7 +7,10 @@ import torch
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import NSASpec, nsa_fast, nsa_reference
+from nsa_titan.config import ConfigError
+from nsa_titan.models.attention import Kernels, choose_kernels
 from nsa_titan.models.attention import fast as fast_module
+from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.transformer import NSAAttention, rope_tables
 
 from test_nsa_reference import random_inputs
@@ -166,10 +169,49 @@ def test_window_branch_calls_flash_attn_as_documented(monkeypatch):
         calls.append(kwargs)
         return flash_attn_as_documented(*args, **kwargs)
 
-    monkeypatch.setattr(fast_module, "flash_attn_func", standin)
-    monkeypatch.setattr(fast_module, "_flash_usable", lambda q: True)
+    monkeypatch.setattr(kernels_module, "flash_attn_func", standin)
+    monkeypatch.setattr(kernels_module, "flash_problem", lambda device, dtype: None)  # `auto` takes it
     (out, grads), (ref, grads_ref) = fast_and_reference(random_inputs(2, 90, 12, 2, 16, SPEC, seed=4))
     assert calls == [{"causal": True, "window_size": (SPEC.w - 1, 0)}]
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for name, gf, gr in zip(NAMES, grads, grads_ref):
         torch.testing.assert_close(gf, gr, rtol=1e-9, atol=1e-11, msg=name)
+
+
+CPU = torch.device("cpu")
+
+
+def test_kernel_choice_is_explicit_and_says_why_a_kernel_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert choose_kernels("torch", CPU, torch.float32, SPEC, 64) == Kernels()
+    assert choose_kernels("auto", CPU, torch.bfloat16, SPEC, 64) == Kernels()  # on a CPU: PyTorch everywhere
+    assert choose_kernels("auto", CPU, torch.float32, SPEC, 64).describe() == "cmp PyTorch, sel PyTorch, win PyTorch"
+    with pytest.raises(ConfigError, match="kernels = 'flash' cannot run: flash-attn (is not installed|runs on CUDA)"):
+        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64)
+    monkeypatch.setattr(kernels_module, "flash_attn_func", lambda *a, **k: None)  # "installed"
+    with pytest.raises(ConfigError, match="flash-attn runs on CUDA devices and this run is on cpu"):
+        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64)
+    if kernels_module.triton_sel.AVAILABLE:
+        with pytest.raises(ConfigError, match="kernels = 'triton' cannot run: the Triton kernels run on CUDA"):
+            choose_kernels("triton", CPU, torch.float32, SPEC, 64)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert choose_kernels("triton", CPU, torch.float32, SPEC, 64) == Kernels(sel="triton")
+        with pytest.raises(ConfigError, match="powers of two >= 16 \\(they are 24 and 16\\)"):
+            choose_kernels("triton", CPU, torch.float32, SPEC, 24)
+        assert choose_kernels("auto", CPU, torch.float32, SPEC, 24) == Kernels()  # auto falls back
+    else:
+        with pytest.raises(ConfigError, match="Triton is not installed"):
+            choose_kernels("triton", CPU, torch.float32, SPEC, 64)
+
+
+def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
+    """An NSA layer built with explicit kernels calls those (here the flash-attn stand-in for win)."""
+    calls = []
+    monkeypatch.setattr(kernels_module, "flash_attn_func",
+                        lambda *a, **k: calls.append(k) or flash_attn_as_documented(*a, **k))
+    cfg = Model(dim=48, n_heads=4, n_kv_groups=2, head_dim=16, cmp_block_size=8, cmp_stride=4, sel_block_size=16,
+                sel_top_n=5, window_size=24)
+    layer = NSAAttention(cfg, Kernels(win="flash"))
+    layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
+    layer(torch.randn(1, 40, 48), rope_tables(16, 40, 10000.0))
+    assert calls == [{"causal": True, "window_size": (23, 0)}]

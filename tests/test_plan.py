@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+import resource
 
 import pytest
 
@@ -19,12 +19,17 @@ def plan(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 8, 64])
 def test_plans_m7c_at_any_world_size_in_seconds(world):
-    start = time.monotonic()
+    """Seconds of CPU time (not wall time, which a busy machine stretches): the plan shards meta
+    tensors and runs one block at a short length, never the model's weights or the world's ranks."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = plan("--world_size", str(world), "--config", str(ROOT / "train_configs" / "m7c.toml"))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - start < 30
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu_s < 60, cpu_s
     assert f"plan: {world} ranks (replicate 1 x shard {world})" in proc.stdout
     cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.vocab_size", "4096"],
                          world_size=world)
@@ -32,6 +37,7 @@ def test_plans_m7c_at_any_world_size_in_seconds(world):
     assert f"parameters: {real / 1e6:.2f}M total" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_per_rank_parameter_and_optimizer_memory_match_a_real_fsdp_run(tmp_path):
     args = [*TINY, "--training.steps", "1"]
     real = launch_ranks([{"name": "m", "args": args, "rank_bytes": True}], tmp_path)["m"]["rank_bytes"]
@@ -64,6 +70,7 @@ def test_plan_counts_shards_exactly():
     assert p.flops_per_token > 0 and p.tokens_per_second > 0
 
 
+@pytest.mark.multiprocess
 def test_impossible_plans_are_reported_with_numbers():
     bad_mesh = plan("--world_size", "8", "--parallelism.data_parallel_replicate_degree", "3")
     assert bad_mesh.returncode == 2
@@ -103,6 +110,7 @@ def test_activation_estimate_matches_the_memory_a_whole_model_keeps_for_backward
     assert activation_bytes(cfg) == pytest.approx(measured, rel=0.25)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "full"])
 @pytest.mark.parametrize("model", ["tiny", "m7c"])
 def test_activation_estimate_within_25_percent_of_the_measured_peak(ac, model):

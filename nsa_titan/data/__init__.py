@@ -2,7 +2,7 @@
 
 from .errors import DataError
 from .loader import build_dataloader, build_validation_dataloader, shutdown_workers
-from .tokenizer import Tokenizer, build_tokenizer, padded_vocab_size, vocab_for_model
+from .tokenizer import Tokenizer, build_tokenizer
 
 __all__ = ["DataError", "Tokenizer", "build_dataloader", "build_tokenizer", "build_validation_dataloader",
-           "padded_vocab_size", "shutdown_workers", "vocab_for_model"]
+           "shutdown_workers"]

@@ -20,7 +20,6 @@ from datasets import IterableDataset, load_dataset
 from .errors import DataError
 
 logger = logging.getLogger(__name__)
-logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)  # a folder's README.md has no card
 
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

@@ -10,10 +10,6 @@ from typing import Protocol
 
 from .errors import DataError
 
-VOCAB_MULTIPLE = 64
-"""The model's vocabulary is the tokenizer's, padded up to a multiple of this (for speed)."""
-
-
 class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
@@ -78,18 +74,3 @@ def build_tokenizer(kind: str, path: str) -> Tokenizer:
     if kind == "byte":
         return ByteTokenizer()
     return SentencePieceTokenizer(path)
-
-
-def padded_vocab_size(tokenizer: Tokenizer) -> int:
-    return -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def vocab_for_model(tokenizer: Tokenizer, configured: int, check: bool = True) -> int:
-    """The model's vocabulary: the tokenizer's padded up when `configured` is 0, else `configured`,
-    which (when `check`) must hold every token id."""
-    if configured == 0:
-        return padded_vocab_size(tokenizer)
-    if check and configured < tokenizer.vocab_size:
-        raise DataError(f"[model] vocab_size = {configured} is smaller than the tokenizer's {tokenizer.vocab_size} "
-                        f"tokens; set it to 0 to use the tokenizer's ({padded_vocab_size(tokenizer)})")
-    return configured

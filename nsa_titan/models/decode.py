@@ -5,17 +5,18 @@ the compressed blocks; a new compressed block is formed every d tokens, once its
 A decoding step for the token at position t reads:
   cmp: the Nc(t) compressed keys; sel: the n chosen blocks of l' keys; win: the last w keys;
   dense: all t + 1 keys.
-`prefill` runs the training forward over the prompt (its logits) and fills the caches from the
-same projections; `step` then extends one token at a time. Both equal a full forward pass.
+`prefill` runs the training forward over the prompt (its logits), which hands the caches its
+projections; `step` then extends one token at a time through the same layer pieces (projections,
+compression, gates, the branch mix, the block's residuals). Both equal a full forward pass.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import cmp_visibility, masked_attention, select_blocks
+from .attention import masked_attention, mix_branches, select_blocks
 from .attention.common import selected_keys
-from .transformer import DenseAttention, NSAAttention, Transformer, apply_rope
+from .transformer import DenseAttention, NSAAttention, Transformer
 
 
 class LayerCache:
@@ -43,55 +44,36 @@ class LayerCache:
         return self.buffers[name][:, :self.length[name]] if name in self.buffers else None
 
 
-def _project(attn: NSAAttention | DenseAttention, x: torch.Tensor, rope: torch.Tensor) -> dict[str, torch.Tensor]:
-    """q and the per-branch keys/values of x (B, S, dim) at the positions `rope` covers."""
-    B, S, _ = x.shape
-    H, G, D = attn.n_heads, attn.n_groups, attn.head_dim
-    out = {"q": apply_rope(attn.wq(x).view(B, S, H, D), rope)}
-    projections = ({"": attn.wkv} if isinstance(attn, DenseAttention)
-                   else {"cmp": attn.wkv_cmp, "sel": attn.wkv_sel, "win": attn.wkv_win})
-    for name, proj in projections.items():
-        k, v = proj(x).view(B, S, 2, G, D).unbind(2)
-        out[f"k{name}"], out[f"v{name}"] = apply_rope(k, rope), v
-    return out
-
-
 def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: LayerCache, t: int,
                  rope_t: torch.Tensor) -> torch.Tensor:
     """Attention output of the one new token at position t (x: (B, 1, dim)), extending `cache`."""
     B = x.shape[0]
-    p = _project(attn, x, rope_t)
-    q = p["q"]  # (B, 1, H, D)
+    q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
+    for name, value in kv.items():
+        cache.append(name, value)
+    every = lambda k: torch.ones(1, k.shape[1], dtype=torch.bool, device=x.device)  # noqa: E731
     if isinstance(attn, DenseAttention):
-        k, v = cache.append("k", p["k"]), cache.append("v", p["v"])
-        o, _ = masked_attention(q, k, v, torch.ones(1, k.shape[1], dtype=torch.bool, device=x.device))
-        return attn.wo(o.reshape(B, 1, -1))
+        k, v = cache.get("k"), cache.get("v")
+        return attn.wo(masked_attention(q, k, v, every(k))[0].reshape(B, 1, -1))
     spec = attn.spec
-    for name in ("kcmp", "vcmp", "ksel", "vsel", "kwin", "vwin"):
-        cache.append(name, p[name])
     if t >= spec.l - 1 and (t - spec.l + 1) % spec.d == 0:  # block i = (t - l + 1) / d is complete now
         start = t - spec.l + 1
-        cache.append("kc", attn.compress_k(cache.get("kcmp")[:, start:t + 1]))
-        cache.append("vc", attn.compress_v(cache.get("vcmp")[:, start:t + 1]))
-    G = attn.n_groups
-    empty = q.new_zeros(B, 0, G, attn.head_dim)
+        kc, vc = attn.compress(cache.get("k_cmp")[:, start:t + 1], cache.get("v_cmp")[:, start:t + 1])
+        cache.append("kc", kc)
+        cache.append("vc", vc)
     kc, vc = cache.get("kc"), cache.get("vc")
-    kc, vc = (empty, empty) if kc is None else (kc, vc)
-    o_cmp, p_cmp = masked_attention(q, kc, vc, torch.ones(1, kc.shape[1], dtype=torch.bool, device=x.device))
-    idx, valid = select_blocks(p_cmp, spec, G, t0=t, T=t + 1)
-    ks, vs = cache.get("ksel"), cache.get("vsel")
+    if kc is None:  # no complete compression block yet
+        kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
+    o_cmp, p_cmp = masked_attention(q, kc, vc, every(kc))
+    idx, valid = select_blocks(p_cmp, spec, attn.n_groups, t0=t, T=t + 1)
     pos, ok = selected_keys(idx, valid, spec, torch.tensor([t], device=x.device))  # (B, G, 1, S)
     pos = pos.clamp(max=t)[:, :, 0]  # (B, G, S): only the selected keys are read
-    gather = lambda x: x.transpose(1, 2).gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1])).transpose(1, 2)  # noqa: E731
-    o_sel, _ = masked_attention(q, gather(ks), gather(vs), ok[:, :, None])
+    gather = lambda y: y.transpose(1, 2).gather(2, pos[..., None].expand(-1, -1, -1, y.shape[-1])).transpose(1, 2)  # noqa: E731
+    o_sel, _ = masked_attention(q, gather(cache.get("k_sel")), gather(cache.get("v_sel")), ok[:, :, None])
     lo = max(0, t - spec.w + 1)
-    kw, vw = cache.get("kwin")[:, lo:], cache.get("vwin")[:, lo:]
-    o_win, _ = masked_attention(q, kw, vw, torch.ones(1, kw.shape[1], dtype=torch.bool, device=x.device))
-    gates = torch.sigmoid(attn.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, 1, attn.n_heads, 3)
-    if attn.keep != (1.0, 1.0, 1.0):
-        gates = gates * gates.new_tensor(attn.keep)
-    g = gates.to(q.dtype)
-    o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
+    kw, vw = cache.get("k_win")[:, lo:], cache.get("v_win")[:, lo:]
+    o_win, _ = masked_attention(q, kw, vw, every(kw))
+    o = mix_branches(attn.gates(x).to(q.dtype), o_cmp, o_sel, o_win)
     return attn.wo(o.reshape(B, 1, -1))
 
 
@@ -105,21 +87,16 @@ class Decoder:
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) of the prompt by the training forward; the caches are filled alongside."""
+        """Logits (B, T, V) of the prompt by the training forward, which also hands each layer's keys
+        and values (per branch, and compressed) to its cache."""
         m, T = self.model, tokens.shape[1]
-        rope = m.rope[:T]
+        m.check_length(T)
         h = m.tok_embeddings(tokens)
         for block, cache in zip(m.layers.values(), self.caches):
-            x = block.attention_norm(h)
-            for name, value in _project(block.attention, x, rope).items():
-                if name != "q":
-                    cache.append(name, value)
-            if isinstance(block.attention, NSAAttention):
-                spec = block.attention.spec
-                if T >= spec.l:
-                    cache.append("kc", block.attention.compress_k(cache.get("kcmp")))
-                    cache.append("vc", block.attention.compress_v(cache.get("vcmp")))
-            h = block(h, m.rope)
+            kv: dict[str, torch.Tensor] = {}
+            h = block(h, m.rope, kv_out=kv)
+            for name, value in kv.items():
+                cache.append(name, value)
         self.t = T
         return m.output(m.norm(h))
 
@@ -127,11 +104,10 @@ class Decoder:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, V) after appending `token` (B, 1) at the next position."""
         m, t = self.model, self.t
+        m.check_length(t + 1)
         h = m.tok_embeddings(token)
-        rope_t = m.rope[t:t + 1]
         for block, cache in zip(m.layers.values(), self.caches):
-            h = h + _attend_last(block.attention, block.attention_norm(h), cache, t, rope_t)
-            h = h + block.feed_forward(block.ffn_norm(h))
+            h = block.residual(h, _attend_last(block.attention, block.attention_norm(h), cache, t, m.rope[t:t + 1]))
         self.t = t + 1
         return m.output(m.norm(h))
 
@@ -140,6 +116,4 @@ class Decoder:
         attn = next(iter(self.model.layers.values())).attention
         if isinstance(attn, DenseAttention):
             return {"dense": t + 1}
-        s = attn.spec
-        return {"cmp": int(cmp_visibility(s, t + 1, torch.device("cpu"))[-1].sum()),
-                "sel": (min(s.n, t // s.l_sel + 1) - 1) * s.l_sel + (t % s.l_sel + 1), "win": min(t + 1, s.w)}
+        return {b: int(n) for b, n in attn.spec.keys_per_query(torch.tensor(t)).items()}

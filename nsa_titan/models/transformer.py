@@ -9,6 +9,7 @@ so the values do not depend on how the parameters are later sharded.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
-from .attention import NSA_IMPLS, NSASpec, cmp_visibility, dense_causal, masked_attention, select_blocks
+from .attention import (
+    Kernels, NSASpec, cmp_visibility, dense_causal, masked_attention, nsa_fast, nsa_reference, select_blocks,
+)
 from .attention.common import N_FORCED_INITIAL, N_FORCED_LOCAL
 
 
@@ -31,26 +34,17 @@ def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) ->
         param.copy_(full.to(dtype=param.dtype, device=param.device))
 
 
-def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward, 2 FLOPs per multiply-add).
+def nsa_spec(cfg: ModelConfig) -> NSASpec:
+    """The NSA hyper-parameters of a model config."""
+    return NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size, n=cfg.sel_top_n,
+                   w=cfg.window_size)
 
-    Weight matmuls count every parameter but the embedding lookup; the compression MLPs
-    run once per cmp block, i.e. every d tokens. Attention counts QK^T and PV over the keys
-    a query really attends to: (t + 1) on average for dense causal attention, cmp blocks +
-    selected keys + window for NSA (`NSASpec.mean_keys_per_query`).
-    """
-    n_matmul = sum(p.numel() for n, p in model.named_parameters() if "tok_embeddings" not in n)
-    if cfg.tie_embeddings:
-        n_matmul += cfg.vocab_size * cfg.dim
-    n_cmp = sum(p.numel() for n, p in model.named_parameters() if ".compress_" in n)
-    if cfg.attention == "nsa":
-        spec = NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size,
-                       n=cfg.sel_top_n, w=cfg.window_size)
-        keys = spec.mean_keys_per_query(seq_len)
-    else:
-        keys = (seq_len + 1) / 2
-    attn = cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim * keys
-    return 3 * (2 * (n_matmul - n_cmp + n_cmp / cfg.cmp_stride) + attn)
+
+def _unwrapped(block: nn.Module) -> "TransformerBlock":
+    """A block inside its AC / compile wrappers."""
+    while not isinstance(block, TransformerBlock):
+        block = getattr(block, "_checkpoint_wrapped_module", None) or block._orig_mod
+    return block
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -120,18 +114,19 @@ class NSAAttention(nn.Module):
     """Native Sparse Attention: cmp + sel + win branches mixed by per-head sigmoid gates.
 
     One shared query projection; each branch has its own key and value projection (`wkv_cmp`,
-    `wkv_sel`, `wkv_win`); compressed keys/values come from their own phi. With
-    `record_stats` set, a forward also leaves gate and selection statistics in `stats`.
+    `wkv_sel`, `wkv_win`); compressed keys/values come from their own phi. The pieces
+    (`project`, `compress`, `gates`) are what training and decoding share. With `record_stats`
+    set, a forward also leaves gate and selection statistics in `stats`.
     """
 
     BRANCHES = ("cmp", "sel", "win")
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
+        """`kernels`: the fast path's kernel per branch (None: chosen per call, `auto`)."""
         super().__init__()
         self.n_heads, self.n_groups, self.head_dim = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
-        self.spec = NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size,
-                            n=cfg.sel_top_n, w=cfg.window_size)
-        self.attn_fn = NSA_IMPLS[cfg.attn_impl]
+        self.spec = nsa_spec(cfg)
+        self.attn_fn = functools.partial(nsa_fast, kernels=kernels) if cfg.attn_impl == "fast" else nsa_reference
         # Diagnostics: a forced branch keeps its gate, the others are multiplied by 0.
         self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)
         self.record_stats = False
@@ -149,22 +144,46 @@ class NSAAttention(nn.Module):
         self.gate = nn.Linear(cfg.dim, 3 * H)  # g^cmp, g^sel, g^win per head
         self.wo = nn.Linear(H * D, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+    def project(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """q (B, S, H, D) and every branch's keys and values (B, S, G, D) of x (B, S, dim), RoPE on q
+        and the keys at the positions `rope` starts with."""
+        B, S, _ = x.shape
         H, G, D = self.n_heads, self.n_groups, self.head_dim
-        q = apply_rope(self.wq(x).view(B, T, H, D), rope)
-        k_cmp, v_cmp = self.wkv_cmp(x).view(B, T, 2, G, D).unbind(2)  # each (B, T, G, D)
-        k_sel, v_sel = self.wkv_sel(x).view(B, T, 2, G, D).unbind(2)
-        k_win, v_win = self.wkv_win(x).view(B, T, 2, G, D).unbind(2)
-        k_cmp, k_sel, k_win = (apply_rope(k, rope) for k in (k_cmp, k_sel, k_win))
-        kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)  # (B, Nc, G, D)
-        gates = torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, T, H, 3)
-        if self.keep != (1.0, 1.0, 1.0):
-            gates = gates * gates.new_tensor(self.keep)
+        kv = {}
+        for b, proj in (("cmp", self.wkv_cmp), ("sel", self.wkv_sel), ("win", self.wkv_win)):
+            k, v = proj(x).view(B, S, 2, G, D).unbind(2)
+            kv[f"k_{b}"], kv[f"v_{b}"] = apply_rope(k, rope), v
+        return apply_rope(self.wq(x).view(B, S, H, D), rope), kv
+
+    def compress(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed keys and values (B, Nc, G, D) of the cmp keys and values (B, S, G, D)."""
+        return self.compress_k(k_cmp), self.compress_v(v_cmp)
+
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        """Sigmoid gates (B, S, H, 3) of x (B, S, dim), in fp32 (or fp64), order (cmp, sel, win)."""
+        B, S, _ = x.shape
+        gates = torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, S, self.n_heads, 3)
+        return gates * gates.new_tensor(self.keep) if self.keep != (1.0, 1.0, 1.0) else gates
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim). `kv_out`, when given, receives the keys and values of every
+        branch and the compressed ones (`kc`, `vc`): what a decoding cache keeps."""
+        B, T, _ = x.shape
+        q, kv = self.project(x, rope)
+        kc, vc = self.compress(kv["k_cmp"], kv["v_cmp"])
+        gates = self.gates(x)
+        if kv_out is not None:
+            kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
-            self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, G)}
-        o = self.attn_fn(q, kc, vc, k_sel, v_sel, k_win, v_win, gates, self.spec)  # (B, T, H, D)
-        return self.wo(o.reshape(B, T, H * D))
+            self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups)}
+        o = self.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, self.spec)
+        return self.wo(o.reshape(B, T, -1))
+
+    def parts(self) -> list[tuple[str, nn.Module]]:
+        """The modules by what they are (parameter accounting)."""
+        return [("queries", self.wq), ("cmp K/V", self.wkv_cmp), ("cmp compression MLPs", self.compress_k),
+                ("cmp compression MLPs", self.compress_v), ("sel K/V", self.wkv_sel), ("win K/V", self.wkv_win),
+                ("gates", self.gate), ("attention output", self.wo)]
 
     def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
         _init_trunc_normal(self.wq.weight, std, gen)
@@ -212,13 +231,23 @@ class DenseAttention(nn.Module):
         self.wkv = nn.Linear(cfg.dim, 2 * G * D, bias=False)
         self.wo = nn.Linear(H * D, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """q (B, S, H, D) and {k, v} (B, S, G, D) of x (B, S, dim), RoPE on q and k."""
+        B, S, _ = x.shape
+        k, v = self.wkv(x).view(B, S, 2, self.n_groups, self.head_dim).unbind(2)
+        return apply_rope(self.wq(x).view(B, S, self.n_heads, self.head_dim), rope), {"k": apply_rope(k, rope), "v": v}
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim); `kv_out` receives k and v (see NSAAttention.forward)."""
         B, T, _ = x.shape
-        H, G, D = self.n_heads, self.n_groups, self.head_dim
-        q = apply_rope(self.wq(x).view(B, T, H, D), rope)
-        k, v = self.wkv(x).view(B, T, 2, G, D).unbind(2)
-        o = dense_causal(q, apply_rope(k, rope), v)
-        return self.wo(o.reshape(B, T, H * D))
+        q, kv = self.project(x, rope)
+        if kv_out is not None:
+            kv_out.update(kv)
+        return self.wo(dense_causal(q, kv["k"], kv["v"]).reshape(B, T, -1))
+
+    def parts(self) -> list[tuple[str, nn.Module]]:
+        """The modules by what they are (parameter accounting)."""
+        return [("queries", self.wq), ("dense K/V", self.wkv), ("attention output", self.wo)]
 
     def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
         _init_trunc_normal(self.wq.weight, std, gen)
@@ -227,17 +256,25 @@ class DenseAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = NSAAttention(cfg) if cfg.attention == "nsa" else DenseAttention(cfg)
+        self.attention = NSAAttention(cfg, kernels) if cfg.attention == "nsa" else DenseAttention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         hidden = cfg.ffn_hidden_dim or 64 * math.ceil(8 * cfg.dim / 3 / 64)
         self.feed_forward = FeedForward(cfg.dim, hidden)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None) -> torch.Tensor:
+        return self.residual(x, self.attention(self.attention_norm(x), rope, kv_out))
+
+    def residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The block around its attention output: x + attn_out, then the MLP's residual."""
+        x = x + attn_out
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def parts(self) -> list[tuple[str, nn.Module]]:
+        return [("norms", self.attention_norm), ("norms", self.ffn_norm), ("MLP", self.feed_forward),
+                *self.attention.parts()]
 
     def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
         self.attention_norm.reset_parameters()
@@ -247,25 +284,63 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, kernels: Kernels | None = None):
+        """`kernels`: the NSA fast path's kernel per branch (None: chosen per call, `auto`)."""
         super().__init__()
         self.cfg, self.max_seq_len = cfg, max_seq_len
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kernels) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
 
+    def check_length(self, end: int) -> None:
+        """A clear error for positions past max_seq_len (the RoPE table's length)."""
+        if end > self.max_seq_len:
+            raise ValueError(f"{end} positions exceed the model's max_seq_len = {self.max_seq_len}: build it with "
+                             f"a larger max_seq_len (training.seq_len, or load_model's max_seq_len)")
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) long -> logits (B, T, vocab)."""
+        """tokens (B, T) long -> logits (B, T, vocab), T <= max_seq_len."""
+        self.check_length(tokens.shape[1])
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, self.rope)
         return self.output(self.norm(h))
 
+    def parameter_parts(self) -> dict[str, int]:
+        """Parameter counts by what the parameters are (embedding, queries, cmp K/V, MLP, ...), from
+        the module structure (a tied output head counts as the embedding)."""
+        parts = [("embedding", self.tok_embeddings), ("norms", self.norm)]
+        if not self.cfg.tie_embeddings:
+            parts.append(("output head", self.output))
+        for block in self.layers.values():
+            parts += _unwrapped(block).parts()
+        counts: dict[str, int] = {}
+        for name, module in parts:
+            counts[name] = counts.get(name, 0) + sum(p.numel() for p in module.parameters())
+        return counts
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward, 2 FLOPs per multiply-add).
+
+        Weight matmuls count every parameter but the embedding lookup (the tied head is a matmul);
+        the compression MLPs run once per cmp block, i.e. every d tokens. Attention counts QK^T and
+        PV over the keys a query really attends to: (t + 1) on average for dense causal attention,
+        cmp blocks + selected keys + window for NSA (`NSASpec.mean_keys_per_query`).
+        """
+        n_matmul = sum(p.numel() for p in self.parameters()) - self.tok_embeddings.weight.numel()
+        if self.cfg.tie_embeddings:
+            n_matmul += self.output.weight.numel()
+        n_cmp = sum(p.numel() for m in self.modules() if isinstance(m, Compressor) for p in m.parameters())
+        attention = _unwrapped(next(iter(self.layers.values()))).attention
+        keys = attention.spec.mean_keys_per_query(seq_len) if isinstance(attention, NSAAttention) else (seq_len + 1) / 2
+        attn = self.cfg.n_layers * 4 * self.cfg.n_heads * self.cfg.head_dim * keys
+        d = attention.spec.d if isinstance(attention, NSAAttention) else 1
+        return 3 * (2 * (n_matmul - n_cmp + n_cmp / d) + attn)
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter and buffer (after `to_empty`), identically on every rank."""

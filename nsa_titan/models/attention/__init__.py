@@ -1,14 +1,13 @@
-"""Attention implementations: reference NSA, dense causal baseline, and the rules they share."""
+"""Attention implementations: reference NSA, fast NSA and its kernel choice, the dense causal baseline, and
+the rules they share."""
 
-from .common import NSASpec, cmp_visibility, select_blocks, sel_members
+from .common import NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members
 from .dense import dense_causal
 from .fast import nsa_fast
+from .kernels import Kernels, choose_kernels
 from .reference import masked_attention, nsa_reference
 
-NSA_IMPLS = {"reference": nsa_reference, "fast": nsa_fast}
-"""`[model] attn_impl` -> function with nsa_reference's signature."""
-
 __all__ = [
-    "NSASpec", "NSA_IMPLS", "cmp_visibility", "dense_causal", "masked_attention",
+    "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
     "nsa_fast", "nsa_reference", "select_blocks", "sel_members",
 ]

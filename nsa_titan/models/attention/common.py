@@ -35,18 +35,19 @@ class NSASpec:
         """Ns: selection blocks (the last may be partial)."""
         return -(-T // self.l_sel)
 
-    def mean_keys_per_query(self, T: int) -> float:
-        """Keys a query attends to, averaged over t < T: cmp blocks + selected keys + window.
-
-        Selected keys count every chosen block in full except the current one, which is
-        cut at t; this is the count the paper's cost argument rests on.
-        """
-        t = torch.arange(T, dtype=torch.float64, device="cpu")
-        n_cmp = torch.clamp(torch.div(t - self.l + 1, self.d, rounding_mode="floor") + 1, min=0)
+    def keys_per_query(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keys the query at position t (a tensor of positions) reads per KV group, by branch: the
+        complete cmp blocks in its past, the selected keys (every chosen block in full but the
+        current one, which is cut at t: the count the paper's cost argument rests on), the window."""
         jt = torch.div(t, self.l_sel, rounding_mode="floor")
-        n_sel = (torch.clamp(jt + 1, max=self.n) - 1) * self.l_sel + (t - jt * self.l_sel + 1)
-        n_win = torch.clamp(t + 1, max=self.w)
-        return float((n_cmp + n_sel + n_win).mean())
+        return {"cmp": torch.clamp(torch.div(t - self.l + 1, self.d, rounding_mode="floor") + 1, min=0),
+                "sel": (torch.clamp(jt + 1, max=self.n) - 1) * self.l_sel + (t - jt * self.l_sel + 1),
+                "win": torch.clamp(t + 1, max=self.w)}
+
+    def mean_keys_per_query(self, T: int) -> float:
+        """Keys a query attends to, over all branches, averaged over t < T."""
+        keys = self.keys_per_query(torch.arange(T, dtype=torch.float64, device="cpu"))
+        return float(sum(keys.values()).mean())
 
 
 def cmp_visibility(spec: NSASpec, T: int, device: torch.device) -> torch.Tensor:
@@ -136,3 +137,9 @@ def selected_keys(idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, t: torc
     pos = (idx[..., None] * spec.l_sel + torch.arange(spec.l_sel, device=idx.device)).flatten(-2)
     ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= t[:, None])  # causal inside the current block
     return pos, ok
+
+
+def mix_branches(g: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
+    """The gated sum g_cmp * o_cmp + g_sel * o_sel + g_win * o_win; g (..., 3) in the branch order,
+    each output (..., D)."""
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win

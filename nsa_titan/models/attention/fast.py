@@ -16,23 +16,18 @@ chunk by chunk: memory is linear in T and no T x T tensor exists.
       product over a block loaded once for all the group's heads (the paper's group-centric
       sharing); what gets gathered is R query rows per block, not l' x D keys per query. Tile
       counts have a static bound: no host sync, no data-dependent shapes.
-The loops are over chunks, never over tokens. On CUDA, sel runs as Triton kernels
-(`triton_sel.py`) and win through flash-attn when those are installed.
+The loops are over chunks, never over tokens. `kernels.py` chooses where sel runs as Triton
+kernels (`triton_sel.py`) and win through flash-attn instead.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import kernels as kernel_choice
 from . import triton_sel
-from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, choose_blocks
-
-try:
-    from flash_attn import flash_attn_func
-except ImportError:  # optional GPU extra
-    flash_attn_func = None
+from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, choose_blocks, mix_branches
+from .kernels import Kernels
 
 CHUNK_CMP = 256
 """Queries per cmp chunk."""
@@ -332,43 +327,26 @@ class _Selected(torch.autograd.Function):
         return dq.view(B, G, T, r, D), dks, dvs, None, None, None
 
 
-def _selected_function(q: torch.Tensor, spec: NSASpec) -> type[torch.autograd.Function]:
-    """The Triton kernels for CUDA tensors when Triton is installed and the shapes suit it (and
-    on CPU under TRITON_INTERPRET=1, to check them); the PyTorch tiles otherwise."""
-    wanted = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return triton_sel.SelectedTriton if wanted and triton_sel.usable(q, spec) else _Selected
-
-
-def _flash_usable(q: torch.Tensor) -> bool:
-    """flash-attn installed, and inputs it takes: CUDA, fp16 or bf16."""
-    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-
-
 def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec) -> torch.Tensor:
     """The win branch by flash-attn's sliding window: q (B, T, H, D), k, v (B, T, G, D) ->
     (B, G, T, r, D). Query t reads keys t - w + 1 .. t (window_size = (w - 1, 0))."""
     B, T, H, D = q.shape
-    o = flash_attn_func(q, k, v, causal=True, window_size=(spec.w - 1, 0))  # (B, T, H, D)
+    o = kernel_choice.flash_attn_func(q, k, v, causal=True, window_size=(spec.w - 1, 0))  # (B, T, H, D)
     return o.view(B, T, k.shape[2], H // k.shape[2], D).transpose(1, 2)
 
 
-def nsa_fast(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    k_sel: torch.Tensor,
-    v_sel: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    gates: torch.Tensor,
-    spec: NSASpec,
-) -> torch.Tensor:
-    """Same contract as `nsa_reference` (see there), computed branch by branch in chunks."""
+def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
+             k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
+             kernels: Kernels | None = None) -> torch.Tensor:
+    """Same contract as `nsa_reference` (see there), computed branch by branch in chunks, each branch
+    by its kernel in `kernels` (None: `auto` for these tensors)."""
     B, T, H, D = q.shape
     G = k_sel.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     if spec.n < N_FORCED_INITIAL + N_FORCED_LOCAL:
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
+    if kernels is None:
+        kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D)
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
@@ -377,13 +355,15 @@ def nsa_fast(
     # (B, G, T, r, D): the r = H/G query heads of a group side by side.
     qg = q.to(acc).view(B, T, G, H // G, D).transpose(1, 2).contiguous()
     o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T)
-    sel = _selected_function(qg, spec)
-    dt = acc if sel is _Selected else q.dtype  # the Triton kernels take bf16 / fp16 as they are
-    o_sel = sel.apply(qg.to(dt), grouped(k_sel, dt), grouped(v_sel, dt), idx, valid, spec).to(acc)
-    if _flash_usable(q):
+    if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
+        o_sel = triton_sel.SelectedTriton.apply(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype),
+                                                idx, valid, spec).to(acc)
+    else:
+        o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec)
+    if kernels.win == "flash":
         o_win = _window_flash(q, k_win, v_win, spec).to(acc)
     else:
         o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T)
     g = gates.to(acc).view(B, T, G, H // G, 3).transpose(1, 2)
-    out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win  # (B, G, T, r, D)
+    out = mix_branches(g, o_cmp, o_sel, o_win)  # (B, G, T, r, D)
     return out.transpose(1, 2).reshape(B, T, H, D).to(q.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import NSASpec, cmp_visibility, masked_softmax, select_blocks
+from .common import NSASpec, cmp_visibility, masked_softmax, mix_branches, select_blocks
 
 
 def masked_attention(
@@ -33,17 +33,9 @@ def masked_attention(
     return out.reshape(B, H, T, D).transpose(1, 2).to(q.dtype), p.reshape(B, H, T, -1)
 
 
-def nsa_reference(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    k_sel: torch.Tensor,
-    v_sel: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    gates: torch.Tensor,
-    spec: NSASpec,
-) -> torch.Tensor:
+def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+                  v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
+                  spec: NSASpec) -> torch.Tensor:
     """NSA output o_t = sum_c g_t^c * Attn(q_t, K~c_t, V~c_t) for c in (cmp, sel, win).
 
     q: (B, T, H, D); k_cmp, v_cmp: (B, Nc, G, D) compressed blocks; k_sel, v_sel, k_win,
@@ -70,5 +62,4 @@ def nsa_reference(
     win_mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - spec.w)
     o_win, _ = masked_attention(q, k_win, v_win, win_mask)
 
-    g = gates.to(q.dtype)
-    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
+    return mix_branches(gates.to(q.dtype), o_cmp, o_sel, o_win)

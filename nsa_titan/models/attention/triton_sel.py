@@ -7,8 +7,8 @@ each block's probabilities from the logsumexp, accumulates dQ in registers and a
 fp32 buffers with atomics (several queries choose the same block). The loop is over n blocks,
 never over T; memory is the inputs and outputs.
 
-Used by `nsa_fast` on CUDA tensors when Triton is installed; checked on CPU against the PyTorch
-path under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
+Used by `nsa_fast` when `kernels.py` chooses it (CUDA, Triton installed, head dim and l' powers of
+two >= 16); checked on CPU against the PyTorch path under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
 """
 
 from __future__ import annotations
@@ -99,12 +99,6 @@ if AVAILABLE:
             tl.atomic_add(DK + kv_off, dk, mask=ok[:, None])
             tl.atomic_add(DV + kv_off, dv, mask=ok[:, None])
         tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=rows)
-
-
-def usable(q: torch.Tensor, spec: NSASpec) -> bool:
-    """Triton importable and the shapes tl.dot takes: head dim and l' powers of two >= 16."""
-    D = q.shape[-1]
-    return AVAILABLE and all(x >= 16 and x & (x - 1) == 0 for x in (D, spec.l_sel))
 
 
 def _launch_args(q: torch.Tensor, idx: torch.Tensor, spec: NSASpec) -> dict:

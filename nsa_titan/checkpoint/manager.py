@@ -1,14 +1,9 @@
-"""Distributed checkpointing on torch.distributed.checkpoint (DCP): exact, atomic, reshardable.
-
-Layout under `<dump_folder>/<checkpoint.folder>/`:
-
-    step-N/                  a complete checkpoint: DCP files, config.toml, and `.complete`
-    step-N.incomplete-TOKEN/ a save in progress, or one that was interrupted
+"""The checkpoint manager: saves a run (sync or async) and resumes it exactly.
 
 A save writes into `step-N.incomplete-TOKEN`, renames it to `step-N` once every rank has
-written, then writes `.complete` last: a JSON manifest of every file and its size. Only folders
-with a manifest that matches the files on disk are resumed from; others are reported, and
-removed only once a newer complete checkpoint exists.
+written, then writes `.complete` last (`folders.py`). Only folders with a manifest that matches
+the files on disk are resumed from; others are reported, and removed only once a newer complete
+checkpoint exists.
 
 What a checkpoint holds (top-level DCP keys): `model` and `optimizer` (sharded DTensors, keyed by
 parameter name, so they load on any number of ranks), `lr_scheduler`, `train_state` (step,
@@ -17,17 +12,11 @@ tokens seen, data-parallel world size), and per rank `dataloader.dp_rank_R` and 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import pickle
-import random
-import re
 import shutil
-import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,168 +24,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from .config import Checkpoint as CheckpointConfig
+from ..config import Checkpoint as CheckpointConfig
+from .errors import CheckpointError
+from .folders import commit, inspect_folder, scan
+from .model_file import check_fit, read_model_file, saved_shapes, shapes, write_model_file
+from .states import ModelState, Opaque, OptimizerState, RNGState, TrainState
 
 logger = logging.getLogger(__name__)
-
-MANIFEST = ".complete"
-STEP_DIR = re.compile(r"^step-(\d+)$")
-PARTIAL_DIR = re.compile(r"^step-(\d+)\.incomplete-.+$")
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, named, with the problem and the way out."""
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
-    dp_world_size: int = 1
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "dp_world_size": self.dp_world_size}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.dp_world_size = int(state["dp_world_size"])
-
-
-class ModelState:
-    """The model's sharded state dict under clean parameter names (no AC / compile prefixes)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
-
-
-class OptimizerState:
-    """The optimizer's state keyed by parameter name: loads on any number of ranks."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
-
-
-class Opaque:
-    """A state kept as one pickled blob, not flattened key by key: its nested structure (the
-    data loader's worker snapshots) differs between a fresh object and a saved one."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def state_dict(self) -> dict[str, bytes]:
-        return {"pickle": pickle.dumps(self.inner.state_dict())}
-
-    def load_state_dict(self, state: dict[str, bytes]) -> None:
-        self.inner.load_state_dict(pickle.loads(state["pickle"]))
-
-
-class RNGState:
-    """Every generator a step may draw from: python, numpy, torch CPU and CUDA."""
-
-    def state_dict(self) -> dict[str, Any]:
-        import numpy as np
-
-        # Generator states as bytes: a pickled tensor's bytes vary from save to save.
-        state = {"python": random.getstate(), "numpy": np.random.get_state(),
-                 "torch": torch.get_rng_state().numpy().tobytes()}
-        if torch.cuda.is_available():
-            state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        import numpy as np
-
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
-        torch.set_rng_state(as_tensor(state["torch"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([as_tensor(b) for b in state["cuda"]])
-
-
-@dataclass
-class Found:
-    path: Path
-    step: int
-    problem: str | None  # None: complete and intact
-
-
-def inspect_folder(path: Path) -> str | None:
-    """None if `path` is a complete checkpoint whose files match its manifest, else the problem."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return "no .complete manifest: the save was interrupted"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest ({e})"
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"file {name} is missing"
-        if f.stat().st_size != size:
-            return f"file {name} is truncated or altered ({f.stat().st_size} bytes, manifest says {size})"
-    return None
-
-
-def scan(folder: Path) -> list[Found]:
-    """Every step folder, complete or not, oldest first."""
-    found = []
-    for p in folder.iterdir() if folder.is_dir() else []:
-        m = STEP_DIR.match(p.name) or PARTIAL_DIR.match(p.name)
-        if m and p.is_dir():
-            problem = inspect_folder(p) if STEP_DIR.match(p.name) else "an interrupted save (never committed)"
-            found.append(Found(p, int(m.group(1)), problem))
-    return sorted(found, key=lambda f: (f.step, f.problem is None))
-
-
-def check_shapes(path: Path, state: dict[str, Any], prefix: str) -> None:
-    """Compare every tensor under `prefix` with the checkpoint's metadata; raise a clear error."""
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = {k[len(prefix) + 1:]: v.size for k, v in meta.items()
-             if k.startswith(prefix + ".") and isinstance(v, TensorStorageMetadata)}
-    ours = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    missing, extra = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
-    wrong = [f"{k}: {tuple(saved[k])} in the checkpoint, {ours[k]} here" for k in sorted(set(ours) & set(saved))
-             if tuple(saved[k]) != ours[k]]
-    if missing or extra or wrong:
-        detail = "; ".join(filter(None, [
-            f"shapes differ: {', '.join(wrong[:4])}" if wrong else "",
-            f"missing from the checkpoint: {', '.join(missing[:4])}" if missing else "",
-            f"not in this model: {', '.join(extra[:4])}" if extra else "",
-        ]))
-        raise CheckpointError(f"checkpoint {path} does not fit this {prefix} ({detail}); it was saved by a "
-                              f"different model config: use that config, or another checkpoint folder")
-
-
-class _KillAfterWrite(FileSystemWriter):
-    """Fault injection for tests: SIGKILL this rank once its checkpoint files are written."""
-
-    def write_data(self, plan, planner):
-        super().write_data(plan, planner).wait()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _root_cause(error: BaseException) -> tuple[str, bool]:
@@ -231,13 +70,14 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 class CheckpointManager:
     """Saves and restores everything a run needs to continue exactly."""
 
-    def __init__(self, cfg: CheckpointConfig, dump_folder: str, config_toml: str, model: nn.Module,
+    def __init__(self, cfg: CheckpointConfig, *, folder: Path, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
-                 dp_rank: int, kill_in_save_step: int = 0):
+                 dp_rank: int):
+        """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them."""
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
-        self.folder = Path(dump_folder) / cfg.folder
+        self.folder = folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.train_state, self.dp_rank, self.kill_in_save_step = train_state, dp_rank, kill_in_save_step
+        self.train_state, self.dp_rank = train_state, dp_rank
         self.parts: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": lr_scheduler, "train_state": train_state,
@@ -323,7 +163,7 @@ class CheckpointManager:
             exclude = exclude | {"dataloader", "rng"}
         parts = {k: v for k, v in self.parts.items() if k.split(".")[0] not in exclude}
         if "model" in parts:
-            check_shapes(path, get_model_state_dict(self.model), "model")
+            check_fit(f"checkpoint {path}", saved_shapes(path), shapes(get_model_state_dict(self.model)))
         self._dcp_load(parts, path)
         if "train_state" in exclude:
             self.train_state.step, self.train_state.tokens_seen = 0, 0
@@ -332,16 +172,8 @@ class CheckpointManager:
     def _initial_load(self, path: Path) -> None:
         """Warm start from a DCP step folder or an exported single-file state dict."""
         if path.is_file():
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise CheckpointError(f"[checkpoint] initial_load_path = '{path}' cannot be read as a "
-                                      f"torch.save state dict: {e}") from None
-            ours = {k: v for k, v in get_model_state_dict(self.model).items()}
-            problems = [k for k in ours if k not in state or tuple(state[k].shape) != tuple(ours[k].shape)]
-            if problems or set(state) - set(ours):
-                raise CheckpointError(f"[checkpoint] initial_load_path = '{path}' does not fit this model "
-                                      f"(first mismatches: {', '.join((problems or sorted(set(state) - set(ours)))[:4])})")
+            state = read_model_file(path)
+            check_fit(f"[checkpoint] initial_load_path = '{path}'", shapes(state), shapes(get_model_state_dict(self.model)))
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
             logger.info("initial model weights from %s", path)
             return
@@ -376,8 +208,7 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.incomplete-{self.token}"
         start = time.perf_counter()
         state = dict(self.parts)
-        writer = (_KillAfterWrite(str(tmp)) if step == self.kill_in_save_step and self.rank == self.world_size - 1
-                  else FileSystemWriter(str(tmp)))
+        writer = self.storage_writer(tmp, step)
         if self.cfg.async_mode == "async":
             self.committed.clear()
             future = self._guarded(step, tmp, lambda: dcp.async_save(state, storage_writer=writer,
@@ -391,6 +222,10 @@ class CheckpointManager:
             if self.rank == 0:
                 self._commit(None, tmp, final, step, start, time.perf_counter() - start)
         return final
+
+    def storage_writer(self, path: Path, step: int) -> StorageWriter:
+        """The DCP writer of the save of `step` into `path`."""
+        return FileSystemWriter(str(path))
 
     def _guarded(self, step: int, tmp: Path, save: Any) -> Any:
         try:
@@ -435,16 +270,8 @@ class CheckpointManager:
             self.committed.set()
 
     def _rename_and_mark(self, tmp: Path, final: Path, step: int, start: float, blocked: float) -> None:
-        (tmp / "config.toml").write_text(self.config_toml)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        os.replace(tmp, final)
-        manifest = final / f"{MANIFEST}.tmp"
-        manifest.write_text(json.dumps({"step": step, "world_size": self.world_size, "files": files}, indent=1))
-        with open(manifest) as f:
-            os.fsync(f.fileno())
-        os.replace(manifest, final / MANIFEST)
+        size = commit(tmp, final, step, self.world_size, self.config_toml)
         self.last_saved = final
-        size = sum(files.values())
         logger.info("checkpoint %s: %.1f MB in %.2f s (training blocked %.2f s, %s)", final, size / 1e6,
                     time.perf_counter() - start, blocked, "async" if self.cfg.async_mode == "async" else "sync")
         self._purge()
@@ -477,17 +304,13 @@ class CheckpointManager:
     # ----------------------------------------------------------------- export
 
     def export(self, step: int) -> Path | None:
-        """Gather the full model on rank 0 and write `model-step-N.pt` in `export_dtype`."""
+        """Gather the full model on rank 0 and write `model-step-N.pt` in `export_dtype` (and its config)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        dtype = EXPORT_DTYPES[self.cfg.export_dtype]
         path = self.folder / f"model-step-{step}.pt"
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save({k: v.to(dtype) for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-        logger.info("exported the model (%s) to %s: %.1f MB", self.cfg.export_dtype, path, path.stat().st_size / 1e6)
+        size = write_model_file(state, path, self.cfg.export_dtype, self.config_toml)
+        logger.info("exported the model (%s) to %s: %.1f MB", self.cfg.export_dtype, path, size / 1e6)
         return path
 
     def close(self) -> None:

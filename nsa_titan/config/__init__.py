@@ -1,0 +1,18 @@
+"""Job configuration in three parts: the schema (`schema.py`), parsing a TOML file plus
+`--section.key value` overrides (`parsing.py`), and validation (`validation.py`); the values a
+run derives from it come from `derived.py`."""
+
+from .derived import ac_layers, derive, grad_accum_steps, load_config, padded_vocab
+from .parsing import USAGE, parse_args, resolve_path, to_toml
+from .schema import (
+    DEFAULT_CONFIG, DTYPES, REPO_ROOT, ActivationCheckpoint, Checkpoint, Compile, ConfigError, Data, Debug, Fault,
+    Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Training, Validation,
+)
+from .validation import validate
+
+__all__ = [
+    "DEFAULT_CONFIG", "DTYPES", "REPO_ROOT", "USAGE", "ActivationCheckpoint", "Checkpoint", "Compile", "ConfigError",
+    "Data", "Debug", "Fault", "Job", "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism",
+    "Training", "Validation", "ac_layers", "derive", "grad_accum_steps", "load_config", "padded_vocab",
+    "parse_args", "resolve_path", "to_toml", "validate",
+]

@@ -1,0 +1,75 @@
+"""Derived values: what a run computes from its config, in one place that every entry point calls.
+
+`derive` returns a new, complete `JobConfig` (the one a run uses and saves as its config.toml):
+the inferred mesh degrees, the global batch, paths resolved against the repository, and the
+model vocabulary from the tokenizer's. The config it is given is not changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from .parsing import parse_args, resolve_path
+from .schema import ActivationCheckpoint, ConfigError, JobConfig, Model
+from .validation import dp_degrees, last_ac_layer, validate
+
+VOCAB_MULTIPLE = 64
+"""The model's vocabulary is the tokenizer's, padded up to a multiple of this (for speed)."""
+
+
+def padded_vocab(tokenizer_vocab: int) -> int:
+    """The tokenizer's vocabulary size padded up to a multiple of VOCAB_MULTIPLE."""
+    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def model_vocab(cfg: JobConfig, tokenizer_vocab: int) -> int:
+    """`[model] vocab_size`, or the tokenizer's padded up when it is 0. A set size must hold every
+    token id, except for the synthetic source, which draws ids below the model's vocabulary."""
+    configured = cfg.model.vocab_size
+    if configured == 0:
+        return padded_vocab(tokenizer_vocab)
+    if cfg.data.source != "synthetic" and configured < tokenizer_vocab:
+        raise ConfigError(f"[model] vocab_size = {configured} is smaller than the tokenizer's {tokenizer_vocab} "
+                          f"tokens; set it to 0 to use the tokenizer's ({padded_vocab(tokenizer_vocab)})")
+    return configured
+
+
+def ac_layers(m: Model, ac: ActivationCheckpoint) -> list[int]:
+    """The blocks wrapped in activation checkpointing: all (`full`) or every N-th (`selective`),
+    among first_layer..last_layer."""
+    if ac.mode == "none":
+        return []
+    last = last_ac_layer(m, ac.last_layer)
+    return [i for i in range(m.n_layers)
+            if ac.first_layer <= i <= last and (ac.mode == "full" or (i + 1) % ac.every_n_layers == 0)]
+
+
+def derive(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) -> JobConfig:
+    """A validated copy of `cfg` with every derived value filled in (the model vocabulary only when
+    `tokenizer_vocab` is given); `cfg` itself is left as it is."""
+    validate(cfg, world_size)
+    out = copy.deepcopy(cfg)
+    p, t = out.parallelism, out.training
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = dp_degrees(cfg, world_size)
+    if t.global_batch_size == -1:
+        t.global_batch_size = t.local_batch_size * world_size
+    for section, key in (("data", "path"), ("data", "tokenizer_path"), ("validation", "path"),
+                         ("checkpoint", "initial_load_path")):
+        sec = getattr(out, section)
+        setattr(sec, key, resolve_path(getattr(sec, key)))
+    if tokenizer_vocab is not None:
+        out.model.vocab_size = model_vocab(out, tokenizer_vocab)
+    return out
+
+
+def grad_accum_steps(cfg: JobConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step on each rank (of a derived config)."""
+    return cfg.training.global_batch_size // (cfg.training.local_batch_size * world_size)
+
+
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, bool]:
+    """Parse, validate and derive, for the world size torchrun gave (WORLD_SIZE, default 1).
+    Returns (the derived config, whether --print_config was given)."""
+    cfg, print_config = parse_args(argv)
+    return derive(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size), print_config

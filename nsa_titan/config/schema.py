@@ -1,0 +1,270 @@
+"""The config schema: one dataclass per component, its keys, defaults and their meaning.
+
+Parsing (TOML + overrides) is in `parsing.py`, the checks in `validation.py`, and the values a
+run derives from the config (mesh degrees, batch, vocabulary, AC layers) in `derived.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "train_configs" / "debug_model.toml"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names the config uses (mixed precision, export)."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key, the bad value and the fix in its message."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Root folder for everything a run writes (TensorBoard, later checkpoints)."""
+    description: str = ""
+    """A label for the run, shown in the startup log."""
+
+
+@dataclass
+class Model:
+    attention: Literal["nsa", "dense"] = "nsa"
+    """`nsa`: native sparse attention; `dense`: plain causal attention, the baseline."""
+    attn_impl: Literal["fast", "reference"] = "fast"
+    """NSA implementation: `fast`, sparse (cost grows with the keys attended, memory linear in
+    T); `reference`, the exact definition with dense per-branch masks (O(T^2) memory), the yardstick."""
+    kernels: Literal["auto", "torch", "triton", "flash"] = "auto"
+    """Kernels of the fast path: `torch`, PyTorch for every branch; `triton`, the sel branch as Triton
+    kernels; `flash`, the win branch through flash-attn; `auto`, each where it can run (CUDA, the
+    dtype, installed), else PyTorch. The startup log names the kernel of each branch."""
+    dim: int = 256
+    """Model width (M7C: 768)."""
+    n_layers: int = 4
+    n_heads: int = 4
+    """Query heads per layer."""
+    n_kv_groups: int = 2
+    """Number of KV heads (GQA groups); the query heads of a group share keys and selection."""
+    head_dim: int = 64
+    vocab_size: int = 0
+    """0 means the tokenizer's vocabulary, padded up to a multiple of 64."""
+    ffn_hidden_dim: int = 0
+    """SwiGLU hidden size; 0 means 8/3 * dim rounded up to a multiple of 64."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head."""
+    # NSA, with the paper's names:
+    cmp_block_size: int = 32  # l: length of a compression block
+    cmp_stride: int = 16  # d: stride between compression blocks
+    cmp_mlp_hidden: int = 0  # hidden size of the compression MLP phi; 0 means 4 * head_dim
+    sel_block_size: int = 64  # l': length of a selection block
+    sel_top_n: int = 16  # n: selected blocks per query, the initial block and the 2 local blocks included
+    window_size: int = 512  # w: sliding-window length
+    nsa_branch: Literal["all", "cmp", "sel", "win"] = "all"
+    """Diagnostics: `cmp`, `sel` or `win` keeps that branch alone (the others' gates are 0)."""
+
+
+@dataclass
+class Optimizer:
+    """AdamW; weight decay on matrices only."""
+
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 100
+    decay_type: Literal["cosine", "wsd", "constant"] = "cosine"
+    """`cosine`: cosine decay after warmup; `wsd`: warmup-stable-decay (linear decay over the
+    last `decay_ratio` of the steps); `constant`: no decay."""
+    decay_ratio: float = 0.2
+    min_lr_factor: float = 0.1
+    """The lr at the end of decay, as a fraction of `optimizer.lr`."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    """Sequences per rank per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size * dp degree.
+    A multiple of that product gives gradient accumulation."""
+    seq_len: int = 2048
+    steps: int = 1000
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class Data:
+    source: Literal["datasets", "synthetic"] = "datasets"
+    """`datasets`: documents from `path` through `datasets.load_dataset(streaming=True)`;
+    `synthetic`: seeded token streams with learnable structure (no files, no tokenizer use)."""
+    path: str = "data/python_docs"
+    """A hub dataset id (e.g. HuggingFaceFW/fineweb-edu), or a local parquet/jsonl/txt file or
+    folder. Relative paths are taken from the working directory, else from the repository."""
+    name: str = ""
+    """Hub dataset config name (e.g. sample-10BT for FineWeb-Edu)."""
+    split: str = "train"
+    text_column: str = "text"
+    shuffle_buffer: int = 1000
+    """Documents held in the shuffle buffer (0: stream order)."""
+    num_workers: int = 1
+    """StatefulDataLoader worker processes per rank (0: load in the training process)."""
+    seed: int = 1234
+    tokenizer: Literal["sentencepiece", "byte"] = "sentencepiece"
+    tokenizer_path: str = "data/python_docs/tokenizer.model"
+    """The sentencepiece `.model` file (ignored for `byte`)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    path: str = ""
+    """The held-out source; empty means [data] path."""
+    split: str = "validation"
+    freq: int = 100
+    """Validate every `freq` steps and after the last step."""
+    steps: int = 10
+    """Batches per validation (fewer if the split runs out first)."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    """Under job.dump_folder; one `step-N` folder per checkpoint."""
+    interval: int = 500
+    """Save every `interval` steps, and always after the last step."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (0: keep all)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """`async`: write in a background thread (its own gloo group); training waits only for staging."""
+    load_step: int = -1
+    """Resume from this step; -1: the latest complete checkpoint, if any."""
+    initial_load_path: str = ""
+    """When there is nothing to resume: start from this DCP step folder or exported .pt file."""
+    initial_load_model_only: bool = True
+    """With initial_load_path: load the model only (a warm start), not optimizer/schedule/data/step."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler,
+    dataloader, train_state, rng (e.g. `--checkpoint.exclude_from_loading dataloader`)."""
+    restart_data_on_reshard: bool = False
+    """Resuming on a different number of data-parallel ranks: the loader position cannot be
+    resharded exactly; true restarts the data stream (with a warning) instead of stopping."""
+    export_at_end: bool = False
+    """After training, write the model alone as one torch.save file (`model-step-N.pt`)."""
+    export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP degree; -1 means world_size / data_parallel_replicate_degree."""
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicas (across nodes); 1 means plain FSDP; -1 means world_size / data_parallel_shard_degree."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """`default`: reshard every block but not the root (its params are used at once in backward)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """`full`: every block; `selective`: every `every_n_layers`-th block."""
+    every_n_layers: int = 2
+    first_layer: int = 0
+    """Only blocks first_layer..last_layer are considered (bisecting a bad layer)."""
+    last_layer: int = -1
+    """-1: the last block."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block."""
+    backend: str = "inductor"
+    fullgraph: bool = True
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"
+    """Under job.dump_folder; each run writes its events to its own subfolder named by its start time."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU; 0 means look it up from the GPU name (no MFU on CPU)."""
+    nsa_stats: bool = False
+    """Per-layer gate and selection statistics to TensorBoard at log steps (one extra forward)."""
+
+
+@dataclass
+class Fault:
+    step_timeout_seconds: float = 600.0
+    """A training step that makes no progress for this long is a hang."""
+    first_step_timeout_seconds: float = 1800.0
+    """The limit for start-up and the first step (compile, warm-up)."""
+    action: Literal["exit", "warn"] = "exit"
+    """On a hang, after writing every thread's stack: `exit` the rank (non-zero, so torchrun stops
+    the job) or only `warn` and keep waiting."""
+    collective_timeout_seconds: float = 1800.0
+    """Process-group timeout after the first step (start-up and the first step get
+    first_step_timeout_seconds); keep it above step_timeout_seconds so the watchdog reports first."""
+    heartbeat: bool = True
+    """One JSON line per step per rank in <dump_folder>/heartbeat/rank<R>.jsonl."""
+    nonfinite: Literal["halt", "skip"] = "halt"
+    """A non-finite loss or gradient norm: `halt` with a report, or `skip` the update."""
+    max_consecutive_skips: int = 5
+    """With `skip`: halt after this many non-finite steps in a row."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    deterministic: bool = False
+    report_missing_grads: bool = False
+    """After the first backward, name the parameters that got no (or an all-zero) gradient."""
+    dtype_report: bool = False
+    """After the first step, log the dtypes of parameters, compute, gradients and optimizer state."""
+    profile_step: int = 0
+    """Write a torch.profiler trace of this step to <dump_folder>/profile/ (0: off)."""
+    memory_snapshot_step: int = 0
+    """Write a CUDA memory snapshot after this step to <dump_folder>/profile/ (0: off; GPUs only)."""
+    fault_hang_rank: int = -1
+    """Fault injection for tests (installed by `debug_hooks.py`): this rank sleeps forever at
+    fault_hang_step, in fault_hang_where."""
+    fault_hang_step: int = 0
+    fault_hang_where: Literal["forward", "optimizer"] = "forward"
+    fault_nan_step: int = 0
+    """Fault injection for tests: rank 0's loss becomes NaN at this step."""
+    fault_kill_in_save_step: int = 0
+    """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    fault: Fault = field(default_factory=Fault)
+    debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,131 @@
+"""Validation: checks the combination of a config's values for a world size, and changes nothing.
+
+Called before any model is built, so a bad config costs nothing. Every problem is a
+`ConfigError` that names the keys, their values and the fix.
+"""
+
+from __future__ import annotations
+
+from .schema import ConfigError, JobConfig, Model
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+_POSITIVE = {
+    "model": ("dim", "n_layers", "n_heads", "n_kv_groups", "head_dim", "cmp_block_size",
+              "cmp_stride", "sel_block_size", "sel_top_n", "window_size"),
+    "training": ("local_batch_size", "seq_len", "steps"),
+    "activation_checkpoint": ("every_n_layers",),
+    "metrics": ("log_freq",),
+    "validation": ("freq", "steps"),
+    "checkpoint": ("interval",),
+}
+"""Integer keys that must be > 0."""
+
+
+def validate(cfg: JobConfig, world_size: int) -> None:
+    """Check the combination of values for `world_size` ranks (`cfg` is not changed)."""
+    m, t = cfg.model, cfg.training
+    for section, keys in _POSITIVE.items():
+        for key in keys:
+            v = getattr(getattr(cfg, section), key)
+            _require(v > 0, f"[{section}] {key} = {v}: must be a positive integer")
+    _require(m.n_heads % m.n_kv_groups == 0,
+             f"[model] n_heads = {m.n_heads} is not divisible by n_kv_groups = {m.n_kv_groups}: "
+             f"each KV group must serve the same number of query heads (e.g. n_kv_groups = 1, 2, ... "
+             f"dividing {m.n_heads})")
+    _require(m.head_dim % 2 == 0, f"[model] head_dim = {m.head_dim}: must be even (RoPE rotates pairs)")
+    _require(m.ffn_hidden_dim >= 0 and m.cmp_mlp_hidden >= 0,
+             "[model] ffn_hidden_dim and cmp_mlp_hidden must be >= 0 (0 picks the default)")
+    _require(m.kernels == "auto" or (m.attention == "nsa" and m.attn_impl == "fast"),
+             f"[model] kernels = '{m.kernels}' chooses kernels of the fast NSA path, and this model has attention = "
+             f"'{m.attention}', attn_impl = '{m.attn_impl}': set kernels = 'auto' or use attn_impl = 'fast'")
+    if m.attention == "nsa":
+        l, d, ls = m.cmp_block_size, m.cmp_stride, m.sel_block_size
+        _require(l % d == 0,
+                 f"[model] cmp_stride = {d} must divide cmp_block_size = {l} (paper: d | l), e.g. "
+                 f"cmp_block_size = 32, cmp_stride = 16")
+        _require(ls % d == 0,
+                 f"[model] cmp_stride = {d} must divide sel_block_size = {ls} (paper: d | l'), e.g. "
+                 f"sel_block_size = 64, cmp_stride = 16")
+        _require(m.sel_top_n >= 3,
+                 f"[model] sel_top_n = {m.sel_top_n}: must be >= 3, since it includes the initial "
+                 f"block and the 2 local blocks")
+        _require(t.seq_len >= max(l, ls),
+                 f"[training] seq_len = {t.seq_len} is shorter than the NSA blocks (cmp_block_size = {l}, "
+                 f"sel_block_size = {ls}): no compressed block would ever be complete; use seq_len >= "
+                 f"{max(l, ls)} or smaller blocks")
+    _require(t.max_norm >= 0, f"[training] max_norm = {t.max_norm}: must be >= 0 (0 disables clipping)")
+    _require(cfg.optimizer.lr > 0, f"[optimizer] lr = {cfg.optimizer.lr}: must be > 0")
+    _require(0 <= cfg.optimizer.beta1 < 1 and 0 <= cfg.optimizer.beta2 < 1,
+             "[optimizer] beta1 and beta2 must lie in [0, 1)")
+    s = cfg.lr_scheduler
+    _require(s.warmup_steps >= 0, f"[lr_scheduler] warmup_steps = {s.warmup_steps}: must be >= 0")
+    _require(0 < s.decay_ratio <= 1, f"[lr_scheduler] decay_ratio = {s.decay_ratio}: must lie in (0, 1]")
+    _require(0 <= s.min_lr_factor <= 1, f"[lr_scheduler] min_lr_factor = {s.min_lr_factor}: must lie in [0, 1]")
+    _require(m.vocab_size >= 0, f"[model] vocab_size = {m.vocab_size}: must be >= 0 (0: from the tokenizer)")
+    dt = cfg.data
+    _require(dt.num_workers >= 0, f"[data] num_workers = {dt.num_workers}: must be >= 0")
+    _require(dt.shuffle_buffer >= 0, f"[data] shuffle_buffer = {dt.shuffle_buffer}: must be >= 0")
+    _require(dt.source == "synthetic" or bool(dt.path),
+             "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
+
+    f = cfg.fault
+    for key in ("step_timeout_seconds", "first_step_timeout_seconds", "collective_timeout_seconds"):
+        _require(getattr(f, key) > 0, f"[fault] {key} = {getattr(f, key)}: must be > 0")
+    _require(f.collective_timeout_seconds > f.step_timeout_seconds,
+             f"[fault] collective_timeout_seconds = {f.collective_timeout_seconds} must be greater than "
+             f"step_timeout_seconds = {f.step_timeout_seconds}: a rank waiting in a collective for a stuck peer "
+             f"would time out before the watchdog reports where the peer is stuck")
+    _require(f.max_consecutive_skips >= 1, f"[fault] max_consecutive_skips = {f.max_consecutive_skips}: must be >= 1")
+    ac = cfg.activation_checkpoint
+    last = last_ac_layer(m, ac.last_layer)
+    _require(0 <= ac.first_layer <= last < m.n_layers,
+             f"[activation_checkpoint] first_layer = {ac.first_layer}, last_layer = {ac.last_layer}: need "
+             f"0 <= first_layer <= last_layer < n_layers = {m.n_layers} (last_layer -1 means the last block)")
+    ck = cfg.checkpoint
+    _require(ck.keep_latest_k >= 0, f"[checkpoint] keep_latest_k = {ck.keep_latest_k}: must be >= 0 (0 keeps all)")
+    _require(ck.load_step >= -1, f"[checkpoint] load_step = {ck.load_step}: must be a step >= 0, or -1 for the latest")
+    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+    for part in ck.exclude_from_loading:
+        _require(part in parts, f"[checkpoint] exclude_from_loading has '{part}'; allowed: {', '.join(parts)}")
+
+    replicate, shard = dp_degrees(cfg, world_size)
+    dp = replicate * shard
+    micro = t.local_batch_size * dp
+    _require(t.global_batch_size == -1 or (t.global_batch_size > 0 and t.global_batch_size % micro == 0),
+             f"[training] global_batch_size = {t.global_batch_size} must be a positive multiple of "
+             f"local_batch_size x dp degree = {t.local_batch_size} x {dp} = {micro} "
+             f"(the multiple is the number of gradient-accumulation steps), or -1 for {micro}")
+
+
+def last_ac_layer(m: Model, last_layer: int) -> int:
+    """[activation_checkpoint] last_layer with -1 meaning the last block."""
+    return m.n_layers - 1 if last_layer == -1 else last_layer
+
+
+def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
+    """(replicate, shard): the data-parallel mesh degrees, a -1 inferred from the world size."""
+    p = cfg.parallelism
+    replicate, shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    _require(not (replicate == -1 and shard == -1),
+             "[parallelism] data_parallel_replicate_degree and data_parallel_shard_degree are both -1: set one of "
+             "them (e.g. the shard degree to the GPUs per node) and the other is inferred")
+    if replicate == -1:
+        _require(shard >= 1 and world_size % shard == 0,
+                 f"[parallelism] data_parallel_shard_degree = {shard} does not divide the world size {world_size}")
+        replicate = world_size // shard
+    _require(replicate >= 1, f"[parallelism] data_parallel_replicate_degree = {replicate}: must be >= 1 or -1")
+    if shard == -1:
+        _require(world_size % replicate == 0,
+                 f"[parallelism] data_parallel_replicate_degree = {replicate} does not divide the world size "
+                 f"{world_size}")
+        shard = world_size // replicate
+    _require(shard >= 1, f"[parallelism] data_parallel_shard_degree = {shard}: must be >= 1 or -1")
+    _require(replicate * shard == world_size,
+             f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree ({shard}) = "
+             f"{replicate * shard}, but the world size is {world_size}: the degrees must multiply to the number of "
+             f"ranks (set the shard degree to -1 to infer it)")
+    return replicate, shard

@@ -1,0 +1,75 @@
+"""Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
+
+  cmp  PyTorch chunks (`fast._Shared`)
+  sel  PyTorch block-centric tiles (`fast._Selected`), or Triton kernels (`triton_sel.py`) on CUDA
+  win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16
+
+`auto` takes each fast kernel where it can run, else PyTorch; asking for one that cannot run is
+a ConfigError that says why. Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...config import ConfigError
+from . import triton_sel
+from .common import NSASpec
+
+try:
+    from flash_attn import flash_attn_func
+except ImportError:  # optional GPU extra
+    flash_attn_func = None
+
+NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn"}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel of each branch: `torch`, `triton` (sel) or `flash` (win)."""
+
+    cmp: str = "torch"
+    sel: str = "torch"
+    win: str = "torch"
+
+    def describe(self) -> str:
+        return ", ".join(f"{b} {NAMES[getattr(self, b)]}" for b in ("cmp", "sel", "win"))
+
+
+def triton_problem(device: torch.device, head_dim: int, spec: NSASpec) -> str | None:
+    """Why the Triton sel kernels cannot run here, or None."""
+    if not triton_sel.AVAILABLE:
+        return "Triton is not installed (pip install triton)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"the Triton kernels run on CUDA devices and this run is on {device.type} (TRITON_INTERPRET=1 "
+                f"runs them interpreted, for checks)")
+    if not all(x >= 16 and x & (x - 1) == 0 for x in (head_dim, spec.l_sel)):
+        return (f"tl.dot needs head_dim and sel_block_size to be powers of two >= 16 (they are {head_dim} and "
+                f"{spec.l_sel})")
+    return None
+
+
+def flash_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why flash-attn cannot run the win branch here, or None."""
+    if flash_attn_func is None:
+        return "flash-attn is not installed (pip install flash-attn)"
+    if device.type != "cuda":
+        return f"flash-attn runs on CUDA devices and this run is on {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn takes float16 or bfloat16, and the compute dtype is {dtype}"
+    return None
+
+
+def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: NSASpec, head_dim: int) -> Kernels:
+    """The kernels for `[model] kernels = choice` on `device` with compute `dtype`; a ConfigError if a
+    kernel asked for by name cannot run."""
+    sel_problem, win_problem = triton_problem(device, head_dim, spec), flash_problem(device, dtype)
+    for name, problem in (("triton", sel_problem), ("flash", win_problem)):
+        if choice == name and problem:
+            raise ConfigError(f"[model] kernels = '{name}' cannot run: {problem}; use kernels = 'auto' (the fastest "
+                              f"that runs) or 'torch'")
+    return Kernels(sel="triton" if choice in ("auto", "triton") and not sel_problem else "torch",
+                   win="flash" if choice in ("auto", "flash") and not win_problem else "torch")

@@ -1,0 +1,48 @@
+"""Every path of a run's output folder (`[job] dump_folder`), named once:
+
+    <dump_folder>/
+      config.toml              the run's derived config (what reproduces it)
+      <checkpoint.folder>/     step-N/ checkpoints (each with its config.toml), model-step-N.pt exports
+      <metrics.save_tb_folder>/<start time>/   TensorBoard events of one run
+      heartbeat/rank<R>.jsonl  one record per step per rank
+      fault/                   watchdog stack dumps (and NCCL traces on GPUs)
+      profile/                 profiler traces and memory snapshots of chosen steps
+
+A model file (an export) carries its config beside it: `name.pt` and `name.toml`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import JobConfig
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+    config: Path
+    checkpoints: Path
+    tensorboard: Path
+    heartbeat: Path
+    fault: Path
+    profile: Path
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> RunPaths:
+        root = Path(cfg.job.dump_folder)
+        return cls(root=root, config=root / "config.toml", checkpoints=root / cfg.checkpoint.folder,
+                   tensorboard=root / cfg.metrics.save_tb_folder, heartbeat=root / "heartbeat",
+                   fault=root / "fault", profile=root / "profile")
+
+
+def model_config_path(model_file: Path) -> Path:
+    """Where an exported model file's config is written: beside it, `name.toml` for `name.pt`."""
+    return model_file.with_suffix(".toml")
+
+
+def config_of_checkpoint(checkpoint: Path) -> Path:
+    """Where the config a checkpoint was trained with is: a step folder's config.toml, or a model
+    file's `name.toml`."""
+    return checkpoint / "config.toml" if checkpoint.is_dir() else model_config_path(checkpoint)

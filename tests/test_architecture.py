@@ -1,0 +1,141 @@
+"""House rules of the code, checked: module sizes, process-wide effects owned and undone, fault
+injection kept out of the production classes, the Trainer's fields declared in one place."""
+
+from __future__ import annotations
+
+import ast
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nsa_titan.checkpoint import CheckpointManager, TrainState
+from nsa_titan.config import Checkpoint
+from nsa_titan.stop import STOP_SIGNALS, StopRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "nsa_titan"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_module_is_longer_than_450_lines():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
+
+
+PROBE = """
+import importlib, json, logging, os, pkgutil, signal, sys
+import torch
+mode = sys.argv[1]
+if mode == "nsa_titan":  # every module of the package
+    import nsa_titan
+    for m in pkgutil.walk_packages(nsa_titan.__path__, "nsa_titan."):
+        importlib.import_module(m.name)
+else:  # the same third-party modules, in the same order, without nsa_titan
+    for name in json.loads(sys.stdin.read()):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+loggers = {n: l.level for n, l in logging.Logger.manager.loggerDict.items() if isinstance(l, logging.Logger)}
+print(json.dumps({"env": dict(os.environ), "root": logging.getLogger().level, "loggers": loggers,
+                  "signals": {s.name: str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)},
+                  "deterministic": torch.are_deterministic_algorithms_enabled(), "threads": torch.get_num_threads(),
+                  "modules": [m for m in sys.modules if not m.startswith("nsa_titan")]}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_importing_nsa_titan_changes_no_process_setting():
+    """Environment, log levels, signal handlers and torch's global switches after importing every
+    module of nsa_titan equal those after importing only the libraries it imports."""
+    def probe(mode: str, stdin: str = "") -> dict:
+        done = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, input=stdin, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    ours = probe("nsa_titan")
+    theirs = probe("libraries", json.dumps(ours.pop("modules")))
+    theirs.pop("modules")
+    assert ours["loggers"] == {n: theirs["loggers"].get(n, 0) for n in ours["loggers"]}  # 0: NOTSET
+    assert {k: v for k, v in ours.items() if k != "loggers"} == {k: v for k, v in theirs.items() if k != "loggers"}
+
+
+def _writes_environ(node: ast.AST) -> bool:
+    """`os.environ[...] = ...`, `os.environ.setdefault/update/pop(...)` or `os.putenv(...)`."""
+    def is_environ(n: ast.AST) -> bool:
+        return isinstance(n, ast.Attribute) and n.attr == "environ"
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Subscript) and is_environ(t.value) for t in node.targets)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        f = node.func
+        return (is_environ(f.value) and f.attr in ("setdefault", "update", "pop")) or f.attr == "putenv"
+    return False
+
+
+def test_environment_variables_are_set_in_env_py_only():
+    writers = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in MODULES if p.name != "env.py"
+               for n in ast.walk(ast.parse(p.read_text())) if _writes_environ(n)]
+    assert not writers, writers
+    assert any(_writes_environ(n) for n in ast.walk(ast.parse((PACKAGE / "env.py").read_text())))
+
+
+def test_production_classes_know_nothing_of_fault_injection():
+    for path in [PACKAGE / "train.py", PACKAGE / "fault.py", *(PACKAGE / "checkpoint").glob("*.py")]:
+        text = path.read_text()
+        assert "fault_hang" not in text and "fault_nan" not in text and "kill_in_save" not in text, path
+    assert "install_debug_hooks" in (PACKAGE / "train.py").read_text()  # the one place they are installed
+
+
+def test_trainer_declares_every_field_in_init():
+    tree = ast.parse((PACKAGE / "train.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+
+    def assigned(fn: ast.FunctionDef) -> set[str]:
+        names = set()
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                        names.add(e.attr)
+        return names
+
+    methods = [n for n in trainer.body if isinstance(n, ast.FunctionDef)]
+    in_init = assigned(next(m for m in methods if m.name == "__init__"))
+    later = {f"{m.name}: self.{a}" for m in methods if m.name != "__init__" for a in assigned(m) - in_init}
+    assert not later, later
+
+
+def test_stop_request_restores_the_signal_handlers():
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stop = StopRequest()
+    assert all(signal.getsignal(sig) != before[sig] for sig in STOP_SIGNALS)
+    stop.close()
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
+
+
+@pytest.mark.parametrize("enable", [False, True])
+def test_a_checkpoint_group_exists_only_when_checkpointing(enable, tmp_path, monkeypatch):
+    made = []
+    real_new_group = dist.new_group
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: made.append(k) or real_new_group(*a, **k))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        manager = CheckpointManager(Checkpoint(enable=enable), folder=tmp_path, config_toml="", model=model,
+                                    optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1),
+                                    dataloader=[], train_state=TrainState(), dp_rank=0)
+        assert (manager.pg is not None) == enable and len(made) == int(enable)
+        manager.close()
+    finally:
+        dist.destroy_process_group()
