@@ -1,6 +1,7 @@
 """NSA attention speed and memory: fast vs reference vs dense SDPA vs the public peer, side by side.
 
     python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--reference_max_T 4096] [--peer_max_T 8192]
+                                         [--allocators default tuned]
 
 At the M7C attention shape (dim 768, 12 query heads, 2 KV groups, head dim 64; NSA l=32, d=16,
 l'=64, n=16, w=512), batch 1, fp32 on CPU (bf16 on a GPU), forward + backward of one attention
@@ -11,12 +12,15 @@ layer *module* on x (1, T, 768), projections included:
   dense      nsa_titan DenseAttention (causal scaled_dot_product_attention, same heads)
   peer       native_sparse_attention_pytorch.SparseAttention at the same configuration (if installed:
              `pip install native-sparse-attention-pytorch`)
-  fast-core, reference-core, dense-core
-             the attention function alone (nsa_fast / nsa_reference / causal SDPA) on random
-             q, k, v, compressed blocks and gates of those shapes: no projections
+  fast-core, reference-core, dense-core, flash-core
+             the attention function alone (nsa_fast / nsa_reference / causal SDPA / flash-attn's
+             causal attention, GPUs only) on random q, k, v, compressed blocks and gates of those
+             shapes: no projections
 
-Each (variant, T) runs in its own process: the median time of `--repeats` runs after one
-warm-up, and the peak resident memory it added. Also prints the algorithmic limit: the keys a
+Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
+one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,
+glibc malloc as it comes; `tuned`, the settings the launcher gives CPU ranks (`nsa_titan.env.
+MALLOC_TUNING`). Both are measured side by side by default. Also prints the algorithmic limit: the keys a
 query attends to, dense causal vs NSA, averaged over the sequence and at its last query.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -37,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
+from nsa_titan.env import MALLOC_TUNING  # noqa: E402
 from nsa_titan.models.attention import NSASpec, dense_causal, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
 
@@ -49,7 +55,7 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
     spec = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
     g = torch.Generator().manual_seed(0)
     heads = lambda n: torch.randn(1, T, n, 64, generator=g)  # noqa: E731
-    if impl == "dense":
+    if impl in ("dense", "flash"):
         shapes = [heads(12), heads(2), heads(2)]
     else:
         blocks = lambda: torch.randn(1, spec.num_cmp_blocks(T), 2, 64, generator=g)  # noqa: E731
@@ -58,6 +64,10 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
     inputs = torch.nn.ParameterList(shapes).to(device)
     if impl == "dense":
         return inputs, lambda x: dense_causal(*inputs)
+    if impl == "flash":  # flash-attn's causal attention (GPUs, bf16 / fp16)
+        from flash_attn import flash_attn_func
+
+        return inputs, lambda x: flash_attn_func(*inputs, causal=True)
     return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)
 
 
@@ -117,6 +127,7 @@ def main() -> None:
     parser.add_argument("--reference_max_T", type=int, default=4096)
     parser.add_argument("--peer_max_T", type=int, default=8192, help="the peer runs out of memory above (24 GiB)")
     parser.add_argument("--variants", nargs="+", default=["fast", "reference", "dense", "peer"])
+    parser.add_argument("--allocators", nargs="+", choices=["default", "tuned"], default=["default", "tuned"])
     parser.add_argument("--one", nargs=3, metavar=("VARIANT", "T", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -133,26 +144,29 @@ def main() -> None:
         dm, nm, dl, nl = keys_per_query(T)
         print(f"| {T} | {dm:,.0f}, {dl:,.0f} | {nm:,.0f}, {nl:,.0f} | {dm / nm:.2f}x |")
     print()
-    print(f"| T | variant | fwd+bwd median (s) | vs {args.variants[0]} | peak memory added (GiB) |")
-    print("|---|---|---|---|---|")
+    print(f"| T | allocator | variant | fwd+bwd median (s) | vs {args.variants[0]} | peak memory added (GiB) |")
+    print("|---|---|---|---|---|---|")
+    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
     for T in args.T:
-        results = {}
-        for variant in args.variants:
-            limit = {"reference": args.reference_max_T, "reference-core": args.reference_max_T,
-                     "peer": args.peer_max_T}.get(variant, T)
-            if T > limit:
-                print(f"| {T} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
-                continue
-            proc = subprocess.run([sys.executable, __file__, "--one", variant, str(T), str(args.repeats)],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                why = (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
-                print(f"| {T} | {variant} | failed: {why[:80]} | | |", flush=True)
-                continue
-            r = results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-            first = next(iter(results.values()))
-            ratio = r["seconds"] / first["seconds"]
-            print(f"| {T} | {variant} | {r['seconds']:.2f} | {ratio:.2f}x | {r['peak_gib']:.2f} |", flush=True)
+        for allocator in args.allocators:
+            env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
+            results = {}
+            for variant in args.variants:
+                limit = {"reference": args.reference_max_T, "reference-core": args.reference_max_T,
+                         "peer": args.peer_max_T}.get(variant, T)
+                if T > limit:
+                    print(f"| {T} | {allocator} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
+                    continue
+                proc = subprocess.run([sys.executable, __file__, "--one", variant, str(T), str(args.repeats)],
+                                      capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    why = (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
+                    print(f"| {T} | {allocator} | {variant} | failed: {why[:80]} | | |", flush=True)
+                    continue
+                r = results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+                ratio = r["seconds"] / next(iter(results.values()))["seconds"]
+                print(f"| {T} | {allocator} | {variant} | {r['seconds']:.2f} | {ratio:.2f}x | {r['peak_gib']:.2f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

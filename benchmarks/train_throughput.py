@@ -1,23 +1,31 @@
 """Trainer throughput side by side: NSA vs dense, activation checkpointing and compile on/off.
 
     python benchmarks/train_throughput.py [--config train_configs/debug_model.toml] [--steps 16]
-                                          [--ranks 1] [--variants NAME ...] [-- extra overrides...]
+                                          [--ranks 1] [--variants NAME ...] [--allocators tuned default]
+                                          [-- extra overrides...]
 
 Each variant runs the real trainer (`python -m torch.distributed.run ... nsa_titan.train`) in
 its own process, so the peak memory is its own; tokens/s is taken over the last log interval,
-after the warm-up (compile) steps. Prints a Markdown table with ratios to the first row.
+after the warm-up (compile) steps. Prints a Markdown table with ratios to the first row. Host
+allocator (CPU): `tuned`, the glibc settings `run_train.sh`'s launcher gives CPU ranks (the
+default), and/or `default`, glibc as it comes; each variant runs under each, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LINE = re.compile(r"step +(\d+)/\d+ \| loss +([\d.]+) .*\| tok/s ([\d,]+) .*\| mem ([\d.]+)GiB")
+sys.path.insert(0, str(ROOT))
+
+from nsa_titan.env import MALLOC_TUNING  # noqa: E402
+
+LINE = re.compile(r"step +(\d+)/\d+ \| loss +([\d.]+) .*\| tok/s ([\d,]+) (?:\| mfu +([\d.]+)% )?.*\| mem ([\d.]+)GiB")
 
 VARIANTS = {
     "nsa-eager": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
@@ -29,18 +37,20 @@ VARIANTS = {
 }
 
 
-def run_variant(config: str, steps: int, ranks: int, args: list[str]) -> tuple[float, float, float]:
-    """(tokens/s over the last log interval, peak memory GiB of rank 0, final loss)."""
+def run_variant(config: str, steps: int, ranks: int, args: list[str], env: dict[str, str]
+                ) -> tuple[float, str, float, float]:
+    """(tokens/s over the last log interval, its MFU (GPUs), peak memory GiB of rank 0, final loss)."""
     log_freq = steps // 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            "-m", "nsa_titan.train", "--config", config, "--training.steps", str(steps),
            "--metrics.log_freq", str(log_freq), "--metrics.enable_tensorboard", "false",
            "--job.dump_folder", str(ROOT / "outputs" / "bench"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     last = [m for m in map(LINE.search, proc.stdout.splitlines()) if m][-1]
-    return float(last.group(3).replace(",", "")), float(last.group(4)), float(last.group(2))
+    mfu = f"{last.group(4)}%" if last.group(4) else "-"
+    return float(last.group(3).replace(",", "")), mfu, float(last.group(5)), float(last.group(2))
 
 
 def main() -> None:
@@ -50,16 +60,22 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME",
                         help="a subset of: " + ", ".join(VARIANTS) + " (ac: activation checkpointing full)")
+    parser.add_argument("--allocators", nargs="+", choices=["tuned", "default"], default=["tuned"])
     parser.add_argument("overrides", nargs="*", help="extra --section.key value overrides for every variant")
     opts = parser.parse_args()
     print(f"config {opts.config}, {opts.steps} steps, {opts.ranks} rank(s), overrides {opts.overrides}")
-    print("| variant | tokens/s | vs first row | peak memory (GiB) | loss at last step |")
-    print("|---|---|---|---|---|")
+    print("| variant | allocator | tokens/s | vs first row | MFU | peak memory (GiB) | loss at last step |")
+    print("|---|---|---|---|---|---|---|")
+    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
     base = None
     for name in opts.variants:
-        tps, mem, loss = run_variant(opts.config, opts.steps, opts.ranks, [*VARIANTS[name], *opts.overrides])
-        base = base or tps
-        print(f"| {name} | {tps:,.0f} | {tps / base:.2f}x | {mem:.2f} | {loss:.4f} |", flush=True)
+        for allocator in opts.allocators:
+            env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
+            tps, mfu, mem, loss = run_variant(opts.config, opts.steps, opts.ranks, [*VARIANTS[name], *opts.overrides],
+                                              env)
+            base = base or tps
+            print(f"| {name} | {allocator} | {tps:,.0f} | {tps / base:.2f}x | {mfu} | {mem:.2f} | {loss:.4f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

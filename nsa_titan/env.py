@@ -5,6 +5,10 @@ Set by the launcher (`nsa_titan.launch`) for its ranks:
   NSA_TITAN_LAUNCHER=1                 ranks leave their one-line errors to the launcher (cli.report)
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each restart attempt gets its own store: on a shared one,
                                        restarted ranks read stale addresses and hang (pytorch#135712)
+  MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_
+                                       on machines without CUDA, unless NSA_TITAN_MALLOC=default or
+                                       any of them is set already: glibc keeps large blocks in its heap
+                                       and reuses them (`MALLOC_TUNING`)
 Set by a rank when it joins the job (`init_distributed`), unless already set:
   MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE   a single process without torchrun
   TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_NCCL_DEBUG_INFO_TEMP_FILE
@@ -23,6 +27,35 @@ import torch
 
 LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
 """Set by the launcher for its ranks: they leave their bad-input line to it (no duplicate lines)."""
+MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(16 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
+                 "MALLOC_TOP_PAD_": str(2**30)}
+"""glibc malloc for CPU training. By default glibc serves each block above its mmap threshold (128
+KiB, adapting up to 32 MiB) with a fresh mmap and unmaps it on free, so every large temporary of
+every step costs a page fault per 4 KiB page: seconds of system time per step at long T. These
+keep such blocks in the heap for reuse, never trim it, and grow it 1 GiB at a time (the price: a
+rank's resident memory stays at its peak). glibc reads them when a process starts, so the
+launcher sets them for its ranks."""
+
+
+def malloc_tuning() -> dict[str, str]:
+    """The glibc settings the launcher gives CPU ranks (empty on CUDA machines, with
+    NSA_TITAN_MALLOC=default, or when the user set any of them)."""
+    if (torch.cuda.is_available() or os.environ.get("NSA_TITAN_MALLOC", "tuned") == "default"
+            or any(k in os.environ for k in MALLOC_TUNING)):
+        return {}
+    return dict(MALLOC_TUNING)
+
+
+def allocator_setup() -> str:
+    """This process's host allocator setup, in words (for logs and benchmark reports)."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("tcmalloc", "jemalloc"):
+        if name in preload:
+            return f"{name} (LD_PRELOAD)"
+    tuned = {k: os.environ[k] for k in MALLOC_TUNING if k in os.environ}
+    if not tuned:
+        return "glibc malloc, default settings"
+    return "glibc malloc, " + " ".join(f"{k}={v}" for k, v in tuned.items())
 
 
 def set_launcher_env() -> None:
@@ -30,6 +63,7 @@ def set_launcher_env() -> None:
     the ranks said; the launcher prints one line)."""
     os.environ[LAUNCHED_BY] = "1"
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.update(malloc_tuning())
     for name in ("torch.distributed.elastic", "torch.distributed.run"):  # also its OMP_NUM_THREADS = 1 banner
         logging.getLogger(name).setLevel(logging.CRITICAL)
 

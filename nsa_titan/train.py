@@ -28,7 +28,7 @@ from .config import DTYPES, JobConfig, Model, ac_layers, derive, grad_accum_step
 from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
 from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
-from .env import set_deterministic
+from .env import allocator_setup, set_deterministic
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak_flops, peak_memory_gib
@@ -173,6 +173,7 @@ class Trainer:
         logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
                     source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
                     self.tokenizer.vocab_size, cfg.model.vocab_size, d.num_workers)
+        logger.info("host allocator: %s", allocator_setup())
         logger.info("output: %s | checkpoints %s", self.paths.root.resolve(),
                     f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
                     else "off ([checkpoint] enable = false)")

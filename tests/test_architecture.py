@@ -139,3 +139,21 @@ def test_a_checkpoint_group_exists_only_when_checkpointing(enable, tmp_path, mon
         manager.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_malloc_tuning_is_for_cpu_ranks_and_yields_to_the_user(monkeypatch):
+    from nsa_titan import env
+
+    for key in [*env.MALLOC_TUNING, "NSA_TITAN_MALLOC"]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert env.malloc_tuning() == env.MALLOC_TUNING
+    monkeypatch.setenv("NSA_TITAN_MALLOC", "default")
+    assert env.malloc_tuning() == {}
+    monkeypatch.delenv("NSA_TITAN_MALLOC")
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "4096")  # the user's own settings win, all of them
+    assert env.malloc_tuning() == {}
+    assert env.allocator_setup() == "glibc malloc, MALLOC_TOP_PAD_=4096"
+    monkeypatch.delenv("MALLOC_TOP_PAD_")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert env.malloc_tuning() == {}  # GPU machines keep glibc's defaults

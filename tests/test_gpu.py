@@ -1,0 +1,85 @@
+"""GPU-only checks (skipped without CUDA; `scripts/gpu_check.sh` runs them): the Triton sel kernels
+and the flash-attn window on a real device against the PyTorch paths, the kernel choice there,
+2-rank NCCL FSDP training, and bf16 + compile + activation checkpointing training."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from nsa_titan.models.attention import Kernels, NSASpec, choose_kernels, nsa_fast, nsa_reference
+from nsa_titan.models.attention import kernels as kernel_choice
+
+from conftest import ROOT, TINY, torchrun
+from test_nsa_reference import random_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)  # the paper's sizes
+SHAPES = [(1, 1000, 12, 2, 64), (2, 2048, 16, 1, 64), (1, 4097, 4, 4, 128)]  # (B, T, H, G, D)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, float]:
+    """Relative errors of nsa_fast with `kernels` in `dtype` against the fp32 reference on CUDA."""
+    B, T, H, G, D = shape
+    args = [a.cuda() for a in random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)]
+    full = [a.clone().requires_grad_(True) for a in args]
+    ref = nsa_reference(*full, SPEC)
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad((ref * grad_out).sum(), full)
+    low = [a.to(dtype).requires_grad_(True) for a in args]
+    out = nsa_fast(*low, SPEC, kernels=kernels)
+    grads = torch.autograd.grad((out.float() * grad_out).sum(), low)
+    names = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+    return {"out": rel(out, ref), **{n: rel(g, r) for n, g, r in zip(names, grads, ref_grads)}}
+
+
+@pytest.mark.skipif(not kernel_choice.triton_sel.AVAILABLE, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=["B{}-T{}-H{}-G{}-D{}".format(*s) for s in SHAPES])
+def test_triton_sel_on_cuda_equals_the_reference(dtype, shape):
+    errors = against_reference(Kernels(sel="triton"), dtype, shape)
+    assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
+
+
+@pytest.mark.skipif(kernel_choice.flash_attn_func is None, reason="flash-attn is not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_window_on_cuda_equals_the_reference(dtype):
+    errors = against_reference(Kernels(win="flash"), dtype, SHAPES[0])
+    assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
+
+
+def test_auto_takes_the_gpu_kernels_that_are_installed():
+    k = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
+    assert k.sel == ("triton" if kernel_choice.triton_sel.AVAILABLE else "torch")
+    assert k.win == ("flash" if kernel_choice.flash_attn_func is not None else "torch")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_rank_nccl_fsdp_training(tmp_path):
+    proc = torchrun(["-m", "nsa_titan.train", *TINY, "--training.steps", "10", "--job.dump_folder", str(tmp_path)],
+                    nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FSDP mesh {'dp_shard': 2}" in proc.stdout
+
+
+def test_m7c_blocks_train_in_bf16_with_compile_and_activation_checkpointing(tmp_path):
+    """Two M7C blocks at seq 2048 (the shipped config's bf16, compile, AC full) on one GPU."""
+    env = {**os.environ, "NGPU": "1"}
+    proc = subprocess.run([str(ROOT / "run_train.sh"), "--config", str(ROOT / "train_configs" / "m7c.toml"),
+                           "--model.n_layers", "2", "--training.steps", "8", "--training.local_batch_size", "2",
+                           "--metrics.log_freq", "4", "--data.path", "data/python_docs", "--data.name=",
+                           "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step +\d+/8 \| loss +([\d.]+)", proc.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    assert "compile inductor" in proc.stdout and "AC on blocks 0-1" in proc.stdout
