@@ -136,8 +136,9 @@ class Trainer:
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.world_size)
+            config_toml = to_toml(cfg)
             self.checkpointer = CheckpointManager(
-                cfg.checkpoint, folder=self.paths.checkpoints, config_toml=to_toml(cfg), model=model,
+                cfg.checkpoint, folder=self.paths.checkpoints, config_toml=config_toml, model=model,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
                 train_state=self.state, dp_rank=self.rank)
             install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
@@ -152,7 +153,7 @@ class Trainer:
                             else "no complete checkpoint yet: starting from step 0")
             self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps)
             if self.rank == 0:
-                self.paths.config.write_text(to_toml(cfg))
+                self.paths.config.write_text(config_toml)
             logger.info("training %d steps%s: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
                         t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step {self.state.step})"
                         if self.state.step else "", t.global_batch_size, self.world_size, t.local_batch_size,
