@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
 from .attention import (
-    Kernels, NSASpec, cmp_visibility, dense_causal, masked_attention, nsa_fast, nsa_reference, select_blocks,
+    Documents, Kernels, NSASpec, cmp_visibility, dense_causal, masked_attention, nsa_fast, nsa_reference, select_blocks,
 )
 from .attention.common import N_FORCED_INITIAL, N_FORCED_LOCAL
 
@@ -55,9 +55,11 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (x1, x2) halves of the last dim of x (B, T, N, D) by position."""
+    """Rotate (x1, x2) halves of the last dim of x (B, T, N, D) by position: `rope` is the table
+    from position 0 (>= T rows) or each token's own row (B, T, head_dim)."""
     T, D = x.shape[1], x.shape[-1]
-    cos, sin = rope[:T, None, : D // 2], rope[:T, None, D // 2 :]
+    rope = rope[:T, None] if rope.dim() == 2 else rope[:, :, None]
+    cos, sin = rope[..., : D // 2], rope[..., D // 2 :]
     x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -83,7 +85,8 @@ class FeedForward(nn.Module):
 class Compressor(nn.Module):
     """phi: a block of l keys (plus a learned intra-block position table) -> one key, by an MLP.
 
-    (B, T, G, D) -> (B, Nc, G, D), block i covering positions [i*d, i*d + l).
+    (B, T, G, D) -> (B, Nc, G, D), block i covering positions [i*d, i*d + l), or with `starts`
+    (B, Nc) the positions [starts[b, i], starts[b, i] + l) (documents' slots; past T: unused).
     """
 
     def __init__(self, l: int, d: int, head_dim: int, hidden: int, out_bias: bool):
@@ -93,11 +96,15 @@ class Compressor(nn.Module):
         self.fc1 = nn.Linear(l * head_dim, hidden)
         self.fc2 = nn.Linear(hidden, head_dim, bias=out_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         B, T, G, D = x.shape
         if T < self.l:  # no complete block yet
-            return x.new_zeros(B, 0, G, D)
-        blocks = x.unfold(1, self.l, self.d).transpose(-1, -2)  # (B, Nc, G, l, D)
+            return x.new_zeros(B, 0 if starts is None else starts.shape[1], G, D)
+        if starts is None:
+            blocks = x.unfold(1, self.l, self.d).transpose(-1, -2)  # (B, Nc, G, l, D)
+        else:
+            pos = (starts.clamp(max=T - self.l)[:, :, None] + torch.arange(self.l, device=x.device)).view(B, -1)
+            blocks = x.gather(1, pos[:, :, None, None].expand(-1, -1, G, D)).view(B, -1, self.l, G, D).transpose(2, 3)
         blocks = (blocks + self.pos.to(x.dtype)).flatten(-2)  # (B, Nc, G, l*D)
         return self.fc2(F.silu(self.fc1(blocks)))
 
@@ -155,9 +162,12 @@ class NSAAttention(nn.Module):
             kv[f"k_{b}"], kv[f"v_{b}"] = apply_rope(k, rope), v
         return apply_rope(self.wq(x).view(B, S, H, D), rope), kv
 
-    def compress(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed keys and values (B, Nc, G, D) of the cmp keys and values (B, S, G, D)."""
-        return self.compress_k(k_cmp), self.compress_v(v_cmp)
+    def compress(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, docs: Documents | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed keys and values (B, Nc, G, D) of the cmp keys and values (B, S, G, D); with
+        `docs`, of its documents' slots."""
+        starts = None if docs is None else docs.cmp_start
+        return self.compress_k(k_cmp, starts), self.compress_v(v_cmp, starts)
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid gates (B, S, H, 3) of x (B, S, dim), in fp32 (or fp64), order (cmp, sel, win)."""
@@ -165,18 +175,20 @@ class NSAAttention(nn.Module):
         gates = torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, S, self.n_heads, 3)
         return gates * gates.new_tensor(self.keep) if self.keep != (1.0, 1.0, 1.0) else gates
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim). `kv_out`, when given, receives the keys and values of every
-        branch and the compressed ones (`kc`, `vc`): what a decoding cache keeps."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim), each token attending inside its document with `docs`.
+        `kv_out`, when given, receives the keys and values of every branch and the compressed
+        ones (`kc`, `vc`): what a decoding cache keeps."""
         B, T, _ = x.shape
         q, kv = self.project(x, rope)
-        kc, vc = self.compress(kv["k_cmp"], kv["v_cmp"])
+        kc, vc = self.compress(kv["k_cmp"], kv["v_cmp"], docs)
         gates = self.gates(x)
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
             self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups)}
-        o = self.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, self.spec)
+        o = self.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, self.spec, docs=docs)
         return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
@@ -237,13 +249,14 @@ class DenseAttention(nn.Module):
         k, v = self.wkv(x).view(B, S, 2, self.n_groups, self.head_dim).unbind(2)
         return apply_rope(self.wq(x).view(B, S, self.n_heads, self.head_dim), rope), {"k": apply_rope(k, rope), "v": v}
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim); `kv_out` receives k and v (see NSAAttention.forward)."""
         B, T, _ = x.shape
         q, kv = self.project(x, rope)
         if kv_out is not None:
             kv_out.update(kv)
-        return self.wo(dense_causal(q, kv["k"], kv["v"]).reshape(B, T, -1))
+        return self.wo(dense_causal(q, kv["k"], kv["v"], docs).reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
         """The modules by what they are (parameter accounting)."""
@@ -264,8 +277,9 @@ class TransformerBlock(nn.Module):
         hidden = cfg.ffn_hidden_dim or 64 * math.ceil(8 * cfg.dim / 3 / 64)
         self.feed_forward = FeedForward(cfg.dim, hidden)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None) -> torch.Tensor:
-        return self.residual(x, self.attention(self.attention_norm(x), rope, kv_out))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        return self.residual(x, self.attention(self.attention_norm(x), rope, kv_out, docs))
 
     def residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The block around its attention output: x + attn_out, then the MLP's residual."""
@@ -287,7 +301,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int, kernels: Kernels | None = None):
         """`kernels`: the NSA fast path's kernel per branch (None: chosen per call, `auto`)."""
         super().__init__()
-        self.cfg, self.max_seq_len = cfg, max_seq_len
+        self.cfg, self.max_seq_len, self.kernels = cfg, max_seq_len, kernels
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kernels) for i in range(cfg.n_layers)})
@@ -303,12 +317,30 @@ class Transformer(nn.Module):
             raise ValueError(f"{end} positions exceed the model's max_seq_len = {self.max_seq_len}: build it with "
                              f"a larger max_seq_len (training.seq_len, or load_model's max_seq_len)")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) long -> logits (B, T, vocab), T <= max_seq_len."""
+    def documents(self, document_ids: torch.Tensor) -> Documents:
+        """The document geometry of `document_ids` (B, T) for this model's attention."""
+        attention = _unwrapped(next(iter(self.layers.values()))).attention
+        nsa = isinstance(attention, NSAAttention)
+        varlen = nsa and self.kernels is not None and self.kernels.win == "flash"  # once here, not per layer
+        return Documents.of(document_ids, attention.spec if nsa else None, varlen)
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) long -> logits (B, T, vocab), T <= max_seq_len.
+
+        document_ids (B, T) integer: a change of value between neighbours starts a new document,
+        and every token's output is then what its document alone would give (positions from 0).
+        """
         self.check_length(tokens.shape[1])
+        docs, rope = None, self.rope
+        if document_ids is not None:
+            if document_ids.shape != tokens.shape:
+                raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, the tokens "
+                                 f"{tuple(tokens.shape)}: give one document index per token")
+            docs = self.documents(document_ids.to(tokens.device))
+            rope = self.rope[docs.positions]  # (B, T, head_dim): positions restart per document
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, rope, docs=docs)
         return self.output(self.norm(h))
 
     def parameter_parts(self) -> dict[str, int]:

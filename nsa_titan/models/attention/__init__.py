@@ -2,12 +2,13 @@
 the rules they share."""
 
 from .common import NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members
+from .documents import Documents
 from .dense import dense_causal
 from .fast import nsa_fast
 from .kernels import Kernels, choose_kernels
 from .reference import masked_attention, nsa_reference
 
 __all__ = [
-    "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
+    "Documents", "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
     "nsa_fast", "nsa_reference", "select_blocks", "sel_members",
 ]

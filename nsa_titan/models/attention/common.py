@@ -8,8 +8,12 @@ Notation (paper, 0-indexed): query t sees keys 0..t.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .documents import Documents
 
 N_FORCED_INITIAL = 1
 """Block 0 is always selected."""
@@ -86,8 +90,8 @@ def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return e / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
-def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0, T: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0, T: int | None = None,
+                  docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the top-n sel blocks per (query, KV group) from the cmp probabilities.
 
     p_cmp: (B, H, C, Nc) softmax probabilities of the cmp branch (0 where not visible) for the
@@ -97,29 +101,40 @@ def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0
     B, H, C, Nc = p_cmp.shape
     with torch.no_grad():
         p_group = p_cmp.view(B, n_groups, H // n_groups, C, Nc).sum(2)  # (B, G, C, Nc)
-    return choose_blocks(p_group, spec, t0, C if T is None else T)
+    return choose_blocks(p_group, spec, t0, C if T is None else T, docs)
 
 
-def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
-    first Nv <= Nc cmp blocks are all that queries t0 .. t0 + C - 1 can see.
+    first Nv <= Nc cmp blocks (or slots, with `docs`) are all that queries t0 .. t0 + C - 1 can see.
 
     Returns idx (B, G, C, n') long and valid (B, G, C, n') bool, n' = min(n, Ns): the chosen
-    block indices (descending score) and whether each is a real candidate (j*l' <= t).
-    Block 0 and the 2 local blocks are forced. Ties keep the lower block index (a stable
-    sort), so every implementation picks the same set. No gradient flows through the choice.
+    block indices (descending score) and whether each is a real candidate (j*l' <= t). With
+    `docs`, t and j count from the query's document start and a block's cmp members are the
+    slots of that document. Block 0 and the 2 local blocks are forced. Ties keep the lower
+    block index (a stable sort), so every implementation picks the same set. No gradient
+    flows through the choice.
     """
     with torch.no_grad():
         B, G, C, Nv = p_group.shape
-        members = sel_members(spec, T, p_group.device).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
-        Ns = members.shape[0]
+        dev = p_group.device
         padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)
-        scores = padded[..., members].sum(-1)  # (B, G, C, Ns)
-        t = torch.arange(t0, t0 + C, device=p_group.device)[:, None]
-        j = torch.arange(Ns, device=p_group.device)[None, :]
-        jt = t // spec.l_sel  # the block holding t
-        candidate = j <= jt  # (C, Ns)
-        forced = (j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL))
+        t = torch.arange(t0, t0 + C, device=dev)[None, :]  # (1, C)
+        Ns = spec.num_sel_blocks(T)
+        if docs is None:
+            members = sel_members(spec, T, dev).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
+            scores = padded[..., members].sum(-1)  # (B, G, C, Ns)
+        else:  # the members counted inside the document, as slots
+            members = sel_members(spec, Ns * spec.l_sel + spec.l, dev)[:Ns]  # (Ns, K), unclipped by T
+            absent = members == spec.num_cmp_blocks(Ns * spec.l_sel + spec.l)
+            slots = torch.where(absent, Nv, docs.first_slot[:, t0:t0 + C, None, None] + members).clamp(max=Nv)
+            scores = padded.gather(-1, slots.view(B, 1, C, -1).expand(B, G, C, -1)).view(B, G, C, Ns, -1).sum(-1)
+            t = t - docs.start[:, t0:t0 + C]  # (B, C): positions in the document
+        j = torch.arange(Ns, device=dev)[None, None, :]
+        jt = (t // spec.l_sel)[:, :, None]  # the block holding t
+        candidate = (j <= jt)[:, None]  # (B or 1, 1, C, Ns)
+        forced = ((j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL)))[:, None]
         scores = scores.masked_fill(forced, float("inf")).masked_fill(~candidate, float("-inf"))
         n = min(spec.n, Ns)
         idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]

@@ -27,6 +27,7 @@ import torch
 from . import kernels as kernel_choice
 from . import triton_sel
 from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, choose_blocks, mix_branches
+from .documents import Documents, varlen_boundaries
 from .kernels import Kernels
 
 CHUNK_CMP = 256
@@ -39,30 +40,38 @@ TILE = 32
 """R: queries per sel tile (one block each)."""
 
 
-def _key_range(kind: str, spec: NSASpec, t0: int, t1: int, S: int, device: torch.device
+def _key_range(kind: str, spec: NSASpec, t0: int, t1: int, S: int, device: torch.device, docs: Documents | None
                ) -> tuple[int, int, torch.Tensor, list[tuple[int, int]]]:
-    """Keys [lo, hi) that queries t0 .. t1 - 1 may read in branch `kind`, the mask (C, hi - lo),
-    and the column ranges (relative to lo) where it is not all True: the only ones to mask."""
+    """Keys [lo, hi) that queries t0 .. t1 - 1 may read in branch `kind`, the mask (C, 1, hi - lo)
+    or with `docs` (B, 1, C, 1, hi - lo), and the column ranges (relative to lo) where it is not
+    all True: the only ones to mask. With `docs` the cmp keys are slots: those visible to t1 - 1
+    are among the first t1 // d (see documents.py), which bounds the range without a host sync."""
     t = torch.arange(t0, t1, device=device)[:, None]
+    if kind == "cmp" and docs is not None:
+        hi = min(S, t1 // spec.d)
+        return 0, hi, docs.cmp_visible(spec, t0, t1, hi)[:, None, :, None], [(0, hi)]
     if kind == "cmp":  # block i is visible to t when i*d + l - 1 <= t
         lo, hi = 0, min(S, max(0, (t1 - spec.l) // spec.d + 1))
         seen_by_all = min(hi, max(0, (t0 - spec.l) // spec.d + 1))
         i = torch.arange(lo, hi, device=device)[None, :]
-        return lo, hi, i * spec.d + spec.l - 1 <= t, [(seen_by_all, hi)]
+        return lo, hi, (i * spec.d + spec.l - 1 <= t)[:, None], [(seen_by_all, hi)]
     lo, hi = max(0, t0 - spec.w + 1), t1
     s = torch.arange(lo, hi, device=device)[None, :]
+    in_window = (s <= t) & (s > t - spec.w)
+    if docs is not None:
+        return lo, hi, (in_window & docs.same_past(t0, t1, lo, hi))[:, None, :, None], [(0, hi - lo)]
     left = max(lo, t1 - spec.w) - lo  # keys before it leave some query's window
-    return lo, hi, (s <= t) & (s > t - spec.w), [(0, left), (t0 + 1 - lo, hi - lo)]
+    return lo, hi, in_window[:, None], [(0, left), (t0 + 1 - lo, hi - lo)]
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, edges: list[tuple[int, int]]) -> torch.Tensor:
     """Softmax probabilities (B, G, C, r, S) of the queries q (B, G, C, r, D) over the keys
-    k (B, G, S, D) where mask (C, S) allows, rounded as the reference rounds them: scores
-    scaled after the product, `masked_softmax` (0 for no key)."""
+    k (B, G, S, D) where mask (broadcast to the same shape) allows, rounded as the reference
+    rounds them: scores scaled after the product, `masked_softmax` (0 for no key)."""
     B, G, C, r, D = q.shape
     s = (q.reshape(B, G, C * r, D) @ k.transpose(-1, -2)).view(B, G, C, r, -1).mul_(D**-0.5)
     for a, b in edges:
-        s[..., a:b].masked_fill_(~mask[:, None, a:b], float("-inf"))
+        s[..., a:b].masked_fill_(~mask[..., a:b], float("-inf"))
     m = s.amax(-1, keepdim=True)
     e = s.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()
     total = e.sum(-1, keepdim=True)
@@ -73,25 +82,27 @@ class _Shared(torch.autograd.Function):
     """cmp or win attention over the keys each chunk of queries shares (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kind: str, spec: NSASpec, T: int):
-        """q (B, G, T, r, D); k, v (B, G, S, D). Returns out (B, G, T, r, D) and, for cmp, the
-        chosen sel blocks idx / valid (B, G, T, n') (see `choose_blocks`)."""
+    def forward(ctx, q, k, v, kind: str, spec: NSASpec, T: int, *doc_fields):
+        """q (B, G, T, r, D); k, v (B, G, S, D); doc_fields: the fields of a `Documents`, or none.
+        Returns out (B, G, T, r, D) and, for cmp, the chosen sel blocks idx / valid (B, G, T, n')
+        (see `choose_blocks`)."""
         B, G, _, r, D = q.shape
+        docs = Documents(*doc_fields) if doc_fields else None
         chunk = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
         out, idx, valid = torch.zeros_like(q), [], []
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
-            lo, hi, mask, edges = _key_range(kind, spec, t0, t1, k.shape[2], q.device)
+            lo, hi, mask, edges = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs)
             if hi == lo:  # no complete cmp block yet: no key, output 0
                 p = q.new_zeros(B, G, t1 - t0, r, 0)
             else:
                 p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask, edges)  # (B, G, C, r, hi - lo)
                 out[:, :, t0:t1] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
             if kind == "cmp":
-                chosen = choose_blocks(p.sum(3), spec, t0, T)
+                chosen = choose_blocks(p.sum(3), spec, t0, T, docs)
                 idx.append(chosen[0])
                 valid.append(chosen[1])
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, *doc_fields)
         ctx.kind, ctx.spec = kind, spec
         if kind != "cmp":
             return out, None, None
@@ -101,13 +112,14 @@ class _Shared(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, *_):
-        q, k, v = ctx.saved_tensors
+        q, k, v, *doc_fields = ctx.saved_tensors
         B, G, T, r, D = q.shape
+        docs = Documents(*doc_fields) if doc_fields else None
         chunk = CHUNK_CMP if ctx.kind == "cmp" else CHUNK_WIN
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
-            lo, hi, mask, edges = _key_range(ctx.kind, ctx.spec, t0, t1, k.shape[2], q.device)
+            lo, hi, mask, edges = _key_range(ctx.kind, ctx.spec, t0, t1, k.shape[2], q.device, docs)
             if hi == lo:
                 continue
             p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask, edges)  # the forward's, recomputed
@@ -120,26 +132,29 @@ class _Shared(torch.autograd.Function):
             ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(D**-0.5).view(B, G, -1, hi - lo)
             dq[:, :, t0:t1] = (ds @ k[:, :, lo:hi]).view(B, G, -1, r, D)
             dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q[:, :, t0:t1].reshape(B, G, -1, D)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, *(None for _ in doc_fields)
 
 
-def _tiles(idx: torch.Tensor, use: torch.Tensor, per_query: int, t0: int, spec: NSASpec
+def _tiles(kpos: torch.Tensor, use: torch.Tensor, per_query: int, t0: int, spec: NSASpec
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tiles of the (query, group) -> block choices `idx` (B, G, C, n') of queries t0 .. t0 + C - 1
-    where `use` (same shape) is True, at most `per_query` of them per (query, group).
+    """Tiles of the (query, group) -> block choices of queries t0 .. t0 + C - 1, each block named
+    by its first key `kpos` (B, G, C, n'), where `use` (same shape) is True, at most `per_query`
+    of them per (query, group); a used block lies wholly before t0 + C.
 
     Returns rows (NT, R): each lane's chunk-local query row (b*G + g)*C + c, or the dummy row
-    B*G*C for an empty lane; bg, j (NT,): the (batch, group) and the block shared by the tile.
-    NT = ceil(B*G*C*per_query / R) + B*G*Ns_c is a static bound (Ns_c: the blocks the chunk can
-    choose; each block leaves at most one tile part-filled).
+    B*G*C for an empty lane; bg, kpos (NT,): the (batch, group) and the first key of the block
+    shared by the tile. NT = ceil(B*G*C*per_query / R) + B*G*Ns_c is a static bound (Ns_c: the
+    blocks of l' keys before t0 + C; each block used leaves at most one tile part-filled, and
+    the used blocks of (b, g), counted per document, are fewer than that).
     """
-    B, G, C, n = idx.shape
-    R, dev = TILE, idx.device
-    Ns_c = (t0 + C - 1) // spec.l_sel + 1
-    K, P = B * G * Ns_c, B * G * C * n
-    NT = -(-B * G * C * per_query // R) + K
+    B, G, C, n = kpos.shape
+    R, dev = TILE, kpos.device
+    t1 = t0 + C
+    Ns_c = (t1 - 1) // spec.l_sel + 1
+    K, P = B * G * t1, B * G * C * n
+    NT = -(-B * G * C * per_query // R) + B * G * Ns_c
     bg = torch.arange(B * G, device=dev).view(B, G, 1, 1)
-    key = torch.where(use, bg * Ns_c + idx, K).flatten()  # (P,): the block, K when not used
+    key = torch.where(use, bg * t1 + kpos, K).flatten()  # (P,): the block, K when not used
     row = (bg * C + torch.arange(C, device=dev).view(1, 1, C, 1)).expand(B, G, C, n).flatten()
     order = torch.argsort(key, stable=True)
     key, row = key[order], row[order]
@@ -153,7 +168,7 @@ def _tiles(idx: torch.Tensor, use: torch.Tensor, per_query: int, t0: int, spec: 
     rows = torch.full(((NT + 1) * R,), B * G * C, dtype=torch.long, device=dev)
     rows = rows.scatter_(0, tile * R + rank % R, torch.where(real, row, B * G * C))[:NT * R].view(NT, R)
     block = torch.zeros(NT + 1, dtype=torch.long, device=dev).scatter_(0, tile, key)[:NT]
-    return rows, block // Ns_c, block % Ns_c
+    return rows, block // t1, block % t1
 
 
 def _with_dummy(x: torch.Tensor) -> torch.Tensor:
@@ -168,48 +183,62 @@ def _pad_blocks(x: torch.Tensor, nb: int, L: int) -> torch.Tensor:
     return torch.cat([x, pad], 1)
 
 
+PAD_BLOCKS = 2
+"""Zero blocks before block 0 in the key-block layout: the local window reaches back to block -2."""
+
+
 class _SelChunk:
     """The selected keys of queries t0 .. t1 - 1 (t0 a multiple of l'), in three dense parts:
-      tiles: the blocks chosen by score (j <= jt - 2: wholly in the past, no mask);
-      loc:   the block holding t and the one before (jt - 1, jt), causal: per query block one
-             (l' * r) x 2l' product, no gather;
-      ini:   block 0 for queries with jt >= 2 (before that it is one of the local blocks).
+      tiles: the blocks chosen by score (j <= jt - 2: wholly in the past, no mask), and with
+             documents each document's block 0 too;
+      loc:   the block holding t and the one before (jt - 1, jt), causal: per query block of l'
+             one (l' * r) x nloc*l' product over the nloc blocks of keys that can hold them (2;
+             3 with documents, whose blocks need not align with the query blocks), no gather;
+      ini:   block 0 for queries with jt >= 2 (before that it is one of the local blocks);
+             without documents only, where it is the same block for every query.
     Scores are of queries scaled by D^-1/2; masked entries are -inf."""
 
     def __init__(self, qs: torch.Tensor, kbp: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                 t0: int, spec: NSASpec):
-        BG, C, r, D = qs.shape  # qs (BG, C, r, D); kbp (BG, Ns + 1, L, D): zero block, then block j at j + 1
-        L = spec.l_sel
+                 t0: int, spec: NSASpec, start: torch.Tensor | None):
+        BG, C, r, D = qs.shape  # qs (BG, C, r, D); kbp (BG, 2 + Ns, L, D): block j at 2 + j
+        L, B = spec.l_sel, idx.shape[0]
         self.BG, self.C, self.r, self.D, self.L = BG, C, r, D, L
         self.j0, self.nb = t0 // L, -(-C // L)
-        self.a = max(0, min(C, 2 * L - t0))  # chunk rows from here on also read block 0 (ini)
+        self.nloc = 2 if start is None else 3
         dev = qs.device
-        jt = (torch.arange(t0, t0 + C, device=dev) // L)[:, None]  # (C, 1)
-        scored = valid & (idx > 0) & (idx < jt - 1)  # (B, G, C, n')
-        n_forced = N_FORCED_INITIAL + N_FORCED_LOCAL  # all chosen whenever a block is scored
-        self.rows, bg, j = _tiles(idx, scored, max(0, idx.shape[-1] - n_forced), t0, spec)
-        self.blocks = bg * kbp.shape[1] + j + 1
+        t = torch.arange(t0, t0 + self.nb * L, device=dev)[None, :]  # padded to whole query blocks
+        s = torch.zeros_like(t) if start is None else torch.cat([start, t[:, C:].expand(B, -1)], 1)
+        jt = (t - s) // L  # (B or 1, nb * L): the block holding t, counted in its document
+        # tiles
+        jq = jt[:, None, :C, None]
+        scored = valid & (idx < jq - 1) & ((idx > 0) if start is None else True)  # (B, G, C, n')
+        per_query = max(0, idx.shape[-1] - N_FORCED_LOCAL - (N_FORCED_INITIAL if start is None else 0))
+        self.rows, bg, kpos = _tiles(s[:, None, :C, None] + idx * L, scored, per_query, t0, spec)
         NT, R = self.rows.shape
+        first = (bg * kbp.shape[1] + PAD_BLOCKS) * L + kpos  # (NT,): row of the block's first key
+        self.key_rows = (first[:, None] + torch.arange(L, device=dev)).flatten()  # (NT * L,)
         self.qt = _with_dummy(qs).index_select(0, self.rows.flatten()).view(NT, R * r, D)
-        self.kt = kbp.flatten(0, 1).index_select(0, self.blocks)  # (NT, L, D)
+        self.kt = kbp.view(-1, D).index_select(0, self.key_rows).view(NT, L, D)
         self.s_t = (self.qt @ self.kt.transpose(1, 2)).view(NT, R, r, L)
-        # loc: query block b (position (j0 + b) * L + c) against keys of blocks j0 + b - 1, j0 + b.
+        # loc: query block b against the keys of blocks j0 + b - nloc + 1 .. j0 + b, those from the
+        # first key of block jt - 1 (of t's document, not before it) to t.
         self.q_loc = _pad_blocks(qs, self.nb, L).view(BG * self.nb, L * r, D)
         self.k_loc = self.local_keys(kbp)
-        k = torch.arange(2 * L, device=dev)
-        c = torch.arange(L, device=dev)[:, None]
-        first = (torch.arange(self.nb, device=dev) + self.j0 == 0)[:, None, None]
-        ok = (k <= L + c) & ~(first & (k < L))  # (nb, L, 2L): causal; block -1 does not exist
-        s = (self.q_loc @ self.k_loc.transpose(1, 2)).view(BG, self.nb, L, r, 2 * L)
-        self.s_loc = s.masked_fill_(~ok[None, :, :, None, :], float("-inf"))
+        key = (torch.arange(self.nb, device=dev)[:, None, None] + self.j0 - self.nloc + 1) * L \
+            + torch.arange(self.nloc * L, device=dev)  # (nb, 1, nloc * L)
+        lo = (s + (jt - 1).clamp(min=0) * L).view(-1, self.nb, L, 1)
+        ok = (key >= lo) & (key <= t.view(1, self.nb, L, 1))  # (B or 1, nb, L, nloc * L)
+        s_loc = (self.q_loc @ self.k_loc.transpose(1, 2)).view(B, -1, self.nb, L, r, self.nloc * L)
+        self.s_loc = s_loc.masked_fill_(~ok[:, None, :, :, None], float("-inf")).view(BG, self.nb, L, r, -1)
         # ini: block 0 for rows a.. (t >= 2L), all of it in the past.
+        self.a = max(0, min(C, 2 * L - t0)) if start is None else C
         self.q_ini = qs[:, self.a:].reshape(BG, -1, D)
-        self.s_ini = (self.q_ini @ kbp[:, 1].transpose(1, 2)).view(BG, C - self.a, r, L)
+        self.s_ini = (self.q_ini @ kbp[:, PAD_BLOCKS].transpose(1, 2)).view(BG, C - self.a, r, L)
 
     def local_keys(self, xbp: torch.Tensor) -> torch.Tensor:
-        """(BG * nb, 2L, D): for query block b, blocks j0 + b - 1 and j0 + b of xbp (zero for block -1)."""
-        j0, nb = self.j0, self.nb
-        return torch.cat([xbp[:, j0:j0 + nb], xbp[:, j0 + 1:j0 + nb + 1]], 2).flatten(0, 1)
+        """(BG * nb, nloc * L, D): for query block b, blocks j0 + b - nloc + 1 .. j0 + b of xbp."""
+        base = self.j0 + PAD_BLOCKS - self.nloc + 1
+        return torch.cat([xbp[:, base + i:base + i + self.nb] for i in range(self.nloc)], 2).flatten(0, 1)
 
     def per_lane(self, x: torch.Tensor) -> torch.Tensor:
         """Row statistics (BG, C, r) -> (NT, R, r, 1) for the tiles' lanes (dummy lanes: 0)."""
@@ -221,19 +250,19 @@ class _SelChunk:
         return _pad_blocks(x, self.nb, self.L).view(self.BG, self.nb, self.L, *x.shape[2:])
 
     def scatter_local(self, dxbp: torch.Tensor, d_loc: torch.Tensor) -> None:
-        """Adds a (BG * nb, 2L, D) local-key gradient into dxbp (BG, Ns + 1, L, D)."""
-        j0, nb, L = self.j0, self.nb, self.L
-        d_loc = d_loc.view(self.BG, nb, 2 * L, -1)
-        dxbp[:, j0:j0 + nb] += d_loc[:, :, :L]
-        dxbp[:, j0 + 1:j0 + nb + 1] += d_loc[:, :, L:]
+        """Adds a (BG * nb, nloc * L, D) local-key gradient into dxbp (BG, 2 + Ns, L, D)."""
+        base, nb, L = self.j0 + PAD_BLOCKS - self.nloc + 1, self.nb, self.L
+        d_loc = d_loc.view(self.BG, nb, self.nloc * L, -1)
+        for i in range(self.nloc):
+            dxbp[:, base + i:base + i + nb] += d_loc[:, :, i * L:(i + 1) * L]
 
 
 def _key_blocks(x: torch.Tensor, L: int) -> torch.Tensor:
-    """(B, G, T, D) -> (B*G, Ns + 1, L, D): a zero block, then the key blocks (zero-padded past T)."""
+    """(B, G, T, D) -> (B*G, 2 + Ns, L, D): two zero blocks, then the key blocks (zero-padded past T)."""
     B, G, T, D = x.shape
     Ns = -(-T // L)
-    x = torch.nn.functional.pad(x.reshape(B * G, T, D), (0, 0, L, Ns * L - T))
-    return x.view(B * G, Ns + 1, L, D)
+    x = torch.nn.functional.pad(x.reshape(B * G, T, D), (0, 0, PAD_BLOCKS * L, Ns * L - T))
+    return x.view(B * G, PAD_BLOCKS + Ns, L, D)
 
 
 def _sel_chunks(T: int, L: int) -> range:
@@ -245,8 +274,9 @@ class _Selected(torch.autograd.Function):
     """sel attention: each (query, group) reads its own n blocks of l' keys (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec):
-        """q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid (B, G, T, n') -> (B, G, T, r, D)."""
+    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None):
+        """q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid (B, G, T, n'); start (B, T): each
+        query's document start (None: one document) -> (B, G, T, r, D)."""
         B, G, T, r, D = q.shape
         kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
         qs = q.reshape(B * G, T, r, D) * D**-0.5
@@ -254,9 +284,11 @@ class _Selected(torch.autograd.Function):
         chunks = _sel_chunks(T, spec.l_sel)
         for t0 in chunks:
             t1 = min(T, t0 + chunks.step)
-            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec)
+            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec,
+                           None if start is None else start[:, t0:t1])
             BG, C, a = ch.BG, ch.C, ch.a
             lanes = ch.rows.flatten()
+            NT = ch.qt.shape[0]
             # Row maxima over all three parts, then one exp per score.
             m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
             m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
@@ -268,19 +300,20 @@ class _Selected(torch.autograd.Function):
             total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
             total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
             total[:, a:] += e_ini.sum(-1)
-            o = (e_t.view(ch.qt.shape[0], -1, ch.L) @ vbp.flatten(0, 1).index_select(0, ch.blocks)).view(-1, r, D)
+            vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, ch.L, D)
+            o = (e_t.view(NT, -1, ch.L) @ vt).view(-1, r, D)
             o = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
-            o += (e_loc.view(BG * ch.nb, -1, 2 * ch.L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
-            o[:, a:] += (e_ini.view(BG, -1, ch.L) @ vbp[:, 1]).view(BG, -1, r, D)
+            o += (e_loc.view(BG * ch.nb, -1, ch.nloc * ch.L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
+            o[:, a:] += (e_ini.view(BG, -1, ch.L) @ vbp[:, PAD_BLOCKS]).view(BG, -1, r, D)
             out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
             lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
-        ctx.save_for_backward(q, ks, vs, idx, valid, out, lse)
+        ctx.save_for_backward(q, ks, vs, idx, valid, out, lse, start)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, ks, vs, idx, valid, out, lse = ctx.saved_tensors
+        q, ks, vs, idx, valid, out, lse, start = ctx.saved_tensors
         spec = ctx.spec
         B, G, T, r, D = q.shape
         kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
@@ -293,7 +326,8 @@ class _Selected(torch.autograd.Function):
         chunks = _sel_chunks(T, spec.l_sel)
         for t0 in chunks:
             t1 = min(T, t0 + chunks.step)
-            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec)
+            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec,
+                           None if start is None else start[:, t0:t1])
             BG, C, a, L, nb = ch.BG, ch.C, ch.a, ch.L, ch.nb
             lanes = ch.rows.flatten()
             NT = ch.qt.shape[0]
@@ -301,43 +335,52 @@ class _Selected(torch.autograd.Function):
             # tiles
             p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
             dot = _with_dummy(do).index_select(0, lanes).view(NT, -1, D)
-            vt = vbp.flatten(0, 1).index_select(0, ch.blocks)
-            dvbp.view(-1, L, D).index_add_(0, ch.blocks, p.view(NT, -1, L).transpose(1, 2) @ dot)
+            vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+            dvbp.view(-1, D).index_add_(0, ch.key_rows, (p.view(NT, -1, L).transpose(1, 2) @ dot).view(-1, D))
             ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, -1, L)
-            dkbp.view(-1, L, D).index_add_(0, ch.blocks, ds.transpose(1, 2) @ ch.qt)
+            dkbp.view(-1, D).index_add_(0, ch.key_rows, (ds.transpose(1, 2) @ ch.qt).view(-1, D))
             dqc = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, (ds @ ch.kt).view(-1, r, D))[:-1].view(BG, C, r, D)
             # loc
-            p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, 2 * L)
+            p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, ch.nloc * L)
             do_loc = ch.per_loc(do).reshape(BG * nb, -1, D)
             v_loc = ch.local_keys(vbp)
             ch.scatter_local(dvbp, p.transpose(1, 2) @ do_loc)
-            ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, 2 * L).sub_(ch.per_loc(dl)[..., None])
+            ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, -1).sub_(ch.per_loc(dl)[..., None])
             ds = ds.view_as(p).mul_(p)
             ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
             dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
             # ini
             p = ch.s_ini.sub_(ls[:, a:, :, None]).exp_().view(BG, -1, L)
             do_ini = do[:, a:].reshape(BG, -1, D)
-            dvbp[:, 1] += p.transpose(1, 2) @ do_ini
-            ds = (do_ini @ vbp[:, 1].transpose(1, 2)).view(BG, -1, r, L).sub_(dl[:, a:, :, None]).view_as(p).mul_(p)
-            dkbp[:, 1] += ds.transpose(1, 2) @ ch.q_ini
-            dqc[:, a:] += (ds @ kbp[:, 1]).view(BG, -1, r, D)
+            dvbp[:, PAD_BLOCKS] += p.transpose(1, 2) @ do_ini
+            ds = (do_ini @ vbp[:, PAD_BLOCKS].transpose(1, 2)).view(BG, -1, r, L).sub_(dl[:, a:, :, None]).view_as(p).mul_(p)
+            dkbp[:, PAD_BLOCKS] += ds.transpose(1, 2) @ ch.q_ini
+            dqc[:, a:] += (ds @ kbp[:, PAD_BLOCKS]).view(BG, -1, r, D)
             dq[:, t0:t1] = dqc * D**-0.5
-        dks, dvs = (x[:, 1:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
-        return dq.view(B, G, T, r, D), dks, dvs, None, None, None
+        dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
+        return dq.view(B, G, T, r, D), dks, dvs, None, None, None, None
 
 
-def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec) -> torch.Tensor:
+def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None
+                  ) -> torch.Tensor:
     """The win branch by flash-attn's sliding window: q (B, T, H, D), k, v (B, T, G, D) ->
-    (B, G, T, r, D). Query t reads keys t - w + 1 .. t (window_size = (w - 1, 0))."""
+    (B, G, T, r, D). Query t reads keys t - w + 1 .. t (window_size = (w - 1, 0)); with `docs`,
+    through the varlen entry point, each document one sequence (`docs.cu_seqlens`)."""
     B, T, H, D = q.shape
-    o = kernel_choice.flash_attn_func(q, k, v, causal=True, window_size=(spec.w - 1, 0))  # (B, T, H, D)
+    window = (spec.w - 1, 0)
+    if docs is None:
+        o = kernel_choice.flash_attn_func(q, k, v, causal=True, window_size=window)  # (B, T, H, D)
+    else:
+        flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+        cu = docs.cu_seqlens if docs.cu_seqlens is not None else varlen_boundaries(docs.start)
+        o = kernel_choice.flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, T, T,
+                                                 causal=True, window_size=window).view(B, T, H, D)
     return o.view(B, T, k.shape[2], H // k.shape[2], D).transpose(1, 2)
 
 
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
              k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
-             kernels: Kernels | None = None) -> torch.Tensor:
+             kernels: Kernels | None = None, docs: Documents | None = None) -> torch.Tensor:
     """Same contract as `nsa_reference` (see there), computed branch by branch in chunks, each branch
     by its kernel in `kernels` (None: `auto` for these tensors)."""
     B, T, H, D = q.shape
@@ -347,6 +390,8 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
     if kernels is None:
         kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D)
+    fields = () if docs is None else (docs.start, docs.end, docs.cmp_start, docs.first_slot)
+    start = None if docs is None else docs.start
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
@@ -354,16 +399,16 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
 
     # (B, G, T, r, D): the r = H/G query heads of a group side by side.
     qg = q.to(acc).view(B, T, G, H // G, D).transpose(1, 2).contiguous()
-    o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T)
+    o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T, *fields)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
         o_sel = triton_sel.SelectedTriton.apply(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype),
-                                                idx, valid, spec).to(acc)
+                                                idx, valid, spec, start).to(acc)
     else:
-        o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec)
+        o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, start)
     if kernels.win == "flash":
-        o_win = _window_flash(q, k_win, v_win, spec).to(acc)
+        o_win = _window_flash(q, k_win, v_win, spec, docs).to(acc)
     else:
-        o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T)
+        o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T, *fields)
     g = gates.to(acc).view(B, T, G, H // G, 3).transpose(1, 2)
     out = mix_branches(g, o_cmp, o_sel, o_win)  # (B, G, T, r, D)
     return out.transpose(1, 2).reshape(B, T, H, D).to(q.dtype)

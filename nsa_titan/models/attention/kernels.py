@@ -20,9 +20,9 @@ from . import triton_sel
 from .common import NSASpec
 
 try:
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:  # optional GPU extra
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn"}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .documents import Documents
 from .common import NSASpec, cmp_visibility, masked_softmax, mix_branches, select_blocks
 
 
@@ -35,31 +36,38 @@ def masked_attention(
 
 def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
-                  spec: NSASpec) -> torch.Tensor:
+                  spec: NSASpec, docs: Documents | None = None) -> torch.Tensor:
     """NSA output o_t = sum_c g_t^c * Attn(q_t, K~c_t, V~c_t) for c in (cmp, sel, win).
 
-    q: (B, T, H, D); k_cmp, v_cmp: (B, Nc, G, D) compressed blocks; k_sel, v_sel, k_win,
-    v_win: (B, T, G, D); gates: (B, T, H, 3) in [0, 1], order (cmp, sel, win).
-    Returns (B, T, H, D).
+    q: (B, T, H, D); k_cmp, v_cmp: (B, Nc, G, D) compressed blocks (with `docs`: the slots of
+    `docs.cmp_start`); k_sel, v_sel, k_win, v_win: (B, T, G, D); gates: (B, T, H, 3) in [0, 1],
+    order (cmp, sel, win). With `docs` every rule applies per document. Returns (B, T, H, D).
     """
     B, T, H, D = q.shape
     G = k_sel.shape[2]
     dev = q.device
     t = torch.arange(T, device=dev)
+    causal = t[None, :] <= t[:, None]  # (T, S)
+    if docs is None:
+        cmp_mask, same, key_rel = cmp_visibility(spec, T, dev), causal[None], t[None, None, :]
+    else:
+        cmp_mask = docs.cmp_visible(spec, 0, T, k_cmp.shape[1])[:, None, None]  # (B, 1, 1, T, Nc)
+        same = docs.same_past(0, T, 0, T)  # (B, T, S)
+        key_rel = (t[None, None, :] - docs.start[:, :, None]).clamp(min=0)  # key position in t's document
 
     # cmp: attend to every complete compression block in the past.
-    o_cmp, p_cmp = masked_attention(q, k_cmp, v_cmp, cmp_visibility(spec, T, dev))
+    o_cmp, p_cmp = masked_attention(q, k_cmp, v_cmp, cmp_mask)
 
     # sel: top-n blocks from the cmp probabilities, shared by a group's heads.
-    idx, valid = select_blocks(p_cmp, spec, G)  # (B, G, T, n')
+    idx, valid = select_blocks(p_cmp, spec, G, docs=docs)  # (B, G, T, n')
     chosen = torch.zeros(B, G, T, spec.num_sel_blocks(T), dtype=torch.bool, device=dev)
     chosen.scatter_(-1, idx, valid)
-    key_block = t // spec.l_sel  # (S,)
-    sel_mask = chosen[..., key_block] & (t[None, :] <= t[:, None])  # (B, G, T, S)
+    key_block = (key_rel // spec.l_sel).expand(B, T, T)[:, None].expand(B, G, T, T)
+    sel_mask = chosen.gather(-1, key_block) & same[:, None]  # (B, G, T, S)
     o_sel, _ = masked_attention(q, k_sel, v_sel, sel_mask[:, :, None])
 
     # win: the last w keys.
-    win_mask = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - spec.w)
-    o_win, _ = masked_attention(q, k_win, v_win, win_mask)
+    win_mask = same & (t[None, :] > t[:, None] - spec.w)
+    o_win, _ = masked_attention(q, k_win, v_win, win_mask[:, None, None])
 
     return mix_branches(gates.to(q.dtype), o_cmp, o_sel, o_win)

@@ -1,0 +1,170 @@
+"""Document masking: a packed window gives, for every token, what its document alone would give.
+
+Logits and every parameter gradient of a packed run equal those of the documents run one by one
+(positions from 0), for the reference, the fast path (also with many small chunks and tiles) and
+the dense baseline, in fp64 and fp32, with batch rows of different layouts. The Triton kernels are
+checked the same way in tests/test_nsa_triton.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nsa_titan.config import Model
+from nsa_titan.models.attention import Documents, NSASpec
+from nsa_titan.models.attention import fast as fast_module
+from nsa_titan.models.transformer import Transformer
+
+SPEC = NSASpec(l=8, d=4, l_sel=16, n=5, w=24)  # l/d = 2, l'/d = 4 as in the paper, scaled down
+CFG = dict(dim=48, n_layers=2, n_heads=6, n_kv_groups=2, head_dim=16, vocab_size=61, cmp_block_size=SPEC.l,
+           cmp_stride=SPEC.d, sel_block_size=SPEC.l_sel, sel_top_n=SPEC.n, window_size=SPEC.w)
+
+
+def build(dtype: torch.dtype, **overrides) -> Transformer:
+    model = Transformer(Model(**{**CFG, **overrides}), 256)
+    model.init_weights(0)
+    return model.to(dtype)
+
+
+def layout(T: int, rng: random.Random) -> list[int]:
+    """Lengths of 1 to 6 documents filling T, drawn to include the edge cases: shorter than l, than
+    l', than w, a length that ends on a sel block boundary, and long ones."""
+    special = [rng.randint(1, SPEC.l - 1), rng.randint(SPEC.l, SPEC.l_sel - 1), rng.randint(SPEC.l_sel, SPEC.w - 1),
+               SPEC.l_sel * rng.randint(1, 4)]
+    lengths: list[int] = []
+    n_docs = rng.randint(1, 6)
+    while sum(lengths) < T and len(lengths) < n_docs - 1:
+        lengths.append(rng.choice(special) if rng.random() < 0.6 else rng.randint(1, T))
+    lengths = [n for n in lengths if n > 0]
+    while sum(lengths) >= T:
+        lengths.pop()
+    return lengths + [T - sum(lengths)]
+
+
+def ids_of(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
+
+
+def packed_and_separate(model: Transformer, tokens: torch.Tensor, layouts: list[list[int]], grad_out: torch.Tensor
+                        ) -> tuple[torch.Tensor, dict, torch.Tensor, dict]:
+    """(logits, parameter gradients) of the packed run and of the documents run one by one, for the
+    loss sum(logits * grad_out)."""
+    doc_ids = torch.stack([ids_of(lengths) for lengths in layouts])
+    model.zero_grad()
+    packed = model(tokens, doc_ids)
+    (packed * grad_out).sum().backward()
+    grads_packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    rows = []
+    for b, lengths in enumerate(layouts):
+        start, outs = 0, []
+        for n in lengths:
+            out = model(tokens[b:b + 1, start:start + n])
+            (out * grad_out[b:b + 1, start:start + n]).sum().backward()
+            outs.append(out.detach())
+            start += n
+        rows.append(torch.cat(outs, 1))
+    grads_separate = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return packed.detach(), grads_packed, torch.cat(rows), grads_separate
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
+
+
+def assert_grads_close(got: dict, want: dict, tol: float, context: object) -> None:
+    """The whole gradient within `tol`, and each parameter's: in fp64 within `tol` too; in fp32
+    within 10 x tol, since a gradient that is a sum with heavy cancellation (the compressor's
+    position table: norm ~1e-8 against ~1e-2 elsewhere) carries more relative rounding."""
+    flat = lambda g: torch.cat([x.flatten() for x in g.values()])  # noqa: E731
+    assert rel(flat(got), flat(want)) < tol, context
+    per_param = tol if next(iter(want.values())).dtype == torch.float64 else 10 * tol
+    for name, g in want.items():
+        assert rel(got[name], g) < per_param, (name, context)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks and tiles much smaller than T: every loop of the fast path runs many times."""
+    monkeypatch.setattr(fast_module, "CHUNK_CMP", 24)
+    monkeypatch.setattr(fast_module, "CHUNK_WIN", 16)
+    monkeypatch.setattr(fast_module, "CHUNK_SEL", 32)
+    monkeypatch.setattr(fast_module, "TILE", 3)
+
+
+IMPLS = {"reference": dict(attn_impl="reference"), "fast": dict(attn_impl="fast"), "dense": dict(attention="dense")}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_packed_equals_separate_documents(impl, dtype, tol, seed):
+    rng = random.Random(seed)
+    B, T = 3, 150
+    layouts = [layout(T, rng) for _ in range(B)]
+    model = build(dtype, **IMPLS[impl])
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CFG["vocab_size"], (B, T), generator=gen)
+    grad_out = torch.randn(B, T, CFG["vocab_size"], dtype=dtype, generator=gen)
+    packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
+    assert rel(packed, separate) < tol, layouts
+    assert_grads_close(g_packed, g_separate, tol, layouts)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_fast_packed_equals_separate_across_many_chunks_and_tiles(small_chunks, dtype, tol):
+    rng = random.Random(7)
+    B, T = 2, 203
+    layouts = [[5, 70, 16, 112], layout(T, rng)]  # a document ending on a block boundary at 91
+    model = build(dtype, attn_impl="fast")
+    tokens = torch.randint(0, CFG["vocab_size"], (B, T), generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(B, T, CFG["vocab_size"], dtype=dtype, generator=torch.Generator().manual_seed(2))
+    packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
+    assert rel(packed, separate) < tol
+    assert_grads_close(g_packed, g_separate, tol, layouts)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_change_in_one_document_changes_no_other(impl):
+    model = build(torch.float64, **IMPLS[impl])
+    lengths = [40, 3, 57, 50]
+    ids = ids_of(lengths)[None]
+    tokens = torch.randint(0, CFG["vocab_size"], (1, 150), generator=torch.Generator().manual_seed(3))
+    before = model(tokens, ids)
+    changed = tokens.clone()
+    changed[0, 45] = (changed[0, 45] + 1) % CFG["vocab_size"]  # a token of the third document (43..99)
+    after = model(changed, ids)
+    same = torch.ones(150, dtype=torch.bool)
+    same[45:100] = False
+    assert torch.equal(after[0, same], before[0, same])
+    assert not torch.allclose(after[0, 45:100], before[0, 45:100])
+
+
+def test_one_document_is_the_unmasked_model():
+    model = build(torch.float64, attn_impl="fast")
+    tokens = torch.randint(0, CFG["vocab_size"], (2, 100), generator=torch.Generator().manual_seed(4))
+    plain = model(tokens)
+    assert rel(model(tokens, torch.zeros_like(tokens)), plain) < 1e-12
+
+
+def test_geometry_hand_worked():
+    """Documents [0, 3), [3, 40), [40, 45) with l = 8, d = 4: slots start at 3, 7, .., 31 (the second
+    document's blocks, the last covering 31..38); the first and third are shorter than l."""
+    docs = Documents.of(ids_of([3, 37, 5])[None], SPEC)
+    assert docs.start[0].tolist() == [0] * 3 + [3] * 37 + [40] * 5
+    assert docs.end[0].tolist() == [3] * 3 + [40] * 37 + [45] * 5
+    assert docs.positions[0, [0, 2, 3, 39, 40, 44]].tolist() == [0, 2, 0, 36, 0, 4]
+    assert docs.cmp_start[0].tolist() == [3, 7, 11, 15, 19, 23, 27, 31] + [45] * 3
+    assert docs.first_slot[0, [0, 3, 39, 40]].tolist() == [0, 0, 0, 8]
+    visible = docs.cmp_visible(SPEC, 0, 45, 11)[0]
+    assert visible[10].sum() == 1 and visible[10, 0]  # t = 10 sees the block 3..10
+    assert visible[39].sum() == 8 and visible[44].sum() == 0  # the third document has no block
+
+
+def test_wrong_document_ids_shape_is_a_clear_error():
+    model = build(torch.float32)
+    with pytest.raises(ValueError, match="one document index per token"):
+        model(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long))
