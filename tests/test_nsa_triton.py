@@ -63,6 +63,17 @@ def run_cases() -> dict:
     grads_ref = torch.autograd.grad(ref.square().sum(), full)
     report["half"] = {"dtype": str(out.dtype), "out": rel(out.detach().float(), ref.detach()),
                       "grads": {n: rel(a.float(), b) for n, a, b in zip(NAMES, grads, grads_ref)}}
+    # Document masking: a packed window equals its documents run one by one (the model, 1 layer).
+    from test_documents import build, packed_and_separate
+    model = build(torch.float32, attn_impl="fast", n_layers=1)
+    layouts = [[5, 70, 16, 29], [13, 32, 75]]
+    tokens = torch.randint(0, 61, (2, 120), generator=torch.Generator().manual_seed(5))
+    grad_out = torch.randn(2, 120, 61, generator=torch.Generator().manual_seed(6))
+    packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
+    flat = lambda g: torch.cat([x.flatten() for x in g.values()])  # noqa: E731
+    report["documents"] = {"used": model.layers["0"].attention.attn_fn.keywords["kernels"] is None and
+                           choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16).sel,
+                           "out": rel(packed, separate), "grads": rel(flat(g_packed), flat(g_separate))}
     # Causality: changing the inputs at position s leaves every earlier output unchanged.
     with torch.no_grad():
         args = random_inputs(1, 50, 12, 2, 16, SPEC, dtype=torch.float32, seed=3)
@@ -105,6 +116,12 @@ def test_triton_sel_in_half_precision_tracks_the_fp32_reference(report):
     assert half["dtype"] == "torch.float16" and half["out"] < 5e-3
     for name, err in half["grads"].items():
         assert err < 5e-3, (name, err)
+
+
+def test_triton_sel_packed_documents_equal_separate_runs(report):
+    docs = report["documents"]
+    assert docs["used"] == "triton"
+    assert docs["out"] < 1e-5 and docs["grads"] < 1e-5, docs
 
 
 def test_triton_sel_is_causal(report):

@@ -29,24 +29,25 @@ AVAILABLE = triton is not None
 if AVAILABLE:
 
     @triton.jit
-    def _block(K, V, IDX, i, t, bg, T, sk_t, si_t, dd, ll, L: tl.constexpr):
-        """Keys and values (L, D) of query t's i-th chosen block, zero where it may not read;
-        the readable mask (L,) and the offsets. A block index of -1 (not a candidate) gives
-        negative positions, all masked."""
+    def _block(K, V, IDX, i, t, s, bg, T, sk_t, si_t, dd, ll, L: tl.constexpr):
+        """Keys and values (L, D) of query t's i-th chosen block, counted from its document's
+        start s, zero where it may not read; the readable mask (L,) and the offsets. A block
+        index of -1 (not a candidate) reads nothing."""
         j = tl.load(IDX + bg * T * si_t + t * si_t + i)
-        pos = j * L + ll
-        ok = (pos >= 0) & (pos <= t)
+        pos = s + j * L + ll
+        ok = (pos >= s) & (pos <= t)
         kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
         k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
         return k, v, ok, kv_off
 
     @triton.jit
-    def _sel_fwd(Q, K, V, IDX, O, LSE, scale,
-                 sq_t, sk_t, si_t, slse_t, T,
+    def _sel_fwd(Q, K, V, IDX, START, O, LSE, scale,
+                 sq_t, sk_t, si_t, slse_t, T, G,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
         t = tl.program_id(0)
         bg = tl.program_id(1)  # b * G + g: q, o (B, G, T, r, D), k, v (B, G, T, D), idx (B, G, T, N)
+        s = tl.load(START + (bg // G) * T + t)  # start (B, T): t's document start
         rr = tl.arange(0, BLOCK_R)
         dd = tl.arange(0, D)
         ll = tl.arange(0, L)
@@ -56,13 +57,13 @@ if AVAILABLE:
         total = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            k, v, ok, kv_off = _block(K, V, IDX, i, t, bg, T, sk_t, si_t, dd, ll, L)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
+            k, v, ok, kv_off = _block(K, V, IDX, i, t, s, bg, T, sk_t, si_t, dd, ll, L)
+            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            p = tl.exp(sc - m_safe[:, None])
             total = total * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
@@ -71,11 +72,12 @@ if AVAILABLE:
         tl.store(LSE + bg * T * slse_t + t * slse_t + rr, m + tl.log(total), mask=rr < R)
 
     @triton.jit
-    def _sel_bwd(Q, K, V, IDX, DO, LSE, DELTA, DQ, DK, DV, scale,
-                 sq_t, sk_t, si_t, slse_t, T,
+    def _sel_bwd(Q, K, V, IDX, START, DO, LSE, DELTA, DQ, DK, DV, scale,
+                 sq_t, sk_t, si_t, slse_t, T, G,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
         t = tl.program_id(0)
         bg = tl.program_id(1)
+        s = tl.load(START + (bg // G) * T + t)
         rr = tl.arange(0, BLOCK_R)
         dd = tl.arange(0, D)
         ll = tl.arange(0, L)
@@ -88,9 +90,9 @@ if AVAILABLE:
         delta = tl.load(DELTA + stat_off, mask=rr < R, other=0.0)
         dq = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            k, v, ok, kv_off = _block(K, V, IDX, i, t, bg, T, sk_t, si_t, dd, ll, L)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            p = tl.where(ok[None, :], tl.exp(s - lse[:, None]), 0.0)  # (BLOCK_R, L)
+            k, v, ok, kv_off = _block(K, V, IDX, i, t, s, bg, T, sk_t, si_t, dd, ll, L)
+            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            p = tl.where(ok[None, :], tl.exp(sc - lse[:, None]), 0.0)  # (BLOCK_R, L)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
             ds = p * (dp - delta[:, None]) * scale
             dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
@@ -103,35 +105,37 @@ if AVAILABLE:
 
 def _launch_args(q: torch.Tensor, idx: torch.Tensor, spec: NSASpec) -> dict:
     B, G, T, r, D = q.shape
-    return dict(scale=D**-0.5, sq_t=r * D, sk_t=D, si_t=idx.shape[-1], slse_t=r, T=T, R=r,
+    return dict(scale=D**-0.5, sq_t=r * D, sk_t=D, si_t=idx.shape[-1], slse_t=r, T=T, G=G, R=r,
                 BLOCK_R=max(16, triton.next_power_of_2(r)), D=D, L=spec.l_sel, N=idx.shape[-1])
 
 
 class SelectedTriton(torch.autograd.Function):
     """Same contract as fast._Selected: q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid
-    (B, G, T, n') -> (B, G, T, r, D). Head dim and l' must be powers of two >= 16."""
+    (B, G, T, n'); start (B, T) or None -> (B, G, T, r, D). Head dim and l' must be powers of two
+    >= 16."""
 
     @staticmethod
-    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec):
+    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None):
         q, ks, vs = q.contiguous(), ks.contiguous(), vs.contiguous()
         B, G, T, r, D = q.shape
         idx32 = torch.where(valid, idx, -1).to(torch.int32).contiguous()
+        start32 = (torch.zeros(B, T, device=q.device) if start is None else start).to(torch.int32).contiguous()
         out = torch.empty_like(q)
         lse = torch.empty(B, G, T, r, dtype=torch.float32, device=q.device)
-        _sel_fwd[(T, B * G)](q, ks, vs, idx32, out, lse, **_launch_args(q, idx32, spec))
-        ctx.save_for_backward(q, ks, vs, idx32, out, lse)
+        _sel_fwd[(T, B * G)](q, ks, vs, idx32, start32, out, lse, **_launch_args(q, idx32, spec))
+        ctx.save_for_backward(q, ks, vs, idx32, start32, out, lse)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, ks, vs, idx32, out, lse = ctx.saved_tensors
+        q, ks, vs, idx32, start32, out, lse = ctx.saved_tensors
         B, G, T, r, D = q.shape
         d_out = d_out.contiguous()
         delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, T, r)
         dq = torch.empty_like(q)
         dk = torch.zeros(ks.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros_like(dk)
-        _sel_bwd[(T, B * G)](q, ks, vs, idx32, d_out, lse, delta, dq, dk, dv,
+        _sel_bwd[(T, B * G)](q, ks, vs, idx32, start32, d_out, lse, delta, dq, dk, dv,
                              **_launch_args(q, idx32, ctx.spec))
-        return dq, dk.to(ks.dtype), dv.to(vs.dtype), None, None, None
+        return dq, dk.to(ks.dtype), dv.to(vs.dtype), None, None, None, None
