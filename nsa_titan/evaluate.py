@@ -34,10 +34,12 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
                                          cfg.training.seq_len,
                                          cfg.training.local_batch_size, rank, world)
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
-    for k, (inputs, labels) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0, total=batches or None)):
+    masking = cfg.training.document_masking  # as in training
+    for k, (inputs, labels, document_ids) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
+                                                            total=batches or None)):
         if batches and k >= batches:
             break
-        loss = cross_entropy_loss(model(inputs), labels)
+        loss = cross_entropy_loss(model(inputs, document_ids if masking else None), labels)
         text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())
         totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64)
     if dist.is_initialized():

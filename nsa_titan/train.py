@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command
 from .config import DTYPES, JobConfig, Model, ac_layers, derive, grad_accum_steps, load_config, to_toml
-from .data import DataError, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
+from .data import DataError, Sample, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
 from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
 from .env import allocator_setup, set_deterministic
@@ -179,25 +179,31 @@ class Trainer:
                     f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
                     else "off ([checkpoint] enable = false)")
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None
+                         ) -> torch.Tensor:
         """One micro-batch: fp32 cross-entropy, backward of loss / accumulation steps."""
-        loss = cross_entropy_loss(self.model(inputs), labels)
+        loss = cross_entropy_loss(self.model(inputs, document_ids), labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
 
-    def next_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next micro-batch on the device; the time spent waiting counts as data wait."""
+    def next_batch(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The next micro-batch on the device (inputs, labels, and the document ids when documents are
+        masked); the time spent waiting counts as data wait."""
         try:
             with self.throughput.data_wait():
-                inputs, labels = next(batches)
+                inputs, labels, document_ids = next(batches)
         except StopIteration:
             raise DataError(f"rank {self.rank} ran out of training data: its share of [data] path = "
                             f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
                             f"x workers?)") from None
         self.last_inputs = inputs.to(self.device)
-        return self.last_inputs, labels.to(self.device)
+        return self.last_inputs, labels.to(self.device), self.documents(document_ids)
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, float, float]:
+    def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
+        """The batch's document ids on the device when `[training] document_masking` is on, else None."""
+        return document_ids.to(self.device) if self.cfg.training.document_masking else None
+
+    def train_step(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, float, float]:
         """Accumulate over micro-batches, clip, check, step.
 
         Returns (local mean loss, its value, the global gradient norm): one host sync per step,
@@ -251,8 +257,9 @@ class Trainer:
                                              self.rank, self.world_size)
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # loss sum, batch count
-        for _, (inputs, labels) in zip(range(v.steps), loader):
-            total[0] += cross_entropy_loss(self.model(inputs.to(self.device)), labels.to(self.device))
+        for _, (inputs, labels, document_ids) in zip(range(v.steps), loader):
+            logits = self.model(inputs.to(self.device), self.documents(document_ids))
+            total[0] += cross_entropy_loss(logits, labels.to(self.device))
             total[1] += 1
         self.model.train()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)

@@ -101,7 +101,7 @@ def test_validation_loader_is_one_ordered_pass(corpus):
     v = Validation(enable=True, split="validation")
     data = Data(source="datasets", path=str(corpus), tokenizer="byte")
     batches = [list(build_validation_dataloader(data, v, ByteTokenizer(), SEQ_LEN, 1, r, 2)) for r in (0, 1)]
-    docs = [d for b in batches for d in docs_in([x for x, _ in b])]
+    docs = [d for b in batches for d in docs_in([sample.inputs for sample in b])]
     assert sorted(docs) == sorted(doc_text(1000 + i) for i in range(8))  # 8 docs, one pass, no repeat
 
 

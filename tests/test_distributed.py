@@ -42,8 +42,9 @@ def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[
         opt.zero_grad()
         step_loss = 0.0
         for _ in range(accum):
-            inputs, labels = next(batches)
-            loss = F.cross_entropy(model(inputs).float().flatten(0, 1), labels.flatten())
+            inputs, labels, document_ids = next(batches)
+            logits = model(inputs, document_ids if t.document_masking else None)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
             (loss / accum).backward()
             step_loss += loss.item() / accum
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm).item())

@@ -104,6 +104,10 @@ class Training:
     """Gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    document_masking: bool = True
+    """Each token attends only to its own document of the packed window (an <eos> ends one; the
+    synthetic source cuts its own), with positions from 0 at each document's start: every NSA
+    branch, the dense baseline, validation and evaluation. false: attention crosses documents."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ a restore replays the batches since the last snapshot, which is exact and cheap.
 
 def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size: int, local_batch: int,
                      dp_rank: int, dp_size: int) -> StatefulDataLoader:
-    """Training batches of (inputs, labels), each (local_batch, seq_len), for one dp rank.
+    """Training batches (`Sample`: inputs, labels, document_ids), each (local_batch, seq_len), for one dp rank.
 
     The loader's state_dict() holds every worker's position: restoring it resumes exactly. Its
     workers ignore the stop signals, so that the rank can save their position before they stop.

@@ -17,11 +17,13 @@ import torch
 from datasets import IterableDataset as HFIterableDataset
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .batch import Sample, eos_documents
 from .tokenizer import Tokenizer
 
 
 class PackedTextDataset(IterableDataset):
-    """Yields (input, label) LongTensor pairs of seq_len tokens.
+    """Yields `Sample`s of seq_len tokens: inputs, labels, and the document of each input (an
+    <eos> ends a document).
 
     shuffle_buffer: documents held back and emitted in random order (0: stream order).
     epochs: None loops forever (a new epoch reshuffles); 1 for validation.
@@ -39,21 +41,21 @@ class PackedTextDataset(IterableDataset):
         self.rng: random.Random | None = None
         self.docs_seen = 0
 
-    def _windows(self, text: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _windows(self, text: str) -> Iterator[Sample]:
         self.docs_seen += 1
         self.carry.extend(self.tokenizer.encode(text))
         self.carry.append(self.tokenizer.eos_id)
         n = self.seq_len + 1
         while len(self.carry) >= n:
             window, self.carry = torch.tensor(self.carry[:n]), self.carry[n:]
-            yield window[:-1], window[1:]
+            yield Sample(window[:-1], window[1:], eos_documents(window[:-1], self.tokenizer.eos_id))
 
     def _pop(self) -> str:
         i = self.rng.randrange(len(self.buffer))
         self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
         return self.buffer.pop()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Sample]:
         if self.rng is None:
             worker = get_worker_info().id if get_worker_info() else 0
             self.rng = random.Random(f"{self.seed}/{self.rank}/{worker}")

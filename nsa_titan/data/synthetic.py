@@ -3,6 +3,8 @@
 Sequences are runs of "words" (fixed random token strings of length 2..8) drawn from a
 Zipf distribution over a word bank: inside a word the next token is certain, at a word
 boundary it follows the Zipf law, so a model's loss visibly falls from ln(vocab).
+Each window is cut into documents (a new one starts at a token with probability 4 / seq_len,
+so about 4 per window), which document masking uses; the tokens do not depend on the cut.
 Sample k is a pure function of (seed, k), and rank r of R ranks takes, for batch b, the
 samples b*R*L + r*L .. b*R*L + (r+1)*L - 1 (L = local batch): the union over ranks is
 exactly the batch a single process with local batch R*L would see.
@@ -15,12 +17,14 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .batch import Sample
+
 WORDS = 512
 """Size of the word bank."""
 
 
 class SyntheticTokens(IterableDataset):
-    """Yields (input, label) pairs of seq_len tokens for one data-parallel rank; resumable."""
+    """Yields `Sample`s of seq_len tokens for one data-parallel rank; resumable."""
 
     def __init__(self, seed: int, seq_len: int, vocab_size: int, dp_rank: int, dp_size: int, local_batch: int):
         self.seed, self.seq_len, self.vocab_size = seed, seq_len, vocab_size
@@ -32,11 +36,13 @@ class SyntheticTokens(IterableDataset):
         self.word_probs = ranks.pow(-1.1) / ranks.pow(-1.1).sum()
         self.position = 0  # samples this rank (or loader worker) has yielded
 
-    def sample(self, k: int) -> torch.Tensor:
-        """Global sample k: seq_len + 1 tokens."""
+    def sample(self, k: int) -> Sample:
+        """Global sample k: seq_len + 1 tokens as inputs and labels, and the inputs' documents."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
         words = torch.multinomial(self.word_probs, self.seq_len // 2 + 1, replacement=True, generator=gen)
-        return torch.cat([self.word_tokens[w] for w in words.tolist()])[: self.seq_len + 1]
+        tokens = torch.cat([self.word_tokens[w] for w in words.tolist()])[: self.seq_len + 1]
+        starts = torch.rand(self.seq_len, generator=gen) < 4 / self.seq_len
+        return Sample(tokens[:-1], tokens[1:], torch.cumsum(starts.long(), 0))
 
     def global_index(self, position: int, worker: int = 0, num_workers: int = 1) -> int:
         """Global sample index of a worker's `position`-th sample.
@@ -48,13 +54,13 @@ class SyntheticTokens(IterableDataset):
         batch = batch * num_workers + worker
         return batch * self.dp_size * self.local_batch + self.dp_rank * self.local_batch + i
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Sample]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
         while True:
-            tokens = self.sample(self.global_index(self.position, worker, num_workers))
+            sample = self.sample(self.global_index(self.position, worker, num_workers))
             self.position += 1
-            yield tokens[:-1], tokens[1:]
+            yield sample
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
