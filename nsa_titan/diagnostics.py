@@ -68,8 +68,9 @@ def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer, compute_dty
             f"(reduced in {reduce_dtype}) | optimizer state {fmt(states)}")
 
 
-def nsa_stats(model: nn.Module, inputs: torch.Tensor) -> dict[str, float]:
-    """Per-layer gate and selection statistics from one no-grad forward over `inputs`."""
+def nsa_stats(model: nn.Module, inputs: torch.Tensor, document_ids: torch.Tensor | None = None) -> dict[str, float]:
+    """Per-layer gate and selection statistics from one no-grad forward over `inputs` (documents masked
+    as in training)."""
     attns = [(i, m) for i, m in enumerate(m for m in model.modules() if hasattr(m, "record_stats"))]
     if not attns:
         return {}
@@ -77,7 +78,7 @@ def nsa_stats(model: nn.Module, inputs: torch.Tensor) -> dict[str, float]:
         m.record_stats = True
     try:
         with torch.no_grad():
-            model(inputs)
+            model(inputs, document_ids)
     finally:
         for _, m in attns:
             m.record_stats = False

@@ -17,6 +17,7 @@ import torch
 
 from .cli import ArgumentParser, run_command
 from .data import Tokenizer
+from .data.batch import eos_documents
 from .inference import load_model
 from .models.decode import Decoder
 from .models.transformer import Transformer
@@ -40,12 +41,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 50, top_p: float = 1.0, seed: int = 0) -> Iterator[int]:
-    """Yield new token ids one at a time (stops at <eos>)."""
+             top_k: int = 50, top_p: float = 1.0, seed: int = 0, document_masking: bool = False) -> Iterator[int]:
+    """Yield new token ids one at a time (stops at <eos>). With `document_masking` (as the model was
+    trained), an <eos> in the prompt ends a document and the new tokens continue the last one."""
     gen = torch.Generator().manual_seed(seed)
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eos_id]])
     decoder = Decoder(model)
-    logits = decoder.prefill(torch.tensor([ids]))[:, -1]
+    logits = decoder.prefill(ids, eos_documents(ids, tokenizer.eos_id) if document_masking else None)[:, -1]
     for _ in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p, gen)
         if int(token) == tokenizer.eos_id:
@@ -76,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    model, tokenizer, _ = load_model(args.checkpoint, args.config,
-                                     max_seq_len=len(args.prompt.encode()) + args.max_new_tokens + 1)
+    model, tokenizer, cfg = load_model(args.checkpoint, args.config,
+                                       max_seq_len=len(args.prompt.encode()) + args.max_new_tokens + 1)
     ids: list[int] = []
     shown = ""
     print(args.prompt, end="", flush=True)
     for token in generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          args.top_p, args.seed):
+                          args.top_p, args.seed, cfg.training.document_masking):
         ids.append(token)
         text = tokenizer.decode(ids)
         print(text[len(shown):], end="", flush=True)  # stream what the new token added

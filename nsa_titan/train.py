@@ -89,6 +89,7 @@ class Trainer:
         self.last_validation: tuple[int, float] | None = None
         self.history: list[StepStats] = []
         self.last_inputs: torch.Tensor | None = None  # the NSA statistics' forward input
+        self.last_documents: torch.Tensor | None = None  # and its document ids (None: not masked)
         self.skips_in_a_row = self.skips_total = 0
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
@@ -196,8 +197,8 @@ class Trainer:
             raise DataError(f"rank {self.rank} ran out of training data: its share of [data] path = "
                             f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
                             f"x workers?)") from None
-        self.last_inputs = inputs.to(self.device)
-        return self.last_inputs, labels.to(self.device), self.documents(document_ids)
+        self.last_inputs, self.last_documents = inputs.to(self.device), self.documents(document_ids)
+        return self.last_inputs, labels.to(self.device), self.last_documents
 
     def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
         """The batch's document ids on the device when `[training] document_masking` is on, else None."""
@@ -277,7 +278,7 @@ class Trainer:
                           peak_memory_gib(self.device), step_time, data_wait)
         self.metrics.log(stats)
         if self.cfg.metrics.nsa_stats:
-            self.metrics.log_scalars(self.state.step, nsa_stats(self.model, self.last_inputs))
+            self.metrics.log_scalars(self.state.step, nsa_stats(self.model, self.last_inputs, self.last_documents))
         self.history.append(stats)
 
     def train(self) -> list[StepStats]:

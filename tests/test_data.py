@@ -17,6 +17,8 @@ from nsa_titan.data import (
     DataError, build_dataloader, build_tokenizer, build_validation_dataloader,
 )
 from nsa_titan.data import sources
+from nsa_titan.data.batch import eos_documents
+from nsa_titan.data.synthetic import SyntheticTokens
 from nsa_titan.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from nsa_titan.data.train_tokenizer import train_tokenizer
 
@@ -237,3 +239,24 @@ def test_bad_data_input_stops_with_message(args, message, tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert err.startswith("nsa_titan: data error:" if "config error" not in message else "nsa_titan: "), err
     assert re.search(message, err), err
+
+
+def test_document_ids_follow_eos_in_every_window(corpus):
+    """An <eos> ends its document and the next token starts the next one; the ids come with every
+    batch (and are a function of the window, so a restored loader gives the same ones)."""
+    eos = ByteTokenizer().eos_id
+    assert eos_documents(torch.tensor([5, eos, 7, 8, eos, eos, 9]), eos).tolist() == [0, 0, 1, 1, 1, 2, 3]
+    batch = next(iter(loader(corpus, 0, 0)))
+    assert batch.document_ids.shape == batch.inputs.shape
+    for inputs, ids in zip(batch.inputs, batch.document_ids):
+        starts = (ids[1:] != ids[:-1]).nonzero().flatten() + 1
+        assert starts.numel() >= 1 and bool((inputs[starts - 1] == eos).all())  # each new one follows an <eos>
+        assert int((inputs == eos).sum()) == starts.numel() + int(inputs[-1] == eos)
+
+
+def test_synthetic_windows_hold_several_documents():
+    ds = SyntheticTokens(0, 256, 64, 0, 1, 2)
+    counts = [int(s.document_ids.max()) + 1 for s, _ in zip(ds, range(20))]
+    assert min(counts) >= 1 and 3 <= sum(counts) / len(counts) <= 6
+    first, again = SyntheticTokens(0, 256, 64, 0, 1, 2), SyntheticTokens(0, 256, 64, 0, 1, 2)
+    assert all(torch.equal(a.document_ids, b.document_ids) for a, b, _ in zip(first, again, range(3)))

@@ -66,6 +66,7 @@ def fsdp_runs(tmp_path_factory):
                                    "--parallelism.data_parallel_shard_degree", "1"], "save_params": True},
         {"name": "tied", "args": [*common, "--model.tie_embeddings", "true"], "save_params": True},
         {"name": "reference", "args": [*common, "--model.attn_impl", "reference"], "save_params": True},
+        {"name": "unmasked", "args": [*common, "--training.document_masking", "false"]},
     ]
     return launch_ranks(specs, tmp_path_factory.mktemp("fsdp")), common
 
@@ -86,6 +87,16 @@ def test_fsdp_two_ranks_match_one_process(fsdp_runs):
     assert fsdp["params"].keys() == params.keys()
     for name, p in params.items():
         torch.testing.assert_close(fsdp["params"][name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_runs_mask_documents(fsdp_runs):
+    """Every run above trains with document masking (the default; the synthetic windows hold about
+    4 documents each): without it the same steps give other losses."""
+    runs, common = fsdp_runs
+    cfg, _ = load_config(common, world_size=2)
+    assert cfg.training.document_masking and cfg.data.source == "synthetic"
+    assert runs["unmasked"]["steps"] == runs["fsdp"]["steps"]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(runs["unmasked"]["losses"][1:], runs["fsdp"]["losses"][1:]))
 
 
 def test_fsdp_with_tied_embeddings_matches_one_process(fsdp_runs):

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from nsa_titan.config import Model
-from nsa_titan.models.attention import Documents, NSASpec
+from nsa_titan.models.attention import Documents, Kernels, NSASpec
 from nsa_titan.models.attention import fast as fast_module
+from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.transformer import Transformer
 
 SPEC = NSASpec(l=8, d=4, l_sel=16, n=5, w=24)  # l/d = 2, l'/d = 4 as in the paper, scaled down
@@ -23,8 +24,8 @@ CFG = dict(dim=48, n_layers=2, n_heads=6, n_kv_groups=2, head_dim=16, vocab_size
            cmp_stride=SPEC.d, sel_block_size=SPEC.l_sel, sel_top_n=SPEC.n, window_size=SPEC.w)
 
 
-def build(dtype: torch.dtype, **overrides) -> Transformer:
-    model = Transformer(Model(**{**CFG, **overrides}), 256)
+def build(dtype: torch.dtype, kernels: Kernels | None = None, **overrides) -> Transformer:
+    model = Transformer(Model(**{**CFG, **overrides}), 4096, kernels)
     model.init_weights(0)
     return model.to(dtype)
 
@@ -125,6 +126,32 @@ def test_fast_packed_equals_separate_across_many_chunks_and_tiles(small_chunks, 
     packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
     assert rel(packed, separate) < tol
     assert_grads_close(g_packed, g_separate, tol, layouts)
+
+
+def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
+    """On GPUs the win branch with documents is flash_attn_varlen_func, each document one sequence
+    of the flattened batch; checked with stand-ins written from flash-attn's documentation."""
+    from test_nsa_fast import flash_attn_as_documented
+
+    calls = []
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+        """q (total, H, D), k, v (total, G, D): sequence i is rows cu_seqlens[i] .. cu_seqlens[i + 1]."""
+        calls.append((cu_seqlens_q.tolist(), max_seqlen_q, kwargs))
+        cu = cu_seqlens_q.tolist()
+        return torch.cat([flash_attn_as_documented(q[None, a:b], k[None, a:b], v[None, a:b], **kwargs)[0]
+                          for a, b in zip(cu[:-1], cu[1:])])
+
+    monkeypatch.setattr(kernels_module, "flash_attn_varlen_func", varlen)
+    monkeypatch.setattr(kernels_module, "flash_attn_func", flash_attn_as_documented)
+    model = build(torch.float64, Kernels(win="flash"), attn_impl="fast")
+    layouts = [[20, 5, 100, 25], [150]]
+    tokens = torch.randint(0, CFG["vocab_size"], (2, 150), generator=torch.Generator().manual_seed(8))
+    grad_out = torch.randn(2, 150, CFG["vocab_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
+    assert calls[0] == ([0, 20, 25, 125, 150, 300], 150, {"causal": True, "window_size": (SPEC.w - 1, 0)})
+    assert rel(packed, separate) < 1e-10
+    assert_grads_close(g_packed, g_separate, 1e-10, layouts)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

@@ -57,6 +57,26 @@ def test_flash_window_on_cuda_equals_the_reference(dtype):
     assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
 
 
+@pytest.mark.parametrize("win", ["flash", "torch"])
+def test_gpu_kernels_with_documents_equal_separate_runs(win):
+    """Document masking on CUDA in bf16 with the kernels `auto` takes (Triton sel; flash-attn varlen
+    window, or the PyTorch window): a packed batch against its documents run one by one."""
+    from test_documents import build, packed_and_separate
+
+    if win == "flash" and kernel_choice.flash_attn_func is None:
+        pytest.skip("flash-attn is not installed")
+    kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
+    model = build(torch.bfloat16, Kernels(sel=kernels.sel, win=win), attn_impl="fast", head_dim=64,
+                  cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_top_n=16, window_size=512).cuda()
+    layouts = [[700, 20, 1300, 28], [2048]]
+    tokens = torch.randint(0, 61, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
+    grad_out = torch.randn(2, 2048, 61, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
+    packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
+    assert rel(packed, separate) < 3e-2
+    flat = lambda g: torch.cat([x.float().flatten() for x in g.values()])  # noqa: E731
+    assert rel(flat(g_packed), flat(g_separate)) < 3e-2
+
+
 def test_auto_takes_the_gpu_kernels_that_are_installed():
     k = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
     assert k.sel == ("triton" if kernel_choice.triton_sel.AVAILABLE else "torch")

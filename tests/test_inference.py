@@ -37,6 +37,29 @@ def test_incremental_decoding_equals_the_full_forward_at_every_position(attentio
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("prompt", [40, 47, 58])
+def test_decoding_with_documents_equals_the_packed_forward(attention, prompt):
+    """Rows [20 | 5 | 45 | 30] and [3 | 22 | 45 | 30] (same last two starts, other slots before them):
+    the prompt ends inside the third document, steps continue it, `reset` starts the fourth."""
+    model = Transformer(Model(**SMALL, attention=attention), 128)
+    model.init_weights(0)
+    tokens = torch.randint(0, 97, (2, 100), generator=torch.Generator().manual_seed(prompt))
+    ids = torch.tensor([[0] * 20 + [1] * 5 + [2] * 45 + [3] * 30, [0] * 3 + [1] * 22 + [2] * 45 + [3] * 30])
+    with torch.no_grad():
+        full = model(tokens, ids)
+    decoder = Decoder(model)
+    steps = [decoder.prefill(tokens[:, :prompt], ids[:, :prompt])]
+    for t in range(prompt, 100):
+        if t == 70:
+            decoder.reset()  # the fourth document
+        steps.append(decoder.step(tokens[:, t:t + 1]))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert decoder.t == 30
+    with pytest.raises(ValueError, match="last documents start at positions"):
+        decoder.prefill(tokens[:, :prompt], torch.stack([ids[0, :prompt], torch.zeros(prompt, dtype=torch.long)]))
+
+
 def test_decoding_reads_the_papers_key_count():
     model = Transformer(Model(attention="nsa", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)
     reads = Decoder(model).keys_read(65535)  # paper sizes: l=32, d=16, l'=64, n=16, w=512

@@ -8,13 +8,17 @@ A decoding step for the token at position t reads:
 `prefill` runs the training forward over the prompt (its logits), which hands the caches its
 projections; `step` then extends one token at a time through the same layer pieces (projections,
 compression, gates, the branch mix, the block's residuals). Both equal a full forward pass.
+
+With documents (a prompt packed from several, `document_ids`), the caches hold the last document
+only, at positions from its start, so that new tokens continue it; `reset` starts a new document
+(fresh caches, position 0). Both equal the packed forward pass.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import masked_attention, mix_branches, select_blocks
+from .attention import Documents, masked_attention, mix_branches, select_blocks
 from .attention.common import selected_keys
 from .transformer import DenseAttention, NSAAttention, Transformer
 
@@ -83,22 +87,49 @@ class Decoder:
     def __init__(self, model: Transformer):
         self.model = model
         self.caches = [LayerCache() for _ in model.layers]
-        self.t = 0  # the next position
+        self.t = 0  # the next position (in the current document)
+
+    def reset(self) -> None:
+        """Start a new document: the next token is at position 0 and reads nothing before it."""
+        self.caches = [LayerCache() for _ in self.model.layers]
+        self.t = 0
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of the prompt by the training forward, which also hands each layer's keys
-        and values (per branch, and compressed) to its cache."""
+        and values (per branch, and compressed) to its cache. With `document_ids` (B, T) the forward
+        masks documents and the caches keep the last one, which must start at the same position in
+        every row."""
         m, T = self.model, tokens.shape[1]
         m.check_length(T)
+        self.reset()
+        docs, rope, s = None, m.rope, 0
+        if document_ids is not None:
+            docs = m.documents(document_ids)
+            rope = m.rope[docs.positions]
+            starts = docs.start[:, -1]
+            s = int(starts[0])
+            if not bool((starts == s).all()):
+                raise ValueError(f"the prompts' last documents start at positions {starts.tolist()}: decoding "
+                                 f"continues one document per row from a common position; decode rows whose "
+                                 f"last documents start elsewhere separately")
         h = m.tok_embeddings(tokens)
         for block, cache in zip(m.layers.values(), self.caches):
             kv: dict[str, torch.Tensor] = {}
-            h = block(h, m.rope, kv_out=kv)
+            h = block(h, rope, kv_out=kv, docs=docs)
             for name, value in kv.items():
-                cache.append(name, value)
-        self.t = T
+                cache.append(name, value if docs is None else self._last_document(name, value, docs, s))
+        self.t = T - s
         return m.output(m.norm(h))
+
+    def _last_document(self, name: str, x: torch.Tensor, docs: Documents, s: int) -> torch.Tensor:
+        """The part of a layer's keys / values (B, T, G, D), or compressed slots (B, Nc, G, D), that
+        belongs to the document starting at s (each row's own slots)."""
+        if name not in ("kc", "vc"):
+            return x[:, s:]
+        n = next(iter(self.model.layers.values())).attention.spec.num_cmp_blocks(docs.start.shape[1] - s)
+        slots = docs.first_slot[:, s, None] + torch.arange(n, device=x.device)  # (B, n)
+        return x.gather(1, slots[:, :, None, None].expand(-1, -1, *x.shape[2:]))
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ class NSAAttention(nn.Module):
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
-            self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups)}
+            self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
         o = self.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, self.spec, docs=docs)
         return self.wo(o.reshape(B, T, -1))
 
@@ -217,15 +217,20 @@ def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
             "gate_entropy": entropy}
 
 
-def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int
-                    ) -> dict[str, torch.Tensor]:
+def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
+                    docs: Documents | None = None) -> dict[str, torch.Tensor]:
     """Among the chosen sel blocks: the share picked by score (not forced), and how far back
     (in blocks from the query's own) the scored ones lie."""
     with torch.no_grad():
         T = q.shape[1]
-        _, p_cmp = masked_attention(q, kc, vc, cmp_visibility(spec, T, q.device))
-        idx, valid = select_blocks(p_cmp, spec, n_groups)  # (B, G, T, n')
-        jt = (torch.arange(T, device=q.device) // spec.l_sel)[:, None]  # (T, 1)
+        t = torch.arange(T, device=q.device)
+        if docs is None:
+            visible = cmp_visibility(spec, T, q.device)
+        else:
+            visible, t = docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None], t - docs.start[:, None, :]
+        _, p_cmp = masked_attention(q, kc, vc, visible)
+        idx, valid = select_blocks(p_cmp, spec, n_groups, docs=docs)  # (B, G, T, n')
+        jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
         forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
         scored = valid & ~forced
         distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
