@@ -43,9 +43,9 @@ M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, c
 
 
 def document_ids(T: int, mean: int, seed: int = 0) -> torch.Tensor:
-    """(1, T): documents with log-normal lengths (sigma 1, median mean / e^0.5), the last cut at T."""
+    """(1, T): documents with log-normal lengths of the given mean (sigma 0.5), the last cut at T."""
     gen = torch.Generator().manual_seed(seed)
-    sigma = 1.0
+    sigma = 0.5
     lengths: list[int] = []
     while sum(lengths) < T:
         z = float(torch.randn(1, generator=gen))

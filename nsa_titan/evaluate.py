@@ -1,9 +1,13 @@
-"""Loss, perplexity and bits per byte of a trained model on a dataset split.
+"""Loss, perplexity and bits per byte of a trained model on a dataset split, or its long-range recall.
 
     python -m nsa_titan.evaluate outputs/debug_model/checkpoint/step-300 [--split validation] [--batches 50]
+    python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4]
 
-Reads the split the way training validates (same packing, same batches, rank shards under
-torchrun), so at a checkpoint's step it reports the trainer's validation loss.
+The loss reads the split the way training validates (same packing, same batches, rank shards under
+torchrun), so at a checkpoint's step it reports the trainer's validation loss. The recall task
+(`nsa_titan/data/recall.py`, sizes from the config's `[recall]`) asks, for each distance, for
+values hidden that many tokens before their query, on held-out samples, and reports the share
+of queries whose value tokens are all predicted exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .cli import ArgumentParser, run_command
+from .config import JobConfig
 from .data import DataError, build_validation_dataloader
+from .data.recall import RecallLayout, recall_accuracy, recall_sample
 from .inference import load_model
 from .loss import cross_entropy_loss
 
@@ -52,16 +58,41 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
             "batches": int(totals[1]) // world, "tokens": int(totals[2])}
 
 
+@torch.no_grad()
+def evaluate_recall(model: torch.nn.Module, cfg: JobConfig, distances: list[int], batches: int
+                    ) -> dict[int, tuple[int, int]]:
+    """{distance: (queries recalled exactly, queries)} over `batches` batches of held-out recall
+    samples (seed [data] seed + 1) with every pair at that distance."""
+    r, B = cfg.recall, cfg.training.local_batch_size
+    layout = RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
+    results = {}
+    for d in distances:
+        layout.check(d)
+        correct = total = 0
+        for b in range(batches):
+            samples = [recall_sample(layout, cfg.data.seed + 1, b * B + i, [d])[0] for i in range(B)]
+            inputs, labels = torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
+            c, n = recall_accuracy(model(inputs), labels, layout)
+            correct, total = correct + c, total + n
+        results[d] = (correct, total)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.evaluate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
+    parser.add_argument("--task", choices=("loss", "recall"), default="loss")
     parser.add_argument("--split", default="validation")
+    parser.add_argument("--distances", type=int, nargs="+", default=[64, 256, 1024],
+                        help="recall: the pair-to-query distances to test")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
     args, overrides = parser.parse_known_args(argv)
     if args.batches < 0:
-        parser.error("--batches must be >= 0 (0: the whole split)")
+        parser.error("--batches must be >= 0 (0: the whole split; for recall, 4 per distance)")
+    if min(args.distances) < 1:
+        parser.error("--distances must be >= 1")
     if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
         dist.init_process_group("gloo")
     try:
@@ -72,6 +103,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.task == "recall":
+        model, _, cfg = load_model(args.checkpoint, args.config, overrides)
+        try:
+            results = evaluate_recall(model, cfg, args.distances, args.batches or 4)
+        except ValueError as e:
+            raise DataError(str(e)) from None
+        print("| distance | recalled | queries |\n|---|---|---|")
+        for d, (correct, total) in results.items():
+            print(f"| {d:,} | {correct / max(total, 1):.1%} | {total} |")
+        return 0
     r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{args.split}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte "

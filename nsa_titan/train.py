@@ -131,7 +131,7 @@ class Trainer:
             self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
             self.grad_accum_steps = grad_accum_steps(cfg, self.world_size)
             self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
-                                               t.local_batch_size, self.rank, self.world_size)
+                                               t.local_batch_size, self.rank, self.world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
 
@@ -170,8 +170,11 @@ class Trainer:
         cfg, d, ck = self.cfg, self.cfg.data, self.cfg.checkpoint
         if cfg.job.description:
             logger.info("job: %s", cfg.job.description)
-        source = (f"synthetic tokens (seed {d.seed})" if d.source == "synthetic" else
-                  f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
+        r = cfg.recall
+        source = {"synthetic": f"synthetic tokens (seed {d.seed})",
+                  "recall": f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and "
+                            f"{r.value_tokens}-token values, distances {r.min_distance}..{r.max_distance or 'max'})",
+                  }.get(d.source, f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
         logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
                     source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
                     self.tokenizer.vocab_size, cfg.model.vocab_size, d.num_workers)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,3 +68,15 @@ def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: floa
                     nproc=nproc, timeout=timeout)
     assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return {s["name"]: torch.load(out_dir / f"{s['name']}.pt") for s in specs}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Fast-path chunks and tiles much smaller than T, so every loop runs many times with partial last
+    chunks (sel chunks: 2 blocks of l' = 16)."""
+    from nsa_titan.models.attention import fast
+
+    monkeypatch.setattr(fast, "CHUNK_CMP", 24)
+    monkeypatch.setattr(fast, "CHUNK_WIN", 16)
+    monkeypatch.setattr(fast, "CHUNK_SEL", 32)
+    monkeypatch.setattr(fast, "TILE", 3)

@@ -15,7 +15,6 @@ import torch
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, Kernels, NSASpec
-from nsa_titan.models.attention import fast as fast_module
 from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.transformer import Transformer
 
@@ -85,15 +84,6 @@ def assert_grads_close(got: dict, want: dict, tol: float, context: object) -> No
     per_param = tol if next(iter(want.values())).dtype == torch.float64 else 10 * tol
     for name, g in want.items():
         assert rel(got[name], g) < per_param, (name, context)
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks and tiles much smaller than T: every loop of the fast path runs many times."""
-    monkeypatch.setattr(fast_module, "CHUNK_CMP", 24)
-    monkeypatch.setattr(fast_module, "CHUNK_WIN", 16)
-    monkeypatch.setattr(fast_module, "CHUNK_SEL", 32)
-    monkeypatch.setattr(fast_module, "TILE", 3)
 
 
 IMPLS = {"reference": dict(attn_impl="reference"), "fast": dict(attn_impl="fast"), "dense": dict(attention="dense")}

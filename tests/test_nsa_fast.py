@@ -9,7 +9,6 @@ from nsa_titan.config import Model
 from nsa_titan.models.attention import NSASpec, nsa_fast, nsa_reference
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Kernels, choose_kernels
-from nsa_titan.models.attention import fast as fast_module
 from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.transformer import NSAAttention, rope_tables
 
@@ -98,15 +97,6 @@ def test_fast_is_causal(T):
         y2 = fast(x2, rope)
         assert torch.equal(y2[:, :s], y[:, :s]), f"output before {s} changed"
         assert not torch.equal(y2[:, s], y[:, s])
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks and tiles much smaller than T, so every loop runs many times with partial last chunks."""
-    monkeypatch.setattr(fast_module, "CHUNK_CMP", 24)
-    monkeypatch.setattr(fast_module, "CHUNK_WIN", 16)
-    monkeypatch.setattr(fast_module, "CHUNK_SEL", 40)
-    monkeypatch.setattr(fast_module, "TILE", 3)
 
 
 @pytest.mark.parametrize("T", [90, 203])

@@ -6,13 +6,13 @@ from .derived import ac_layers, derive, grad_accum_steps, load_config, padded_vo
 from .parsing import USAGE, parse_args, resolve_path, to_toml
 from .schema import (
     DEFAULT_CONFIG, DTYPES, REPO_ROOT, ActivationCheckpoint, Checkpoint, Compile, ConfigError, Data, Debug, Fault,
-    Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Training, Validation,
+    Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Recall, Training, Validation,
 )
 from .validation import validate
 
 __all__ = [
     "DEFAULT_CONFIG", "DTYPES", "REPO_ROOT", "USAGE", "ActivationCheckpoint", "Checkpoint", "Compile", "ConfigError",
     "Data", "Debug", "Fault", "Job", "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism",
-    "Training", "Validation", "ac_layers", "derive", "grad_accum_steps", "load_config", "padded_vocab",
+    "Recall", "Training", "Validation", "ac_layers", "derive", "grad_accum_steps", "load_config", "padded_vocab",
     "parse_args", "resolve_path", "to_toml", "validate",
 ]

@@ -112,9 +112,10 @@ class Training:
 
 @dataclass
 class Data:
-    source: Literal["datasets", "synthetic"] = "datasets"
+    source: Literal["datasets", "synthetic", "recall"] = "datasets"
     """`datasets`: documents from `path` through `datasets.load_dataset(streaming=True)`;
-    `synthetic`: seeded token streams with learnable structure (no files, no tokenizer use)."""
+    `synthetic`: seeded token streams with learnable structure (no files, no tokenizer use);
+    `recall`: the long-range recall task of `[recall]` (no files, no tokenizer use)."""
     path: str = "data/python_docs"
     """A hub dataset id (e.g. HuggingFaceFW/fineweb-edu), or a local parquet/jsonl/txt file or
     folder. Relative paths are taken from the working directory, else from the repository."""
@@ -130,6 +131,22 @@ class Data:
     tokenizer: Literal["sentencepiece", "byte"] = "sentencepiece"
     tokenizer_path: str = "data/python_docs/tokenizer.model"
     """The sentencepiece `.model` file (ignored for `byte`)."""
+
+
+@dataclass
+class Recall:
+    """The long-range recall task (`nsa_titan/data/recall.py`): the `recall` data source and
+    `python -m nsa_titan.evaluate --task recall`."""
+
+    key_tokens: int = 4
+    value_tokens: int = 4
+    pairs: int = 4
+    """Key-value pairs hidden per sequence (each asked for once)."""
+    min_distance: int = 16
+    """Training draws each pair's distance (query start - pair start) uniformly from
+    [min_distance, max_distance]."""
+    max_distance: int = 0
+    """0: as far as seq_len allows."""
 
 
 @dataclass
@@ -264,6 +281,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)
+    recall: Recall = field(default_factory=Recall)
     validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -6,7 +6,7 @@ Called before any model is built, so a bad config costs nothing. Every problem i
 
 from __future__ import annotations
 
-from .schema import ConfigError, JobConfig, Model
+from .schema import ConfigError, JobConfig, Model, Recall
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -69,8 +69,10 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     dt = cfg.data
     _require(dt.num_workers >= 0, f"[data] num_workers = {dt.num_workers}: must be >= 0")
     _require(dt.shuffle_buffer >= 0, f"[data] shuffle_buffer = {dt.shuffle_buffer}: must be >= 0")
-    _require(dt.source == "synthetic" or bool(dt.path),
+    _require(dt.source != "datasets" or bool(dt.path),
              "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
+    if dt.source == "recall":
+        _validate_recall(cfg.recall, t.seq_len)
 
     f = cfg.fault
     for key in ("step_timeout_seconds", "first_step_timeout_seconds", "collective_timeout_seconds"):
@@ -129,3 +131,17 @@ def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
              f"{replicate * shard}, but the world size is {world_size}: the degrees must multiply to the number of "
              f"ranks (set the shard degree to -1 to infer it)")
     return replicate, shard
+
+
+def _validate_recall(r: Recall, seq_len: int) -> None:
+    """The recall task's sizes: a pair and its query must fit apart in one sequence."""
+    for key in ("key_tokens", "value_tokens", "pairs"):
+        _require(getattr(r, key) >= 1, f"[recall] {key} = {getattr(r, key)}: must be >= 1")
+    span = 1 + r.key_tokens + r.value_tokens
+    longest = seq_len + 1 - 2 * span
+    _require(span <= r.min_distance <= longest,
+             f"[recall] min_distance = {r.min_distance}: must lie in [{span}, {longest}] (a pair and its query are "
+             f"{span} tokens each and must fit apart in seq_len = {seq_len})")
+    _require(r.max_distance == 0 or r.min_distance <= r.max_distance <= longest,
+             f"[recall] max_distance = {r.max_distance}: must be 0 (as far as seq_len allows: {longest}) or lie in "
+             f"[min_distance, {longest}]")

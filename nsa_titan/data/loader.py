@@ -7,9 +7,10 @@ import warnings
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data, Validation
+from ..config import Data, Recall, Validation
 from ..stop import ignore_stop_signals
 from .packing import PackedTextDataset
+from .recall import RecallTokens, recall_layout
 from .sources import open_text_stream
 from .synthetic import SyntheticTokens
 from .tokenizer import Tokenizer
@@ -22,7 +23,7 @@ a restore replays the batches since the last snapshot, which is exact and cheap.
 
 
 def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size: int, local_batch: int,
-                     dp_rank: int, dp_size: int) -> StatefulDataLoader:
+                     dp_rank: int, dp_size: int, recall: Recall | None = None) -> StatefulDataLoader:
     """Training batches (`Sample`: inputs, labels, document_ids), each (local_batch, seq_len), for one dp rank.
 
     The loader's state_dict() holds every worker's position: restoring it resumes exactly. Its
@@ -30,6 +31,9 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
     """
     if data.source == "synthetic":
         dataset = SyntheticTokens(data.seed, seq_len, vocab_size, dp_rank, dp_size, local_batch)
+    elif data.source == "recall":
+        layout, distances = recall_layout(recall, seq_len, vocab_size)
+        dataset = RecallTokens(layout, data.seed, distances, dp_rank, dp_size, local_batch)
     else:
         stream = split_dataset_by_node(open_text_stream(data.path, data.name, data.split, data.text_column),
                                        rank=dp_rank, world_size=dp_size)

@@ -41,37 +41,37 @@ TILE = 32
 
 
 def _key_range(kind: str, spec: NSASpec, t0: int, t1: int, S: int, device: torch.device, docs: Documents | None
-               ) -> tuple[int, int, torch.Tensor, list[tuple[int, int]]]:
-    """Keys [lo, hi) that queries t0 .. t1 - 1 may read in branch `kind`, the mask (C, 1, hi - lo)
-    or with `docs` (B, 1, C, 1, hi - lo), and the column ranges (relative to lo) where it is not
-    all True: the only ones to mask. With `docs` the cmp keys are slots: those visible to t1 - 1
-    are among the first t1 // d (see documents.py), which bounds the range without a host sync."""
+               ) -> tuple[int, int, torch.Tensor]:
+    """Keys [lo, hi) that queries t0 .. t1 - 1 may read in branch `kind`, and the mask (C, 1, hi - lo),
+    or with `docs` (B, 1, C, 1, hi - lo). With `docs` the cmp keys are slots: those visible to
+    t1 - 1 are among the first t1 // d (see documents.py), which bounds the range without a host sync."""
     t = torch.arange(t0, t1, device=device)[:, None]
     if kind == "cmp" and docs is not None:
         hi = min(S, t1 // spec.d)
-        return 0, hi, docs.cmp_visible(spec, t0, t1, hi)[:, None, :, None], [(0, hi)]
+        return 0, hi, docs.cmp_visible(spec, t0, t1, hi)[:, None, :, None]
     if kind == "cmp":  # block i is visible to t when i*d + l - 1 <= t
-        lo, hi = 0, min(S, max(0, (t1 - spec.l) // spec.d + 1))
-        seen_by_all = min(hi, max(0, (t0 - spec.l) // spec.d + 1))
-        i = torch.arange(lo, hi, device=device)[None, :]
-        return lo, hi, (i * spec.d + spec.l - 1 <= t)[:, None], [(seen_by_all, hi)]
+        hi = min(S, max(0, (t1 - spec.l) // spec.d + 1))
+        i = torch.arange(hi, device=device)[None, :]
+        return 0, hi, (i * spec.d + spec.l - 1 <= t)[:, None]
     lo, hi = max(0, t0 - spec.w + 1), t1
     s = torch.arange(lo, hi, device=device)[None, :]
     in_window = (s <= t) & (s > t - spec.w)
     if docs is not None:
-        return lo, hi, (in_window & docs.same_past(t0, t1, lo, hi))[:, None, :, None], [(0, hi - lo)]
-    left = max(lo, t1 - spec.w) - lo  # keys before it leave some query's window
-    return lo, hi, in_window[:, None], [(0, left), (t0 + 1 - lo, hi - lo)]
+        return lo, hi, (in_window & docs.same_past(t0, t1, lo, hi))[:, None, :, None]
+    return lo, hi, in_window[:, None]
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, edges: list[tuple[int, int]]) -> torch.Tensor:
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax probabilities (B, G, C, r, S) of the queries q (B, G, C, r, D) over the keys
     k (B, G, S, D) where mask (broadcast to the same shape) allows, rounded as the reference
-    rounds them: scores scaled after the product, `masked_softmax` (0 for no key)."""
+    rounds them: scores scaled after the product, `masked_softmax` (0 for no key). The mask
+    rides in the product (baddbmm onto a 0 / -inf bias, the same bits as masking afterwards)."""
     B, G, C, r, D = q.shape
-    s = (q.reshape(B, G, C * r, D) @ k.transpose(-1, -2)).view(B, G, C, r, -1).mul_(D**-0.5)
-    for a, b in edges:
-        s[..., a:b].masked_fill_(~mask[..., a:b], float("-inf"))
+    S = k.shape[2]
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    s = bias.expand(B, G, C, r, S).contiguous()
+    s.view(B * G, C * r, S).baddbmm_(q.reshape(B * G, C * r, D), k.reshape(B * G, S, D).transpose(-1, -2))
+    s.mul_(D**-0.5)
     m = s.amax(-1, keepdim=True)
     e = s.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()
     total = e.sum(-1, keepdim=True)
@@ -92,11 +92,11 @@ class _Shared(torch.autograd.Function):
         out, idx, valid = torch.zeros_like(q), [], []
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
-            lo, hi, mask, edges = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs)
+            lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs)
             if hi == lo:  # no complete cmp block yet: no key, output 0
                 p = q.new_zeros(B, G, t1 - t0, r, 0)
             else:
-                p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask, edges)  # (B, G, C, r, hi - lo)
+                p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
                 out[:, :, t0:t1] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
             if kind == "cmp":
                 chosen = choose_blocks(p.sum(3), spec, t0, T, docs)
@@ -119,10 +119,10 @@ class _Shared(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for t0 in range(0, T, chunk):
             t1 = min(T, t0 + chunk)
-            lo, hi, mask, edges = _key_range(ctx.kind, ctx.spec, t0, t1, k.shape[2], q.device, docs)
+            lo, hi, mask = _key_range(ctx.kind, ctx.spec, t0, t1, k.shape[2], q.device, docs)
             if hi == lo:
                 continue
-            p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask, edges)  # the forward's, recomputed
+            p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask)  # the forward's, recomputed
             do = d_out[:, :, t0:t1].reshape(B, G, -1, D)
             p2 = p.view(B, G, -1, hi - lo)
             dv[:, :, lo:hi] += p2.transpose(-1, -2) @ do
@@ -189,13 +189,13 @@ PAD_BLOCKS = 2
 
 class _SelChunk:
     """The selected keys of queries t0 .. t1 - 1 (t0 a multiple of l'), in three dense parts:
-      tiles: the blocks chosen by score (j <= jt - 2: wholly in the past, no mask), and with
-             documents each document's block 0 too;
+      tiles: the blocks chosen by score (0 < j <= jt - 2: wholly in the past, no mask);
       loc:   the block holding t and the one before (jt - 1, jt), causal: per query block of l'
              one (l' * r) x nloc*l' product over the nloc blocks of keys that can hold them (2;
              3 with documents, whose blocks need not align with the query blocks), no gather;
-      ini:   block 0 for queries with jt >= 2 (before that it is one of the local blocks);
-             without documents only, where it is the same block for every query.
+      ini:   block 0 of the document for queries with jt >= 2 (before that it is one of the
+             local blocks): per query block one (l' * r) x l' product, since all queries of a
+             query block with jt >= 2 lie in the document its first query is in.
     Scores are of queries scaled by D^-1/2; masked entries are -inf."""
 
     def __init__(self, qs: torch.Tensor, kbp: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
@@ -211,8 +211,8 @@ class _SelChunk:
         jt = (t - s) // L  # (B or 1, nb * L): the block holding t, counted in its document
         # tiles
         jq = jt[:, None, :C, None]
-        scored = valid & (idx < jq - 1) & ((idx > 0) if start is None else True)  # (B, G, C, n')
-        per_query = max(0, idx.shape[-1] - N_FORCED_LOCAL - (N_FORCED_INITIAL if start is None else 0))
+        scored = valid & (idx > 0) & (idx < jq - 1)  # (B, G, C, n')
+        per_query = max(0, idx.shape[-1] - N_FORCED_LOCAL - N_FORCED_INITIAL)
         self.rows, bg, kpos = _tiles(s[:, None, :C, None] + idx * L, scored, per_query, t0, spec)
         NT, R = self.rows.shape
         first = (bg * kbp.shape[1] + PAD_BLOCKS) * L + kpos  # (NT,): row of the block's first key
@@ -230,15 +230,35 @@ class _SelChunk:
         ok = (key >= lo) & (key <= t.view(1, self.nb, L, 1))  # (B or 1, nb, L, nloc * L)
         s_loc = (self.q_loc @ self.k_loc.transpose(1, 2)).view(B, -1, self.nb, L, r, self.nloc * L)
         self.s_loc = s_loc.masked_fill_(~ok[:, None, :, :, None], float("-inf")).view(BG, self.nb, L, r, -1)
-        # ini: block 0 for rows a.. (t >= 2L), all of it in the past.
-        self.a = max(0, min(C, 2 * L - t0)) if start is None else C
-        self.q_ini = qs[:, self.a:].reshape(BG, -1, D)
-        self.s_ini = (self.q_ini @ kbp[:, PAD_BLOCKS].transpose(1, 2)).view(BG, C - self.a, r, L)
+        # ini: block 0 of the document of each query block's first query, for its rows with jt >= 2.
+        self.ini_rows = None  # without documents block 0 is the same for every query block
+        if start is not None:
+            first = s.view(-1, self.nb, L)[:, :, 0]  # (B, nb)
+            bgs = torch.arange(BG, device=dev).view(B, -1, 1)  # (B, G, 1)
+            rows = (bgs * kbp.shape[1] + PAD_BLOCKS) * L + first[:, None, :]  # (B, G, nb)
+            self.ini_rows = (rows[..., None] + torch.arange(L, device=dev)).flatten()  # (BG * nb * L,)
+        self.k_ini = self.initial_keys(kbp)
+        s_ini = (self.q_loc @ self.k_ini.transpose(1, 2)).view(B, -1, self.nb, L, r, L)
+        late = (jt >= 2).view(-1, 1, self.nb, L, 1, 1)
+        self.s_ini = s_ini.masked_fill_(~late, float("-inf")).view(BG, self.nb, L, r, L)
 
     def local_keys(self, xbp: torch.Tensor) -> torch.Tensor:
         """(BG * nb, nloc * L, D): for query block b, blocks j0 + b - nloc + 1 .. j0 + b of xbp."""
         base = self.j0 + PAD_BLOCKS - self.nloc + 1
         return torch.cat([xbp[:, base + i:base + i + self.nb] for i in range(self.nloc)], 2).flatten(0, 1)
+
+    def initial_keys(self, xbp: torch.Tensor) -> torch.Tensor:
+        """(BG * nb, L, D): for query block b, block 0 of its first query's document."""
+        if self.ini_rows is None:
+            return xbp[:, PAD_BLOCKS, None].expand(-1, self.nb, -1, -1).reshape(-1, self.L, xbp.shape[-1])
+        return xbp.view(-1, xbp.shape[-1]).index_select(0, self.ini_rows).view(-1, self.L, xbp.shape[-1])
+
+    def scatter_initial(self, dxbp: torch.Tensor, d_ini: torch.Tensor) -> None:
+        """Adds a (BG * nb, L, D) gradient of `initial_keys` into dxbp (BG, 2 + Ns, L, D)."""
+        if self.ini_rows is None:
+            dxbp[:, PAD_BLOCKS] += d_ini.view(self.BG, self.nb, self.L, -1).sum(1)
+        else:
+            dxbp.view(-1, dxbp.shape[-1]).index_add_(0, self.ini_rows, d_ini.view(-1, dxbp.shape[-1]))
 
     def per_lane(self, x: torch.Tensor) -> torch.Tensor:
         """Row statistics (BG, C, r) -> (NT, R, r, 1) for the tiles' lanes (dummy lanes: 0)."""
@@ -286,25 +306,25 @@ class _Selected(torch.autograd.Function):
             t1 = min(T, t0 + chunks.step)
             ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec,
                            None if start is None else start[:, t0:t1])
-            BG, C, a = ch.BG, ch.C, ch.a
+            BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
             lanes = ch.rows.flatten()
             NT = ch.qt.shape[0]
             # Row maxima over all three parts, then one exp per score.
             m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
             m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
             m = torch.maximum(m[:-1].view(BG, C, r), ch.s_loc.amax(-1).view(BG, -1, r)[:, :C])
-            m[:, a:] = torch.maximum(m[:, a:], ch.s_ini.amax(-1))  # finite: key t is always read
+            m = torch.maximum(m, ch.s_ini.amax(-1).view(BG, -1, r)[:, :C])  # finite: key t is always read
             e_t = ch.s_t.sub_(ch.per_lane(m)).exp_()
             e_loc = ch.s_loc.sub_(ch.per_loc(m)[..., None]).exp_()
-            e_ini = ch.s_ini.sub_(m[:, a:, :, None]).exp_()
+            e_ini = ch.s_ini.sub_(ch.per_loc(m)[..., None]).exp_()
             total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
             total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
-            total[:, a:] += e_ini.sum(-1)
-            vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, ch.L, D)
-            o = (e_t.view(NT, -1, ch.L) @ vt).view(-1, r, D)
+            total += e_ini.sum(-1).view(BG, -1, r)[:, :C]
+            vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+            o = (e_t.view(NT, -1, L) @ vt).view(-1, r, D)
             o = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
-            o += (e_loc.view(BG * ch.nb, -1, ch.nloc * ch.L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
-            o[:, a:] += (e_ini.view(BG, -1, ch.L) @ vbp[:, PAD_BLOCKS]).view(BG, -1, r, D)
+            o += (e_loc.view(BG * nb, -1, ch.nloc * L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
+            o += (e_ini.view(BG * nb, -1, L) @ ch.initial_keys(vbp)).view(BG, -1, r, D)[:, :C]
             out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
             lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
         ctx.save_for_backward(q, ks, vs, idx, valid, out, lse, start)
@@ -328,7 +348,7 @@ class _Selected(torch.autograd.Function):
             t1 = min(T, t0 + chunks.step)
             ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec,
                            None if start is None else start[:, t0:t1])
-            BG, C, a, L, nb = ch.BG, ch.C, ch.a, ch.L, ch.nb
+            BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
             lanes = ch.rows.flatten()
             NT = ch.qt.shape[0]
             do, ls, dl = d_out[:, t0:t1], lse[:, t0:t1], delta[:, t0:t1]
@@ -350,12 +370,13 @@ class _Selected(torch.autograd.Function):
             ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
             dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
             # ini
-            p = ch.s_ini.sub_(ls[:, a:, :, None]).exp_().view(BG, -1, L)
-            do_ini = do[:, a:].reshape(BG, -1, D)
-            dvbp[:, PAD_BLOCKS] += p.transpose(1, 2) @ do_ini
-            ds = (do_ini @ vbp[:, PAD_BLOCKS].transpose(1, 2)).view(BG, -1, r, L).sub_(dl[:, a:, :, None]).view_as(p).mul_(p)
-            dkbp[:, PAD_BLOCKS] += ds.transpose(1, 2) @ ch.q_ini
-            dqc[:, a:] += (ds @ kbp[:, PAD_BLOCKS]).view(BG, -1, r, D)
+            p = ch.s_ini.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, L)
+            v_ini = ch.initial_keys(vbp)
+            ch.scatter_initial(dvbp, p.transpose(1, 2) @ do_loc)
+            ds = (do_loc @ v_ini.transpose(1, 2)).view(BG, nb, L, r, L).sub_(ch.per_loc(dl)[..., None])
+            ds = ds.view_as(p).mul_(p)
+            ch.scatter_initial(dkbp, ds.transpose(1, 2) @ ch.q_loc)
+            dqc += (ds @ ch.k_ini).view(BG, -1, r, D)[:, :C]
             dq[:, t0:t1] = dqc * D**-0.5
         dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
         return dq.view(B, G, T, r, D), dks, dvs, None, None, None, None

@@ -1,0 +1,154 @@
+"""A synthetic long-range recall task: key-value pairs hidden in filler, asked for far later.
+
+A sequence of seq_len + 1 tokens is filler (random tokens of their own range) with `pairs` pairs
+written into it: at position p the pair `KEY k_1..k_K v_1..v_V`, and at p + distance the query
+`QUERY k_1..k_K v_1..v_V`. Keys and values are random strings of the key-value alphabet, K and V
+tokens long (several tokens, so that a selection block's score is not one token's). Only the
+query's value tokens are labelled (every other label is IGNORE): the loss and the accuracy are
+about recalling them, which needs the pair `distance` tokens back.
+
+Sample k is a pure function of (seed, k, distances), and ranks and loader workers take samples
+as the synthetic source does, so a loader resumes exactly from its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..config import Recall
+from .batch import Sample
+
+IGNORE = -100
+"""The label of every position that is not a query's value token (cross-entropy skips it)."""
+KEY, QUERY = 0, 1
+"""The two marker tokens."""
+
+
+@dataclass(frozen=True)
+class RecallLayout:
+    """Token ranges and sizes: markers 0 and 1, the key-value alphabet [2, 2 + A), filler [2 + A, vocab)."""
+
+    seq_len: int
+    vocab_size: int
+    key_tokens: int = 4
+    value_tokens: int = 4
+    pairs: int = 4
+
+    @property
+    def alphabet(self) -> int:
+        return (self.vocab_size - 2) // 2
+
+    @property
+    def span(self) -> int:
+        """Tokens of one pair (or one query): the marker, the key, the value."""
+        return 1 + self.key_tokens + self.value_tokens
+
+    def check(self, max_distance: int) -> None:
+        if self.vocab_size < 8:
+            raise ValueError(f"the recall task needs a vocabulary of at least 8 tokens, got {self.vocab_size}")
+        if max_distance + 2 * self.span > self.seq_len + 1:
+            raise ValueError(f"a recall distance of {max_distance} does not fit in seq_len {self.seq_len} with pairs "
+                             f"of {self.span} tokens: use distances <= {self.seq_len + 1 - 2 * self.span}")
+
+
+def recall_layout(cfg: Recall, seq_len: int, vocab_size: int) -> tuple[RecallLayout, list[int]]:
+    """The layout of `[recall]` and the distances training draws from."""
+    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs)
+    longest = seq_len + 1 - 2 * layout.span
+    return layout, list(range(cfg.min_distance, (cfg.max_distance or longest) + 1))
+
+
+def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int]) -> tuple[Sample, list[int]]:
+    """Sample k, each pair at a distance drawn from `distances`; also the distance of each query
+    placed (pairs that do not fit without overlapping another are left out)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
+    L, A, S = layout.seq_len + 1, layout.alphabet, layout.span
+    tokens = torch.randint(2 + A, layout.vocab_size, (L,), generator=gen)
+    labels = torch.full((L,), IGNORE, dtype=torch.long)
+    used = torch.zeros(L, dtype=torch.bool)
+    placed = []
+    for _ in range(layout.pairs):
+        d = distances[int(torch.randint(len(distances), (1,), generator=gen))]
+        p = int(torch.randint(L - S - d + 1, (1,), generator=gen))
+        q = p + d
+        if used[p:p + S].any() or used[q:q + S].any():
+            continue  # overlaps a pair placed before: leave this one out
+        kv = torch.randint(2, 2 + A, (layout.key_tokens + layout.value_tokens,), generator=gen)
+        tokens[p], tokens[q] = KEY, QUERY
+        tokens[p + 1:p + S] = kv
+        tokens[q + 1:q + S] = kv
+        labels[q + 1 + layout.key_tokens:q + S] = kv[layout.key_tokens:]
+        used[p:p + S] = used[q:q + S] = True
+        placed.append(d)
+    return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long)), placed
+
+
+class RecallTokens(IterableDataset):
+    """Yields recall `Sample`s for one data-parallel rank, distances drawn from `distances`; resumable."""
+
+    def __init__(self, layout: RecallLayout, seed: int, distances: list[int], dp_rank: int, dp_size: int,
+                 local_batch: int):
+        layout.check(max(distances))
+        self.layout, self.seed, self.distances = layout, seed, distances
+        self.dp_rank, self.dp_size, self.local_batch = dp_rank, dp_size, local_batch
+        self.position = 0  # samples this rank (or loader worker) has yielded
+
+    def global_index(self, position: int, worker: int = 0, num_workers: int = 1) -> int:
+        """Global sample index of a worker's `position`-th sample (as the synthetic source)."""
+        batch, i = divmod(position, self.local_batch)
+        batch = batch * num_workers + worker
+        return batch * self.dp_size * self.local_batch + self.dp_rank * self.local_batch + i
+
+    def __iter__(self) -> Iterator[Sample]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        while True:
+            k = self.global_index(self.position, worker, num_workers)
+            self.position += 1
+            yield recall_sample(self.layout, self.seed, k, self.distances)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def oracle_logits(inputs: torch.Tensor, layout: RecallLayout) -> torch.Tensor:
+    """(B, T, vocab) logits of a predictor that knows the task: after a query's key, the value that
+    followed the same key after a KEY marker earlier (one-hot); elsewhere all zeros."""
+    B, T = inputs.shape
+    logits = torch.zeros(B, T, layout.vocab_size)
+    K, V = layout.key_tokens, layout.value_tokens
+    for b in range(B):
+        row = inputs[b].tolist()
+        pairs = {tuple(row[p + 1:p + 1 + K]): row[p + 1 + K:p + 1 + K + V]
+                 for p in range(T - K - V) if row[p] == KEY}
+        for q in range(T - K):
+            if row[q] == QUERY and tuple(row[q + 1:q + 1 + K]) in pairs:
+                value = pairs[tuple(row[q + 1:q + 1 + K])]
+                for i, v in enumerate(value):  # position q + K + i predicts value token i
+                    if q + K + i < T:
+                        logits[b, q + K + i, v] = 1.0
+    return logits
+
+
+def recall_accuracy(logits: torch.Tensor, labels: torch.Tensor, layout: RecallLayout) -> tuple[int, int]:
+    """(queries recalled exactly, queries) of a batch: a query counts when the argmax at every one
+    of its value tokens' positions is the value token."""
+    hit = (logits.argmax(-1) == labels) | (labels == IGNORE)  # (B, T)
+    asked = labels != IGNORE
+    # The value tokens of one query are V consecutive labelled positions; queries never touch.
+    starts = asked & ~torch.cat([torch.zeros_like(asked[:, :1]), asked[:, :-1]], 1)
+    runs = torch.cumsum(starts.long(), 1) * asked  # query number (1-based) at its labelled positions
+    correct = 0
+    for b in range(labels.shape[0]):
+        n = int(runs[b].max())
+        if n:
+            wrong = torch.zeros(n + 1, dtype=torch.long).index_add_(0, runs[b], (~hit[b]).long())
+            correct += int((wrong[1:] == 0).sum())
+    return correct, int(starts.sum())

@@ -1,0 +1,103 @@
+"""The long-range recall task: where its answers are, exact resume, and the evaluation's accuracy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_titan.config import ConfigError, Data, Recall, load_config
+from nsa_titan.data import build_dataloader
+from nsa_titan.data.recall import IGNORE, KEY, QUERY, RecallLayout, oracle_logits, recall_accuracy, recall_sample
+from nsa_titan.data.tokenizer import ByteTokenizer
+from nsa_titan.evaluate import evaluate_recall
+
+LAYOUT = RecallLayout(seq_len=256, vocab_size=64, key_tokens=3, value_tokens=2, pairs=4)
+
+
+def test_pairs_sit_at_their_distance_and_only_values_are_labelled():
+    S = LAYOUT.span
+    for k in range(20):
+        sample, placed = recall_sample(LAYOUT, 0, k, [9, 40, 200])
+        x = sample.inputs
+        queries = (x == QUERY).nonzero().flatten().tolist()
+        assert 1 <= len(queries) == len(placed) <= LAYOUT.pairs
+        in_pairs = torch.zeros_like(x, dtype=torch.bool)
+        distances = []
+        for q in queries:
+            key = x[q + 1:q + 4].tolist()
+            d = next(d for d in (9, 40, 200) if q >= d and x[q - d] == KEY and x[q - d + 1:q - d + 4].tolist() == key)
+            p = q - d
+            distances.append(d)
+            assert sample.labels[q + 3:q + 5].tolist() == x[p + 4:p + 6].tolist()  # position q+3 predicts value 1
+            in_pairs[p:p + S] = in_pairs[q:q + S] = True
+        assert sorted(distances) == sorted(placed)
+        assert int((sample.labels != IGNORE).sum()) == 2 * len(queries)
+        assert bool((x[~in_pairs] >= 2 + LAYOUT.alphabet).all())  # the rest is filler, disjoint from keys
+
+
+def test_a_perfect_oracle_scores_100_percent():
+    samples = [recall_sample(LAYOUT, 1, k, [9, 100, 240])[0] for k in range(16)]
+    inputs, labels = torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
+    correct, total = recall_accuracy(oracle_logits(inputs, LAYOUT), labels, LAYOUT)
+    assert total >= 16 and correct == total
+
+
+def test_accuracy_counts_a_query_only_when_every_value_token_is_right():
+    sample = recall_sample(LAYOUT, 2, 0, [50])[0]
+    logits = oracle_logits(sample.inputs[None], LAYOUT)
+    first = int((sample.labels != IGNORE).nonzero()[0])
+    logits[0, first] = 0  # one value token of the first query is now wrong (argmax 0 = KEY)
+    correct, total = recall_accuracy(logits, sample.labels[None], LAYOUT)
+    assert correct == total - 1
+
+
+class Copier(torch.nn.Module):
+    """A hand-built model: recalls perfectly (the oracle) or never (always a filler token)."""
+
+    def __init__(self, perfect: bool):
+        super().__init__()
+        self.perfect = perfect
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.perfect:
+            return oracle_logits(tokens, LAYOUT)
+        logits = torch.zeros(*tokens.shape, LAYOUT.vocab_size)
+        logits[..., -1] = 1.0
+        return logits
+
+
+def test_the_evaluation_on_models_that_always_and_never_copy():
+    cfg, _ = load_config(["--data.source", "recall", "--training.seq_len", "256", "--model.vocab_size", "64",
+                          "--training.local_batch_size", "3", "--recall.key_tokens", "3", "--recall.value_tokens", "2"],
+                         world_size=1)
+    perfect = evaluate_recall(Copier(True), cfg, [10, 100, 240], batches=2)
+    never = evaluate_recall(Copier(False), cfg, [10, 100, 240], batches=2)
+    assert all(c == n >= 6 for c, n in perfect.values())
+    assert all(c == 0 and n >= 6 for c, n in never.values())
+    with pytest.raises(ValueError, match="does not fit in seq_len 256"):
+        evaluate_recall(Copier(True), cfg, [250], batches=1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_recall_loader_resumes_exactly(workers):
+    data = Data(source="recall", num_workers=workers, seed=5)
+    recall = Recall(key_tokens=3, value_tokens=2, pairs=4, min_distance=8)
+    make = lambda: build_dataloader(data, ByteTokenizer(), 128, 64, 2, 1, 2, recall)  # noqa: E731
+    reference = [b for b, _ in zip(make(), range(7))]
+    first = make()
+    it = iter(first)
+    [next(it) for _ in range(3)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    for a, b in zip(resumed, reference[3:]):
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.labels, b.labels)
+
+
+@pytest.mark.parametrize("override,message", [
+    (["--recall.min_distance", "3"], "min_distance = 3: must lie in"),
+    (["--recall.max_distance", "300"], "max_distance = 300"),
+    (["--recall.pairs", "0"], "pairs = 0: must be >= 1"),
+])
+def test_bad_recall_sizes_are_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--data.source", "recall", "--training.seq_len", "256", *override], world_size=1)
