@@ -8,19 +8,17 @@ query's value tokens are labelled (every other label is IGNORE): the loss and th
 about recalling them, which needs the pair `distance` tokens back.
 
 Sample k is a pure function of (seed, k, distances), and ranks and loader workers take samples
-as the synthetic source does, so a loader resumes exactly from its position.
+as the synthetic source does (`IndexedSamples`), so a loader resumes exactly from its position.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
-
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 from ..config import Recall
 from .batch import Sample
+from .synthetic import IndexedSamples
 
 IGNORE = -100
 """The label of every position that is not a query's value token (cross-entropy skips it)."""
@@ -87,35 +85,17 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
     return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long)), placed
 
 
-class RecallTokens(IterableDataset):
+class RecallTokens(IndexedSamples):
     """Yields recall `Sample`s for one data-parallel rank, distances drawn from `distances`; resumable."""
 
     def __init__(self, layout: RecallLayout, seed: int, distances: list[int], dp_rank: int, dp_size: int,
                  local_batch: int):
+        super().__init__(dp_rank, dp_size, local_batch)
         layout.check(max(distances))
         self.layout, self.seed, self.distances = layout, seed, distances
-        self.dp_rank, self.dp_size, self.local_batch = dp_rank, dp_size, local_batch
-        self.position = 0  # samples this rank (or loader worker) has yielded
 
-    def global_index(self, position: int, worker: int = 0, num_workers: int = 1) -> int:
-        """Global sample index of a worker's `position`-th sample (as the synthetic source)."""
-        batch, i = divmod(position, self.local_batch)
-        batch = batch * num_workers + worker
-        return batch * self.dp_size * self.local_batch + self.dp_rank * self.local_batch + i
-
-    def __iter__(self) -> Iterator[Sample]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
-        while True:
-            k = self.global_index(self.position, worker, num_workers)
-            self.position += 1
-            yield recall_sample(self.layout, self.seed, k, self.distances)[0]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = state["position"]
+    def sample(self, k: int) -> Sample:
+        return recall_sample(self.layout, self.seed, k, self.distances)[0]
 
 
 def oracle_logits(inputs: torch.Tensor, layout: RecallLayout) -> torch.Tensor:

@@ -23,26 +23,16 @@ WORDS = 512
 """Size of the word bank."""
 
 
-class SyntheticTokens(IterableDataset):
-    """Yields `Sample`s of seq_len tokens for one data-parallel rank; resumable."""
+class IndexedSamples(IterableDataset):
+    """A stream of samples that are pure functions of their global index (`sample(k)`), shared out
+    among data-parallel ranks and loader workers; its state is the position, so it resumes exactly."""
 
-    def __init__(self, seed: int, seq_len: int, vocab_size: int, dp_rank: int, dp_size: int, local_batch: int):
-        self.seed, self.seq_len, self.vocab_size = seed, seq_len, vocab_size
+    def __init__(self, dp_rank: int, dp_size: int, local_batch: int):
         self.dp_rank, self.dp_size, self.local_batch = dp_rank, dp_size, local_batch
-        gen = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(2, 9, (WORDS,), generator=gen)
-        self.word_tokens = [torch.randint(0, vocab_size, (int(n),), generator=gen) for n in lengths]
-        ranks = torch.arange(1, WORDS + 1, dtype=torch.float64)
-        self.word_probs = ranks.pow(-1.1) / ranks.pow(-1.1).sum()
         self.position = 0  # samples this rank (or loader worker) has yielded
 
     def sample(self, k: int) -> Sample:
-        """Global sample k: seq_len + 1 tokens as inputs and labels, and the inputs' documents."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
-        words = torch.multinomial(self.word_probs, self.seq_len // 2 + 1, replacement=True, generator=gen)
-        tokens = torch.cat([self.word_tokens[w] for w in words.tolist()])[: self.seq_len + 1]
-        starts = torch.rand(self.seq_len, generator=gen) < 4 / self.seq_len
-        return Sample(tokens[:-1], tokens[1:], torch.cumsum(starts.long(), 0))
+        raise NotImplementedError
 
     def global_index(self, position: int, worker: int = 0, num_workers: int = 1) -> int:
         """Global sample index of a worker's `position`-th sample.
@@ -67,3 +57,24 @@ class SyntheticTokens(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = state["position"]
+
+
+class SyntheticTokens(IndexedSamples):
+    """Yields `Sample`s of seq_len tokens for one data-parallel rank; resumable."""
+
+    def __init__(self, seed: int, seq_len: int, vocab_size: int, dp_rank: int, dp_size: int, local_batch: int):
+        super().__init__(dp_rank, dp_size, local_batch)
+        self.seed, self.seq_len, self.vocab_size = seed, seq_len, vocab_size
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(2, 9, (WORDS,), generator=gen)
+        self.word_tokens = [torch.randint(0, vocab_size, (int(n),), generator=gen) for n in lengths]
+        ranks = torch.arange(1, WORDS + 1, dtype=torch.float64)
+        self.word_probs = ranks.pow(-1.1) / ranks.pow(-1.1).sum()
+
+    def sample(self, k: int) -> Sample:
+        """Global sample k: seq_len + 1 tokens as inputs and labels, and the inputs' documents."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + k)
+        words = torch.multinomial(self.word_probs, self.seq_len // 2 + 1, replacement=True, generator=gen)
+        tokens = torch.cat([self.word_tokens[w] for w in words.tolist()])[: self.seq_len + 1]
+        starts = torch.rand(self.seq_len, generator=gen) < 4 / self.seq_len
+        return Sample(tokens[:-1], tokens[1:], torch.cumsum(starts.long(), 0))
