@@ -103,10 +103,9 @@ class Decoder:
         m, T = self.model, tokens.shape[1]
         m.check_length(T)
         self.reset()
-        docs, rope, s = None, m.rope, 0
-        if document_ids is not None:
-            docs = m.documents(document_ids)
-            rope = m.rope[docs.positions]
+        docs, rope = m.positions(document_ids)
+        s = 0
+        if docs is not None:
             starts = docs.start[:, -1]
             s = int(starts[0])
             if not bool((starts == s).all()):

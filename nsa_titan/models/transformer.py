@@ -329,6 +329,14 @@ class Transformer(nn.Module):
         varlen = nsa and self.kernels is not None and self.kernels.win == "flash"  # once here, not per layer
         return Documents.of(document_ids, attention.spec if nsa else None, varlen)
 
+    def positions(self, document_ids: torch.Tensor | None) -> tuple[Documents | None, torch.Tensor]:
+        """The document geometry (None without ids) and the RoPE rows the blocks take: the table from
+        position 0, or each token's row (B, T, head_dim), positions restarting per document."""
+        if document_ids is None:
+            return None, self.rope
+        docs = self.documents(document_ids)
+        return docs, self.rope[docs.positions]
+
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) long -> logits (B, T, vocab), T <= max_seq_len.
 
@@ -336,13 +344,10 @@ class Transformer(nn.Module):
         and every token's output is then what its document alone would give (positions from 0).
         """
         self.check_length(tokens.shape[1])
-        docs, rope = None, self.rope
-        if document_ids is not None:
-            if document_ids.shape != tokens.shape:
-                raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, the tokens "
-                                 f"{tuple(tokens.shape)}: give one document index per token")
-            docs = self.documents(document_ids.to(tokens.device))
-            rope = self.rope[docs.positions]  # (B, T, head_dim): positions restart per document
+        if document_ids is not None and document_ids.shape != tokens.shape:
+            raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, the tokens "
+                             f"{tuple(tokens.shape)}: give one document index per token")
+        docs, rope = self.positions(None if document_ids is None else document_ids.to(tokens.device))
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, rope, docs=docs)
