@@ -1,7 +1,7 @@
 """Loss, perplexity and bits per byte of a trained model on a dataset split, or its long-range recall.
 
     python -m nsa_titan.evaluate outputs/debug_model/checkpoint/step-300 [--split validation] [--batches 50]
-    python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4]
+    python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4] [--plot recall.png]
 
 The loss reads the split the way training validates (same packing, same batches, rank shards under
 torchrun), so at a checkpoint's step it reports the trainer's validation loss. The recall task
@@ -28,6 +28,7 @@ from .data import DataError, build_validation_dataloader
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
 from .inference import load_model
 from .loss import cross_entropy_loss
+from .plots import line_chart
 
 
 @torch.no_grad()
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", default="validation")
     parser.add_argument("--distances", type=int, nargs="+", default=[64, 256, 1024],
                         help="recall: the pair-to-query distances to test")
+    parser.add_argument("--plot", help="recall: also draw accuracy by distance into this PNG file")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
     args, overrides = parser.parse_known_args(argv)
@@ -112,6 +114,12 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
         print("| distance | recalled | queries |\n|---|---|---|")
         for d, (correct, total) in results.items():
             print(f"| {d:,} | {correct / max(total, 1):.1%} | {total} |")
+        if args.plot:
+            m = cfg.model
+            marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size} if m.attention == "nsa" else {}
+            line_chart({args.checkpoint: {d: c / max(n, 1) for d, (c, n) in results.items()}}, args.plot,
+                       "exact recall by distance", "distance (tokens)", "exact recall", (0.0, 1.0), marks)
+            print(f"plot: {args.plot}")
         return 0
     r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -1,6 +1,7 @@
-"""Parallelism: process group, device mesh and the per-block wrappers, in this order:
+"""Parallelism: process group, device mesh and the wrappers, in this order:
 
-    apply_ac (activation checkpointing) -> apply_compile (torch.compile) -> apply_fsdp (fully_shard)
+    apply_cp (context parallelism) -> apply_ac (activation checkpointing) -> apply_compile
+    (torch.compile) -> apply_fsdp (fully_shard)
 
 Each is a small function over a plain model with a `layers` ModuleDict; none knows NSA.
 """
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .config import DTYPES, Compile, Parallelism, Training
+from .context_parallel import ContextSplit
 from .env import set_rank_env
 
 logger = logging.getLogger(__name__)
@@ -51,11 +53,44 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0, trace_folde
 
 
 def build_mesh(p: Parallelism, device: torch.device) -> DeviceMesh:
-    """1-D ("dp_shard",) mesh for FSDP, 2-D ("dp_replicate", "dp_shard") for HSDP."""
-    if p.data_parallel_replicate_degree > 1:
-        return init_device_mesh(device.type, (p.data_parallel_replicate_degree, p.data_parallel_shard_degree),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(device.type, (p.data_parallel_shard_degree,), mesh_dim_names=("dp_shard",))
+    """("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP, and a last dimension "cp"
+    under context parallelism (its ranks neighbours: they talk every layer)."""
+    dims = [("dp_replicate", p.data_parallel_replicate_degree)] if p.data_parallel_replicate_degree > 1 else []
+    dims.append(("dp_shard", p.data_parallel_shard_degree))
+    if p.context_parallel_degree > 1:
+        dims.append(("cp", p.context_parallel_degree))
+    return init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this rank among the data-parallel ranks: the cp ranks of a group share one."""
+    names = mesh.mesh_dim_names
+    rank, size = 0, 1
+    for name in ("dp_replicate", "dp_shard"):
+        if name in names:
+            rank, size = rank * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
+    return rank, size
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: dp_shard x cp flattened into one dimension (the cp ranks hold
+    different tokens, so they reduce gradients like data-parallel ranks), beside dp_replicate."""
+    if "cp" not in mesh.mesh_dim_names:
+        return mesh
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in mesh.mesh_dim_names else mesh["dp_shard_cp"]
+
+
+def apply_cp(model: nn.Module, mesh: DeviceMesh, multiple: int) -> None:
+    """Split each sequence across the mesh's "cp" ranks (`context_parallel.py`): the model and its
+    attention modules get the split. No-op without a "cp" dimension."""
+    if "cp" not in mesh.mesh_dim_names:
+        return
+    cp = mesh["cp"]
+    split = ContextSplit(cp.get_group(), cp.get_local_rank(), cp.size(), multiple)
+    for module in model.modules():
+        if hasattr(module, "cp"):
+            module.cp = split
 
 
 def apply_ac(model: nn.Module, layers: list[int]) -> None:
@@ -90,11 +125,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, t: Training, p: Parallelism) 
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, ac_layers: list[int], c: Compile, t: Training,
-                p: Parallelism) -> None:
-    """AC, then compile, then FSDP: the order in which the wrappers compose."""
+                p: Parallelism, cp_multiple: int = 1) -> None:
+    """CP, then AC, then compile, then FSDP: the order in which the wrappers compose."""
+    apply_cp(model, mesh, cp_multiple)
     apply_ac(model, ac_layers)
     apply_compile(model, c)
-    apply_fsdp(model, mesh, t, p)
+    apply_fsdp(model, fsdp_mesh(mesh), t, p)
     logger.info("parallelized: AC on blocks %s, compile %s, FSDP mesh %s, params %s / reduce %s",
                 _ranges(ac_layers) or "none", c.backend if c.enable else "off",
                 dict(zip(mesh.mesh_dim_names, mesh.shape)), t.mixed_precision_param, t.mixed_precision_reduce)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command
-from .config import DTYPES, JobConfig, Model, ac_layers, derive, grad_accum_steps, load_config, to_toml
+from .config import DTYPES, JobConfig, Model, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
 from .data import DataError, Sample, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
 from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
@@ -35,7 +35,7 @@ from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak
 from .models.attention import Kernels, choose_kernels
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer
-from .parallel import build_mesh, device_for_rank, init_distributed, parallelize
+from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
 from .stop import StopRequest
 
@@ -113,12 +113,15 @@ class Trainer:
             self._log_setup()
 
             # Model: built on meta, wrapped, then materialised and initialised.
-            kernels = (choose_kernels(m.kernels, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m), m.head_dim)
+            cp = cfg.parallelism.context_parallel_degree
+            kernels = (choose_kernels(m.kernels if cp == 1 else "torch", self.device, DTYPES[t.mixed_precision_param],
+                                      nsa_spec(m), m.head_dim)
                        if m.attention == "nsa" and m.attn_impl == "fast" else None)
-            with torch.device("meta"):
-                model = Transformer(cfg.model, t.seq_len, kernels)
+            multiple = cp_multiple(m, cp)
+            with torch.device("meta"):  # under cp the sequence is padded to a multiple of 2 x cp chunks
+                model = Transformer(cfg.model, -(-t.seq_len // multiple) * multiple, kernels)
             parallelize(model, self.mesh, ac_layers(cfg.model, cfg.activation_checkpoint), cfg.compile, t,
-                        cfg.parallelism)
+                        cfg.parallelism, multiple)
             model.to_empty(device=self.device)
             model.init_weights(cfg.debug.seed)
             self.model = model
@@ -129,19 +132,21 @@ class Trainer:
 
             self.optimizer = build_optimizer(model, cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
-            self.grad_accum_steps = grad_accum_steps(cfg, self.world_size)
+            self.grad_accum_steps = grad_accum_steps(cfg)
+            # The context-parallel ranks of a data-parallel group read the same batches.
+            self.dp_rank, self.dp_world_size = data_parallel_rank(self.mesh)
             self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
-                                               t.local_batch_size, self.rank, self.world_size, cfg.recall)
+                                               t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
-            self.state = TrainState(dp_world_size=self.world_size)
+            self.state = TrainState(dp_world_size=self.dp_world_size)
             config_toml = to_toml(cfg)
             self.checkpointer = CheckpointManager(
                 cfg.checkpoint, folder=self.paths.checkpoints, config_toml=config_toml, model=model,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-                train_state=self.state, dp_rank=self.rank)
+                train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size)
             install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                                 rank=self.rank, world_size=self.world_size, current_step=lambda: self.state.step)
             resumed = self.checkpointer.load()
@@ -186,9 +191,14 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None
                          ) -> torch.Tensor:
         """One micro-batch: fp32 cross-entropy, backward of loss / accumulation steps."""
-        loss = cross_entropy_loss(self.model(inputs, document_ids), labels)
+        loss = self.loss(self.model(inputs, document_ids), labels)
         (loss / self.grad_accum_steps).backward()
         return loss.detach()
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of this rank's micro-batch; under context parallelism this rank's share
+        of it (logits of its tokens, labels of the whole batch: `ContextSplit.loss`)."""
+        return cross_entropy_loss(logits, labels) if self.model.cp is None else self.model.cp.loss(logits, labels)
 
     def next_batch(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next micro-batch on the device (inputs, labels, and the document ids when documents are
@@ -258,12 +268,12 @@ class Trainer:
         """Mean loss over up to `validation.steps` held-out batches (all ranks); (loss, batches)."""
         v, t = self.cfg.validation, self.cfg.training
         loader = build_validation_dataloader(self.cfg.data, v, self.tokenizer, t.seq_len, t.local_batch_size,
-                                             self.rank, self.world_size)
+                                             self.dp_rank, self.dp_world_size)
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # loss sum, batch count
         for _, (inputs, labels, document_ids) in zip(range(v.steps), loader):
             logits = self.model(inputs.to(self.device), self.documents(document_ids))
-            total[0] += cross_entropy_loss(logits, labels.to(self.device))
+            total[0] += self.loss(logits, labels.to(self.device))
             total[1] += 1
         self.model.train()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)

@@ -12,6 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nsa_titan.config import load_config
+from nsa_titan.data import build_dataloader
+from nsa_titan.data.tokenizer import ByteTokenizer
+from nsa_titan.models.transformer import Transformer
+from nsa_titan.optim import build_lr_scheduler, build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,3 +88,41 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(fast, "CHUNK_WIN", 16)
     monkeypatch.setattr(fast, "CHUNK_SEL", 32)
     monkeypatch.setattr(fast, "TILE", 3)
+
+
+def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """The same training, written plainly: no FSDP, no process group, one process."""
+    cfg, _ = load_config(args, world_size=1)
+    t = cfg.training
+    torch.manual_seed(cfg.debug.seed)
+    with torch.device("meta"):
+        model = Transformer(cfg.model, t.seq_len)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.debug.seed)
+    opt = build_optimizer(model, cfg.optimizer)
+    sched = build_lr_scheduler(opt, t.steps, cfg.lr_scheduler)
+    batches = iter(build_dataloader(cfg.data, ByteTokenizer(), t.seq_len, cfg.model.vocab_size, t.local_batch_size,
+                                    0, 1))
+    accum = t.global_batch_size // t.local_batch_size
+    losses, grad_norms = [], []
+    for _ in range(t.steps):
+        opt.zero_grad()
+        step_loss = 0.0
+        for _ in range(accum):
+            inputs, labels, document_ids = next(batches)
+            logits = model(inputs, document_ids if t.document_masking else None)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            (loss / accum).backward()
+            step_loss += loss.item() / accum
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm).item())
+        opt.step()
+        sched.step()
+        losses.append(step_loss)
+    return losses, grad_norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def tb_losses(folder: Path, tag: str = "train/loss") -> dict[int, float]:
+    """{step: value} of a loss (`tag`) in the TensorBoard run in `folder`."""
+    events = EventAccumulator(tb_run(folder))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nsa_titan import export
 from nsa_titan.checkpoint import load_tensors
 
-from conftest import ROOT, free_port, launch_ranks, tb_run, torchrun, tree_digest
+from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,11 +40,6 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
-
-def tb_losses(folder: Path) -> dict[int, float]:
-    events = EventAccumulator(tb_run(folder))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars("train/loss")}
 
 
 def step_dirs(dump: Path) -> list[str]:

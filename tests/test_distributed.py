@@ -7,51 +7,16 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nsa_titan.config import load_config
-from nsa_titan.data import build_dataloader
-from nsa_titan.data.tokenizer import ByteTokenizer
 from nsa_titan.models.transformer import Transformer
-from nsa_titan.optim import build_lr_scheduler, build_optimizer
 
-from conftest import TINY, launch_ranks
+from conftest import TINY, launch_ranks, single_process_run
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 8
 SEED = ["--debug.seed", "3"]
-
-
-def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """The same training, written plainly: no FSDP, no process group, one process."""
-    cfg, _ = load_config(args, world_size=1)
-    t = cfg.training
-    torch.manual_seed(cfg.debug.seed)
-    with torch.device("meta"):
-        model = Transformer(cfg.model, t.seq_len)
-    model.to_empty(device="cpu")
-    model.init_weights(cfg.debug.seed)
-    opt = build_optimizer(model, cfg.optimizer)
-    sched = build_lr_scheduler(opt, t.steps, cfg.lr_scheduler)
-    batches = iter(build_dataloader(cfg.data, ByteTokenizer(), t.seq_len, cfg.model.vocab_size, t.local_batch_size,
-                                    0, 1))
-    accum = t.global_batch_size // t.local_batch_size
-    losses, grad_norms = [], []
-    for _ in range(t.steps):
-        opt.zero_grad()
-        step_loss = 0.0
-        for _ in range(accum):
-            inputs, labels, document_ids = next(batches)
-            logits = model(inputs, document_ids if t.document_masking else None)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-            (loss / accum).backward()
-            step_loss += loss.item() / accum
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm).item())
-        opt.step()
-        sched.step()
-        losses.append(step_loss)
-    return losses, grad_norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nsa_titan.config import Model
-from nsa_titan.models.attention import NSASpec, nsa_fast, nsa_reference
+from nsa_titan.models.attention import Documents, NSASpec, nsa_fast, nsa_reference
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Kernels, choose_kernels
 from nsa_titan.models.attention import kernels as kernels_module
@@ -205,3 +205,29 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
     layer(torch.randn(1, 40, 48), rope_tables(16, 40, 10000.0))
     assert calls == [{"causal": True, "window_size": (23, 0)}]
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.parametrize("T,cuts", [(160, [64, 96]), (203, [16, 112, 160])])
+def test_queries_in_parts_equal_the_whole(small_chunks, with_docs, T, cuts):
+    """Context parallelism's contract: each part of the queries (starting at a multiple of l'),
+    against the keys of the whole sequence, gives the whole run's rows, and the parts' key
+    gradients add up to the whole run's."""
+    args = random_inputs(2, T, 12, 2, 16, SPEC, seed=T)
+    q, kc, vc, ks, vs, kw, vw, gates = args
+    docs = None
+    if with_docs:
+        ids = torch.cumsum(torch.rand(2, T, generator=torch.Generator().manual_seed(1)) < 0.03, 1)
+        docs = Documents.of(ids, SPEC)
+        kc, vc = torch.randn(2, T // SPEC.d, 2, 16, dtype=q.dtype), torch.randn(2, T // SPEC.d, 2, 16, dtype=q.dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, kc, vc, ks, vs, kw, vw, gates)]
+    whole = nsa_fast(*leaves[:8], SPEC, docs=docs)
+    grad_out = torch.randn(whole.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(3))
+    expected = torch.autograd.grad(whole, leaves, grad_out)
+    parts, edges = [], [0, *cuts, T]
+    for a, b in zip(edges, edges[1:]):
+        parts.append(nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], SPEC, docs=docs, q0=a))
+    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(torch.cat(parts, 1), leaves, grad_out)
+    for name, g, e in zip(["q", "kc", "vc", "ks", "vs", "kw", "vw", "gates"], got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11, msg=name)

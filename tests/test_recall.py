@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import ROOT, tb_run, torchrun
 
 from nsa_titan.config import ConfigError, Data, Recall, load_config
 from nsa_titan.data import build_dataloader
@@ -101,3 +108,23 @@ def test_recall_loader_resumes_exactly(workers):
 def test_bad_recall_sizes_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(["--data.source", "recall", "--training.seq_len", "256", *override], world_size=1)
+
+
+@pytest.mark.multiprocess
+def test_the_shipped_recall_config_trains_and_its_checkpoint_is_evaluated_by_distance(tmp_path):
+    """train_configs/recall.toml as the report runs it (loader worker, gate statistics, final save),
+    shortened; then `nsa_titan.evaluate --task recall` on the step folder."""
+    proc = torchrun(["-m", "nsa_titan.train", "--config", str(ROOT / "train_configs" / "recall.toml"),
+                     "--training.steps", "3", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)], nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(tb_run(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("nsa/layer1/gate_sel")] == [1, 2, 3]
+    out = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", str(tmp_path / "checkpoint" / "step-3"),
+                          "--task", "recall", "--distances", "32", "900", "--batches", "1", "--plot",
+                          str(tmp_path / "recall.png")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:4] for line in out.stdout.splitlines() if line.startswith("| ") and "%" in line]
+    assert [r[0].strip() for r in rows] == ["32", "900"] and all(int(r[2]) >= 8 for r in rows)
+    assert Image.open(tmp_path / "recall.png").size == (820, 500)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -72,11 +72,14 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, *, folder: Path, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
-                 dp_rank: int):
-        """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them."""
+                 dp_rank: int, dp_world_size: int | None = None):
+        """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
+        `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
+        loader position is saved (the context-parallel ranks of a group share one)."""
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
         self.folder = folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_world_size = dp_world_size or self.world_size
         self.train_state, self.dp_rank = train_state, dp_rank
         self.parts: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
@@ -150,24 +153,30 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
         saved = TrainState()
         self._dcp_load({"train_state": saved}, path)
-        if saved.dp_world_size != self.world_size and not exclude & {"dataloader"}:
+        if saved.dp_world_size != self.dp_world_size and not exclude & {"dataloader"}:
             if not self.cfg.restart_data_on_reshard:
                 raise CheckpointError(
                     f"checkpoint {path} was saved by {saved.dp_world_size} data-parallel ranks and this run has "
-                    f"{self.world_size}: the model and optimizer reshard, but the data loader position cannot. "
-                    f"Resume with {saved.dp_world_size} ranks, or pass --checkpoint.restart_data_on_reshard true "
-                    f"to restart the data stream")
+                    f"{self.dp_world_size}: the model and optimizer reshard, but the data loader position cannot. "
+                    f"Resume with {saved.dp_world_size} data-parallel ranks, or pass "
+                    f"--checkpoint.restart_data_on_reshard true to restart the data stream")
             logger.warning("checkpoint %s: %d -> %d data-parallel ranks; the data stream restarts from its "
                            "beginning (model, optimizer, schedule and step are restored)", path,
-                           saved.dp_world_size, self.world_size)
+                           saved.dp_world_size, self.dp_world_size)
             exclude = exclude | {"dataloader", "rng"}
+        if f"rng.rank_{self.rank}" not in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+            # Saved by fewer ranks (another context-parallel degree): no RNG state for this rank to
+            # restore. Training draws nothing from it (the data's randomness is in the loader state).
+            logger.info("checkpoint %s has no RNG state for rank %d (saved by fewer ranks): not restored", path,
+                        self.rank)
+            exclude = exclude | {"rng"}
         parts = {k: v for k, v in self.parts.items() if k.split(".")[0] not in exclude}
         if "model" in parts:
             check_fit(f"checkpoint {path}", saved_shapes(path), shapes(get_model_state_dict(self.model)))
         self._dcp_load(parts, path)
         if "train_state" in exclude:
             self.train_state.step, self.train_state.tokens_seen = 0, 0
-        self.train_state.dp_world_size = self.world_size
+        self.train_state.dp_world_size = self.dp_world_size
 
     def _initial_load(self, path: Path) -> None:
         """Warm start from a DCP step folder or an exported single-file state dict."""

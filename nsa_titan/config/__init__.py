@@ -2,17 +2,17 @@
 `--section.key value` overrides (`parsing.py`), and validation (`validation.py`); the values a
 run derives from it come from `derived.py`."""
 
-from .derived import ac_layers, derive, grad_accum_steps, load_config, padded_vocab
+from .derived import ac_layers, derive, dp_world, grad_accum_steps, load_config, padded_vocab
 from .parsing import USAGE, parse_args, resolve_path, to_toml
 from .schema import (
     DEFAULT_CONFIG, DTYPES, REPO_ROOT, ActivationCheckpoint, Checkpoint, Compile, ConfigError, Data, Debug, Fault,
     Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Recall, Training, Validation,
 )
-from .validation import validate
+from .validation import cp_multiple, validate
 
 __all__ = [
     "DEFAULT_CONFIG", "DTYPES", "REPO_ROOT", "USAGE", "ActivationCheckpoint", "Checkpoint", "Compile", "ConfigError",
     "Data", "Debug", "Fault", "Job", "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism",
-    "Recall", "Training", "Validation", "ac_layers", "derive", "grad_accum_steps", "load_config", "padded_vocab",
-    "parse_args", "resolve_path", "to_toml", "validate",
+    "Recall", "Training", "Validation", "ac_layers", "cp_multiple", "derive", "dp_world", "grad_accum_steps",
+    "load_config", "padded_vocab", "parse_args", "resolve_path", "to_toml", "validate",
 ]

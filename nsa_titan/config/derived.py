@@ -54,7 +54,7 @@ def derive(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) 
     p, t = out.parallelism, out.training
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = dp_degrees(cfg, world_size)
     if t.global_batch_size == -1:
-        t.global_batch_size = t.local_batch_size * world_size
+        t.global_batch_size = t.local_batch_size * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
     for section, key in (("data", "path"), ("data", "tokenizer_path"), ("validation", "path"),
                          ("checkpoint", "initial_load_path")):
         sec = getattr(out, section)
@@ -64,9 +64,14 @@ def derive(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) 
     return out
 
 
-def grad_accum_steps(cfg: JobConfig, world_size: int) -> int:
+def dp_world(cfg: JobConfig) -> int:
+    """Data-parallel ranks of a derived config: the world size / context_parallel_degree."""
+    return cfg.parallelism.data_parallel_replicate_degree * cfg.parallelism.data_parallel_shard_degree
+
+
+def grad_accum_steps(cfg: JobConfig) -> int:
     """Micro-batches per optimizer step on each rank (of a derived config)."""
-    return cfg.training.global_batch_size // (cfg.training.local_batch_size * world_size)
+    return cfg.training.global_batch_size // (cfg.training.local_batch_size * dp_world(cfg))
 
 
 def load_config(argv: list[str] | None = None, world_size: int | None = None) -> tuple[JobConfig, bool]:

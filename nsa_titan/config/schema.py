@@ -197,6 +197,10 @@ class Parallelism:
     """HSDP replicas (across nodes); 1 means plain FSDP; -1 means world_size / data_parallel_shard_degree."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default`: reshard every block but not the root (its params are used at once in backward)."""
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence between them (context parallelism, README "Long context"):
+    a zigzag of 2 x cp chunks, keys and values all-gathered per layer. The data-parallel degrees
+    multiply to world_size / cp; FSDP shards over dp_shard x cp."""
 
 
 @dataclass

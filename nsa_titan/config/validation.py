@@ -94,6 +94,7 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     for part in ck.exclude_from_loading:
         _require(part in parts, f"[checkpoint] exclude_from_loading has '{part}'; allowed: {', '.join(parts)}")
 
+    _validate_context_parallel(cfg, world_size)
     replicate, shard = dp_degrees(cfg, world_size)
     dp = replicate * shard
     micro = t.local_batch_size * dp
@@ -108,10 +109,48 @@ def last_ac_layer(m: Model, last_layer: int) -> int:
     return m.n_layers - 1 if last_layer == -1 else last_layer
 
 
+def cp_multiple(m: Model, cp: int) -> int:
+    """The context-parallel split pads a sequence to a multiple of this: 2 x cp chunks, each a
+    whole number of sel blocks (the fast path's query parts start on one)."""
+    return 2 * cp * (m.sel_block_size if m.attention == "nsa" else 1)
+
+
+def _validate_context_parallel(cfg: JobConfig, world_size: int) -> None:
+    """A cp degree that divides the world, a sequence long enough to split, and what runs under it."""
+    cp, m, t = cfg.parallelism.context_parallel_degree, cfg.model, cfg.training
+    _require(cp >= 1, f"[parallelism] context_parallel_degree = {cp}: must be >= 1 (1: no context parallelism)")
+    _require(world_size % cp == 0,
+             f"[parallelism] context_parallel_degree = {cp} does not divide the world size {world_size}: each "
+             f"sequence is split across cp ranks and the rest of the world is data-parallel; use a cp degree "
+             f"dividing {world_size}")
+    if cp == 1:
+        return
+    need = cp_multiple(m, cp)
+    _require(t.seq_len >= need,
+             f"[training] seq_len = {t.seq_len} is too short to split across context_parallel_degree = {cp} ranks: "
+             f"each of the 2 x cp zigzag chunks needs at least " +
+             (f"one sel block (sel_block_size = {m.sel_block_size})" if m.attention == "nsa" else "one token") +
+             f"; use seq_len >= {need} or a smaller context_parallel_degree")
+    _require(m.attention == "dense" or m.attn_impl == "fast",
+             f"[parallelism] context_parallel_degree = {cp} needs attn_impl = 'fast' for NSA (the reference "
+             f"builds dense T x T masks of the whole sequence on every rank)")
+    _require(m.kernels in ("auto", "torch"),
+             f"[model] kernels = '{m.kernels}' does not run under context parallelism yet (its queries are a part "
+             f"of the sequence): use kernels = 'torch' (or 'auto', which picks it under cp)")
+    _require(not cfg.metrics.nsa_stats,
+             f"[metrics] nsa_stats = true does not run under context_parallel_degree = {cp} yet: turn it off, or "
+             f"measure the statistics in a run without context parallelism")
+
+
 def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
-    """(replicate, shard): the data-parallel mesh degrees, a -1 inferred from the world size."""
+    """(replicate, shard): the data-parallel mesh degrees, a -1 inferred from the ranks left for data
+    parallelism (world_size / context_parallel_degree)."""
     p = cfg.parallelism
     replicate, shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    cp = p.context_parallel_degree
+    _require(cp >= 1 and world_size % cp == 0,
+             f"[parallelism] context_parallel_degree = {cp} does not divide the world size {world_size}")
+    world_size //= cp
     _require(not (replicate == -1 and shard == -1),
              "[parallelism] data_parallel_replicate_degree and data_parallel_shard_degree are both -1: set one of "
              "them (e.g. the shard degree to the GPUs per node) and the other is inferred")
@@ -128,8 +167,9 @@ def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
     _require(shard >= 1, f"[parallelism] data_parallel_shard_degree = {shard}: must be >= 1 or -1")
     _require(replicate * shard == world_size,
              f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree ({shard}) = "
-             f"{replicate * shard}, but the world size is {world_size}: the degrees must multiply to the number of "
-             f"ranks (set the shard degree to -1 to infer it)")
+             f"{replicate * shard}, but the world size is {world_size}" +
+             ("" if cp == 1 else f" per context-parallel rank (world size / context_parallel_degree {cp})") +
+             ": the degrees must multiply to the number of ranks (set the shard degree to -1 to infer it)")
     return replicate, shard
 
 

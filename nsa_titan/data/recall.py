@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Recall
+from ..loss import IGNORE_INDEX
 from .batch import Sample
 from .synthetic import IndexedSamples
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX
 """The label of every position that is not a query's value token (cross-entropy skips it)."""
 KEY, QUERY = 0, 1
 """The two marker tokens."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
+from ..context_parallel import ContextSplit
 from .attention import (
     Documents, Kernels, NSASpec, cmp_visibility, dense_causal, masked_attention, nsa_fast, nsa_reference, select_blocks,
 )
@@ -137,6 +138,7 @@ class NSAAttention(nn.Module):
         # Diagnostics: a forced branch keeps its gate, the others are multiplied by 0.
         self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)
         self.record_stats = False
+        self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
         H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
         hidden = cfg.cmp_mlp_hidden or 4 * D
@@ -182,13 +184,20 @@ class NSAAttention(nn.Module):
         ones (`kc`, `vc`): what a decoding cache keeps."""
         B, T, _ = x.shape
         q, kv = self.project(x, rope)
+        if self.cp is not None:  # this rank's tokens -> the keys and values of the whole sequence
+            kv = dict(zip(kv, self.cp.gather(torch.stack(list(kv.values()), 2)).unbind(2)))
         kc, vc = self.compress(kv["k_cmp"], kv["v_cmp"], docs)
         gates = self.gates(x)
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
             self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
-        o = self.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, self.spec, docs=docs)
+        keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
+        if self.cp is None:
+            o = self.attn_fn(q, *keys, gates, self.spec, docs=docs)
+        else:  # each of this rank's chunks, its queries at their positions in the sequence
+            o = torch.cat([self.attn_fn(q[:, i:i + b - a], *keys, gates[:, i:i + b - a], self.spec, docs=docs, q0=a)
+                           for i, (a, b) in zip((0, T // 2), self.cp.chunks(kv["k_sel"].shape[1]))], 1)
         return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
@@ -247,6 +256,7 @@ class DenseAttention(nn.Module):
         self.wq = nn.Linear(cfg.dim, H * D, bias=False)
         self.wkv = nn.Linear(cfg.dim, 2 * G * D, bias=False)
         self.wo = nn.Linear(H * D, cfg.dim, bias=False)
+        self.cp: ContextSplit | None = None  # set by parallel.apply_cp
 
     def project(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """q (B, S, H, D) and {k, v} (B, S, G, D) of x (B, S, dim), RoPE on q and k."""
@@ -259,9 +269,16 @@ class DenseAttention(nn.Module):
         """x (B, T, dim) -> (B, T, dim); `kv_out` receives k and v (see NSAAttention.forward)."""
         B, T, _ = x.shape
         q, kv = self.project(x, rope)
+        if self.cp is not None:
+            kv = dict(zip(kv, self.cp.gather(torch.stack(list(kv.values()), 2)).unbind(2)))
         if kv_out is not None:
             kv_out.update(kv)
-        return self.wo(dense_causal(q, kv["k"], kv["v"], docs).reshape(B, T, -1))
+        if self.cp is None:
+            o = dense_causal(q, kv["k"], kv["v"], docs)
+        else:
+            o = torch.cat([dense_causal(q[:, i:i + b - a], kv["k"], kv["v"], docs, q0=a)
+                           for i, (a, b) in zip((0, T // 2), self.cp.chunks(kv["k"].shape[1]))], 1)
+        return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
         """The modules by what they are (parameter accounting)."""
@@ -315,6 +332,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
+        self.cp: ContextSplit | None = None  # set by parallel.apply_cp
 
     def check_length(self, end: int) -> None:
         """A clear error for positions past max_seq_len (the RoPE table's length)."""
@@ -342,12 +360,24 @@ class Transformer(nn.Module):
 
         document_ids (B, T) integer: a change of value between neighbours starts a new document,
         and every token's output is then what its document alone would give (positions from 0).
+        Under context parallelism (`cp`) every rank passes the whole batch and gets the logits of its
+        own tokens, (B, Tl, vocab) at `cp.positions` of the padded sequence.
         """
-        self.check_length(tokens.shape[1])
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, the tokens "
                              f"{tuple(tokens.shape)}: give one document index per token")
-        docs, rope = self.positions(None if document_ids is None else document_ids.to(tokens.device))
+        if document_ids is not None:
+            document_ids = document_ids.to(tokens.device)
+        if self.cp is not None:  # padded at the end: the padding is a document of its own
+            T = tokens.shape[1]
+            tokens = self.cp.pad(tokens, 0)
+            if document_ids is not None:
+                document_ids = torch.cat([document_ids, (document_ids[:, -1:] + 1).expand(-1, tokens.shape[1] - T)], 1)
+        self.check_length(tokens.shape[1])
+        docs, rope = self.positions(document_ids)
+        if self.cp is not None:
+            local = self.cp.positions(tokens.shape[1], tokens.device)
+            tokens, rope = tokens[:, local], rope[local] if rope.dim() == 2 else rope[:, local]
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, rope, docs=docs)

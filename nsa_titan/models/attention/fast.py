@@ -82,28 +82,30 @@ class _Shared(torch.autograd.Function):
     """cmp or win attention over the keys each chunk of queries shares (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kind: str, spec: NSASpec, T: int, *doc_fields):
-        """q (B, G, T, r, D); k, v (B, G, S, D); doc_fields: the fields of a `Documents`, or none.
-        Returns out (B, G, T, r, D) and, for cmp, the chosen sel blocks idx / valid (B, G, T, n')
-        (see `choose_blocks`)."""
-        B, G, _, r, D = q.shape
+    def forward(ctx, q, k, v, kind: str, spec: NSASpec, T: int, q0: int, *doc_fields):
+        """q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1 of a sequence of T tokens
+        (all of them unless context parallelism splits it); k, v (B, G, S, D) of the whole sequence;
+        doc_fields: the fields of a `Documents` of the whole sequence, or none. Returns out
+        (B, G, Tq, r, D) and, for cmp, the chosen sel blocks idx / valid (B, G, Tq, n') (see
+        `choose_blocks`)."""
+        B, G, Tq, r, D = q.shape
         docs = Documents(*doc_fields) if doc_fields else None
         chunk = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
         out, idx, valid = torch.zeros_like(q), [], []
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
+        for t0 in range(q0, q0 + Tq, chunk):
+            t1 = min(q0 + Tq, t0 + chunk)
             lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs)
             if hi == lo:  # no complete cmp block yet: no key, output 0
                 p = q.new_zeros(B, G, t1 - t0, r, 0)
             else:
-                p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
-                out[:, :, t0:t1] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
+                p = _probs(q[:, :, t0 - q0:t1 - q0], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
+                out[:, :, t0 - q0:t1 - q0] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
             if kind == "cmp":
                 chosen = choose_blocks(p.sum(3), spec, t0, T, docs)
                 idx.append(chosen[0])
                 valid.append(chosen[1])
         ctx.save_for_backward(q, k, v, *doc_fields)
-        ctx.kind, ctx.spec = kind, spec
+        ctx.kind, ctx.spec, ctx.q0 = kind, spec, q0
         if kind != "cmp":
             return out, None, None
         idx, valid = torch.cat(idx, 2), torch.cat(valid, 2)
@@ -113,26 +115,28 @@ class _Shared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, *_):
         q, k, v, *doc_fields = ctx.saved_tensors
-        B, G, T, r, D = q.shape
+        B, G, Tq, r, D = q.shape
+        q0 = ctx.q0
         docs = Documents(*doc_fields) if doc_fields else None
         chunk = CHUNK_CMP if ctx.kind == "cmp" else CHUNK_WIN
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
+        for t0 in range(q0, q0 + Tq, chunk):
+            t1 = min(q0 + Tq, t0 + chunk)
             lo, hi, mask = _key_range(ctx.kind, ctx.spec, t0, t1, k.shape[2], q.device, docs)
             if hi == lo:
                 continue
-            p = _probs(q[:, :, t0:t1], k[:, :, lo:hi], mask)  # the forward's, recomputed
-            do = d_out[:, :, t0:t1].reshape(B, G, -1, D)
+            a, b = t0 - q0, t1 - q0  # the chunk's rows of q
+            p = _probs(q[:, :, a:b], k[:, :, lo:hi], mask)  # the forward's, recomputed
+            do = d_out[:, :, a:b].reshape(B, G, -1, D)
             p2 = p.view(B, G, -1, hi - lo)
             dv[:, :, lo:hi] += p2.transpose(-1, -2) @ do
             dp = (do @ v[:, :, lo:hi].transpose(-1, -2)).view_as(p)
             # softmax backward with delta = sum(p * dp), not d_out . out: one row's keys are all
             # in this chunk, and this form keeps a one-key row's exact zero.
             ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(D**-0.5).view(B, G, -1, hi - lo)
-            dq[:, :, t0:t1] = (ds @ k[:, :, lo:hi]).view(B, G, -1, r, D)
-            dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q[:, :, t0:t1].reshape(B, G, -1, D)
-        return dq, dk, dv, None, None, None, *(None for _ in doc_fields)
+            dq[:, :, a:b] = (ds @ k[:, :, lo:hi]).view(B, G, -1, r, D)
+            dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q[:, :, a:b].reshape(B, G, -1, D)
+        return dq, dk, dv, None, None, None, None, *(None for _ in doc_fields)
 
 
 def _tiles(kpos: torch.Tensor, use: torch.Tensor, per_query: int, t0: int, spec: NSASpec
@@ -294,17 +298,18 @@ class _Selected(torch.autograd.Function):
     """sel attention: each (query, group) reads its own n blocks of l' keys (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None):
-        """q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid (B, G, T, n'); start (B, T): each
-        query's document start (None: one document) -> (B, G, T, r, D)."""
-        B, G, T, r, D = q.shape
+    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None, q0: int):
+        """q (B, G, Tq, r, D): the queries at q0 .. q0 + Tq - 1 (q0 a multiple of l'); ks, vs
+        (B, G, T, D) of the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq): each query's
+        document start (None: one document) -> (B, G, Tq, r, D)."""
+        B, G, Tq, r, D = q.shape
         kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
-        qs = q.reshape(B * G, T, r, D) * D**-0.5
-        out, lse = torch.empty_like(q), q.new_empty(B, G, T, r)
-        chunks = _sel_chunks(T, spec.l_sel)
+        qs = q.reshape(B * G, Tq, r, D) * D**-0.5
+        out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
+        chunks = _sel_chunks(Tq, spec.l_sel)
         for t0 in chunks:
-            t1 = min(T, t0 + chunks.step)
-            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec,
+            t1 = min(Tq, t0 + chunks.step)
+            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
                            None if start is None else start[:, t0:t1])
             BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
             lanes = ch.rows.flatten()
@@ -328,25 +333,26 @@ class _Selected(torch.autograd.Function):
             out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
             lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
         ctx.save_for_backward(q, ks, vs, idx, valid, out, lse, start)
-        ctx.spec = spec
+        ctx.spec, ctx.q0 = spec, q0
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, ks, vs, idx, valid, out, lse, start = ctx.saved_tensors
         spec = ctx.spec
-        B, G, T, r, D = q.shape
+        B, G, Tq, r, D = q.shape
+        T = ks.shape[2]
         kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
         dkbp, dvbp = torch.zeros_like(kbp), torch.zeros_like(vbp)
-        qs = q.reshape(B * G, T, r, D) * D**-0.5
-        d_out = d_out.reshape(B * G, T, r, D)
-        lse = lse.reshape(B * G, T, r)
-        delta = (d_out * out.reshape(B * G, T, r, D)).sum(-1)  # (BG, T, r): sum over keys of p * dp
+        qs = q.reshape(B * G, Tq, r, D) * D**-0.5
+        d_out = d_out.reshape(B * G, Tq, r, D)
+        lse = lse.reshape(B * G, Tq, r)
+        delta = (d_out * out.reshape(B * G, Tq, r, D)).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
         dq = torch.empty_like(qs)
-        chunks = _sel_chunks(T, spec.l_sel)
+        chunks = _sel_chunks(Tq, spec.l_sel)
         for t0 in chunks:
-            t1 = min(T, t0 + chunks.step)
-            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], t0, spec,
+            t1 = min(Tq, t0 + chunks.step)
+            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], ctx.q0 + t0, spec,
                            None if start is None else start[:, t0:t1])
             BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
             lanes = ch.rows.flatten()
@@ -379,7 +385,7 @@ class _Selected(torch.autograd.Function):
             dqc += (ds @ ch.k_ini).view(BG, -1, r, D)[:, :C]
             dq[:, t0:t1] = dqc * D**-0.5
         dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
-        return dq.view(B, G, T, r, D), dks, dvs, None, None, None, None
+        return dq.view(B, G, Tq, r, D), dks, dvs, None, None, None, None, None
 
 
 def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None
@@ -401,35 +407,41 @@ def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASp
 
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
              k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
-             kernels: Kernels | None = None, docs: Documents | None = None) -> torch.Tensor:
+             kernels: Kernels | None = None, docs: Documents | None = None, q0: int = 0) -> torch.Tensor:
     """Same contract as `nsa_reference` (see there), computed branch by branch in chunks, each branch
-    by its kernel in `kernels` (None: `auto` for these tensors)."""
-    B, T, H, D = q.shape
-    G = k_sel.shape[2]
+    by its kernel in `kernels` (None: `auto` for these tensors).
+
+    Context parallelism passes a part of the queries: q (B, Tq, H, D) and gates are those of positions
+    q0 .. q0 + Tq - 1 (q0 a multiple of l'), the keys, values and `docs` those of the whole sequence."""
+    B, Tq, H, D = q.shape
+    T, G = k_sel.shape[1], k_sel.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     if spec.n < N_FORCED_INITIAL + N_FORCED_LOCAL:
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
     if kernels is None:
         kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D)
+    if Tq != T and (kernels.sel, kernels.win) != ("torch", "torch"):
+        raise NotImplementedError(f"a part of the queries (context parallelism) runs on the torch kernels only, "
+                                  f"not sel = {kernels.sel}, win = {kernels.win}")
     fields = () if docs is None else (docs.start, docs.end, docs.cmp_start, docs.first_slot)
-    start = None if docs is None else docs.start
+    start = None if docs is None else docs.start[:, q0:q0 + Tq]
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
         return x.to(dtype).transpose(1, 2).contiguous()
 
     # (B, G, T, r, D): the r = H/G query heads of a group side by side.
-    qg = q.to(acc).view(B, T, G, H // G, D).transpose(1, 2).contiguous()
-    o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T, *fields)
+    qg = q.to(acc).view(B, Tq, G, H // G, D).transpose(1, 2).contiguous()
+    o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T, q0, *fields)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
         o_sel = triton_sel.SelectedTriton.apply(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype),
                                                 idx, valid, spec, start).to(acc)
     else:
-        o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, start)
+        o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, start, q0)
     if kernels.win == "flash":
         o_win = _window_flash(q, k_win, v_win, spec, docs).to(acc)
     else:
-        o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T, *fields)
-    g = gates.to(acc).view(B, T, G, H // G, 3).transpose(1, 2)
-    out = mix_branches(g, o_cmp, o_sel, o_win)  # (B, G, T, r, D)
-    return out.transpose(1, 2).reshape(B, T, H, D).to(q.dtype)
+        o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T, q0, *fields)
+    g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
+    out = mix_branches(g, o_cmp, o_sel, o_win)  # (B, G, Tq, r, D)
+    return out.transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)

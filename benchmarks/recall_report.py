@@ -1,0 +1,103 @@
+"""Long-range recall at equal parameters: NSA, NSA with its window alone, and dense attention.
+
+    python benchmarks/recall_report.py [--steps N] [--distances 32 96 256 512 960]
+                                       [--out benchmarks/recall_accuracy.png]
+
+Trains `train_configs/recall.toml` (the recall task of `nsa_titan/data/recall.py`) three times on one
+CPU rank, with the same data, steps, seed and optimizer:
+  nsa    NSA as configured;
+  win    the same model with cmp and sel switched off (`--model.nsa_branch win`);
+  dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`).
+Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
+counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
+marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, logged during
+NSA's training (`[metrics] nsa_stats`). Prints the Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nsa_titan.evaluate import evaluate_recall  # noqa: E402
+from nsa_titan.inference import load_model  # noqa: E402
+from nsa_titan.plots import line_chart  # noqa: E402
+from quality_report import scalars  # noqa: E402
+from sizing import dense_ffn_for, param_count, resolved  # noqa: E402
+
+CONFIG = str(ROOT / "train_configs" / "recall.toml")
+
+
+def train(name: str, overrides: list[str], dump: Path) -> float:
+    """Train one model into `dump`; returns the wall-clock seconds."""
+    start = time.perf_counter()
+    run = subprocess.run([str(ROOT / "run_train.sh"), "--config", CONFIG, *overrides, "--job.dump_folder", str(dump)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"training {name} failed (exit {run.returncode}):\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def sel_share(dump: Path, n_layers: int) -> dict[int, list[float]]:
+    """{step: [sel gate / sum of gates, per layer]} from the NSA run's TensorBoard log."""
+    gates = {b: [scalars(dump, f"nsa/layer{i}/gate_{b}") for i in range(n_layers)] for b in ("cmp", "sel", "win")}
+    steps = sorted(gates["sel"][0])
+    return {s: [gates["sel"][i][s] / sum(gates[b][i][s] for b in gates) for i in range(n_layers)] for s in steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=0, help="training steps (0: the config's)")
+    parser.add_argument("--distances", type=int, nargs="+", default=[32, 96, 256, 512, 960])
+    parser.add_argument("--batches", type=int, default=8, help="held-out batches per distance")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "recall_accuracy.png",
+                        help="the accuracy chart; the gate-share chart goes beside it (*_gates.png)")
+    args = parser.parse_args()
+    steps = ["--training.steps", str(args.steps)] if args.steps else []
+    cfg = resolved(["--config", CONFIG, *steps])
+    m, seq_len = cfg.model, cfg.training.seq_len
+    hidden, n_dense, n_nsa = dense_ffn_for(m, seq_len)
+    models = {"nsa": [], "win": ["--model.nsa_branch", "win"],
+              "dense": ["--model.attention", "dense", "--model.ffn_hidden_dim", str(hidden)]}
+    print(f"parameters: NSA and win {n_nsa:,} (win: cmp and sel present, gated off), dense {n_dense:,} (MLP hidden "
+          f"{m.ffn_hidden_dim or 'default'} -> {hidden}; {100 * (n_dense / n_nsa - 1):+.2f}%); "
+          f"w = {m.window_size}, layers x w = {m.n_layers * m.window_size}")
+    assert param_count(m, seq_len) == n_nsa
+    acc: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in models.items():
+            dump = Path(tmp) / name
+            seconds = train(name, steps + overrides, dump)
+            model, _, run_cfg = load_model(str(max((dump / "checkpoint").glob("step-*"),
+                                                   key=lambda p: int(p.name.split("-")[1]))))
+            results = evaluate_recall(model, run_cfg, args.distances, args.batches)
+            acc[name] = {dist: c / max(n, 1) for dist, (c, n) in results.items()}
+            print(f"{name}: trained in {seconds / 60:.1f} min; " +
+                  ", ".join(f"{dist}: {c}/{n}" for dist, (c, n) in results.items()))
+            if name == "nsa":
+                share = sel_share(dump, m.n_layers)
+    marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size}
+    line_chart(acc, args.out, f"exact recall by distance, equal parameters ({cfg.training.steps} steps)",
+               "distance (tokens)", "exact recall", (0.0, 1.0), marks)
+    gates = args.out.with_name(args.out.stem + "_gates.png")
+    line_chart({f"layer {i}": {s: v[i] for s, v in share.items()} for i in range(m.n_layers)}, gates,
+               "NSA during recall training: sel gate / (cmp + sel + win)", "step", "sel share", (0.0, 1.0))
+    print(f"plots: {args.out}, {gates}\n")
+    print("| distance | " + " | ".join(acc) + " |\n|---|" + "---|" * len(acc))
+    for dist in args.distances:
+        print(f"| {dist:,} | " + " | ".join(f"{acc[name][dist]:.1%}" for name in acc) + " |")
+    print("\n| step | " + " | ".join(f"sel share, layer {i}" for i in range(m.n_layers)) + " |\n|---|" +
+          "---|" * m.n_layers)
+    for s in sorted(share)[::max(1, len(share) // 10)]:
+        print(f"| {s} | " + " | ".join(f"{v:.3f}" for v in share[s]) + " |")
+
+
+if __name__ == "__main__":
+    main()

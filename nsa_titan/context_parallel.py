@@ -1,0 +1,71 @@
+"""Context parallelism: each sequence split across the cp ranks of a data-parallel group.
+
+Every cp rank holds its group's whole (B, T) batch (the loader gives them the same sequences) and
+computes the tokens of two of its 2 x cp chunks, a zigzag: rank c takes chunks c and 2cp - 1 - c,
+so under causal attention every rank has as many cheap early queries as costly late ones. The
+sequence is first padded at its end to a multiple of 2 x cp x l' (`cp_multiple`: each chunk starts
+on a sel block, where the fast path can start a part of the queries); attention never reads forward,
+so the padding changes no real token. Only attention mixes tokens: it all-gathers its keys and
+values (one collective per layer; autograd reduce-scatters their gradients back) and computes its
+own queries against the whole sequence, so the cmp blocks, the selection and the window are exactly
+those of the unsplit sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .loss import IGNORE_INDEX, cross_entropy_loss
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """The zigzag split of this rank (`rank` of `size` in `group`); `multiple`: see `cp_multiple`."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    multiple: int
+
+    def padded(self, T: int) -> int:
+        """The padded sequence length."""
+        return -(-T // self.multiple) * self.multiple
+
+    def chunks(self, T: int) -> list[tuple[int, int]]:
+        """(start, end) in the padded sequence of this rank's two chunks, in order."""
+        c = self.padded(T) // (2 * self.size)
+        return [(i * c, (i + 1) * c) for i in (self.rank, 2 * self.size - 1 - self.rank)]
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """The padded sequence's positions this rank computes (Tl,), its two chunks concatenated."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.chunks(T)])
+
+    def pad(self, x: torch.Tensor, value: int) -> torch.Tensor:
+        """(B, T, ...) -> (B, padded(T), ...), filled with `value` at the end."""
+        extra = self.padded(x.shape[1]) - x.shape[1]
+        return torch.cat([x, x.new_full((x.shape[0], extra, *x.shape[2:]), value)], 1) if extra else x
+
+    def shard(self, x: torch.Tensor, value: int) -> torch.Tensor:
+        """This rank's tokens of x (B, T, ...), padded with `value`: (B, Tl, ...)."""
+        return self.pad(x, value)[:, self.positions(x.shape[1], x.device)]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (B, Tl, ...) -> the padded sequence's (B, 2 x cp x Tl / 2, ...) in position order;
+        differentiable (the gradient of each rank's part returns to it, summed over ranks)."""
+        B, Tl = x.shape[:2]
+        every = funcol.all_gather_single_autograd(x.contiguous(), 1, self.group)  # rank order: r's chunks 2r, 2r+1
+        # Chunk c of the sequence is rank c's first (c < cp) or rank 2cp - 1 - c's second chunk.
+        order = [2 * c if c < self.size else 2 * (2 * self.size - 1 - c) + 1 for c in range(2 * self.size)]
+        return every.view(B, 2 * self.size, Tl // 2, *x.shape[2:])[:, order].reshape(B, self.size * Tl, *x.shape[2:])
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the mean cross-entropy of the whole sequences: logits (B, Tl, V) of its
+        tokens, labels (B, T) of the whole batch. The shares of the cp ranks average (as data-parallel
+        gradients do) to the unsplit batch's mean loss."""
+        count = (labels != IGNORE_INDEX).sum()
+        local = self.shard(labels, IGNORE_INDEX)
+        return cross_entropy_loss(logits, local, reduction="sum") * self.size / count
