@@ -48,7 +48,8 @@ def scalars(dump: Path, tag: str) -> dict[int, float]:
 
 def plot(curves: dict[str, list[dict[int, float]]], out: Path, title: str) -> None:
     """Mean curve of each model and the band between its lowest and highest seed."""
-    mean = {f"{name} attention": {s: statistics.mean(c[s] for c in runs) for s in runs[0]} for name, runs in curves.items()}
+    mean = {f"{name} attention": {s: statistics.mean(c[s] for c in runs) for s in runs[0]}
+            for name, runs in curves.items()}
     bands = {f"{name} attention": ({s: min(c[s] for c in runs) for s in runs[0]},
                                    {s: max(c[s] for c in runs) for s in runs[0]}) for name, runs in curves.items()}
     line_chart(mean, out, title, "step", "validation loss (mean, min-max band)", bands=bands)

@@ -11,6 +11,11 @@ from .models.transformer import Transformer
 from .paths import config_of_checkpoint
 
 
+SINGLE_PROCESS = ["--parallelism.data_parallel_shard_degree", "-1", "--parallelism.data_parallel_replicate_degree",
+                  "1", "--parallelism.context_parallel_degree", "1"]
+"""The parallelism overrides under which a checkpoint's config is read for inference."""
+
+
 def load_model(checkpoint: str, config: str | None = None, overrides: list[str] | None = None,
                max_seq_len: int = 0, device: str = "cpu") -> tuple[Transformer, Tokenizer, JobConfig]:
     """The model (eval mode, on `device`), its tokenizer and its config (by default the one saved with
@@ -22,7 +27,8 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
     if not config and not config_path.is_file():
         raise CheckpointError(f"no config found for {checkpoint} (looked for {config_path}); pass the training "
                               f"config with --config")
-    cfg, _ = load_config(["--config", str(config_path), *(overrides or [])], world_size=1)
+    # One process reads the model, whatever layout trained it (the saved config has that run's degrees).
+    cfg, _ = load_config(["--config", str(config_path), *SINGLE_PROCESS, *(overrides or [])], world_size=1)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     cfg = derive(cfg, 1, tokenizer.vocab_size)
     state = load_tensors(path) if path.is_dir() else read_model_file(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,8 +78,12 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     different tokens, so they reduce gradients like data-parallel ranks), beside dp_replicate."""
     if "cp" not in mesh.mesh_dim_names:
         return mesh
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in mesh.mesh_dim_names else mesh["dp_shard_cp"]
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if "dp_replicate" not in mesh.mesh_dim_names:
+        return flat
+    with warnings.catch_warnings():  # "slicing a flattened dim from root mesh will be deprecated"
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def apply_cp(model: nn.Module, mesh: DeviceMesh, multiple: int) -> None:

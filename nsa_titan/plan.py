@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .cli import ArgumentParser, run_command
-from .config import DTYPES, JobConfig, ac_layers, derive, load_config
+from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config
 from .data import build_tokenizer
 from .loss import cross_entropy_loss
 from .models.transformer import Transformer, TransformerBlock, rope_tables
@@ -40,6 +40,7 @@ class Plan:
     params_by_part: dict[str, int]
     params_per_block: int
     rank_bytes: dict[str, float]
+    comm_bytes: dict[str, float]
     flops_per_token: float
     step_seconds: float
     tokens_per_second: float
@@ -67,6 +68,30 @@ def block_saved_bytes(cfg: JobConfig, T: int) -> float:
     return float(sum(seen.values()))
 
 
+def split_lengths(cfg: JobConfig) -> tuple[int, int]:
+    """(T, Tl): the sequence length a rank's attention reads and the tokens it computes (T = Tl =
+    seq_len without context parallelism; else seq_len padded to `cp_multiple` and its 1/cp share)."""
+    cp, T = cfg.parallelism.context_parallel_degree, cfg.training.seq_len
+    if cp > 1:
+        multiple = cp_multiple(cfg.model, cp)
+        T = -(-T // multiple) * multiple
+    return T, T // cp
+
+
+def gathered_bytes_per_token(cfg: JobConfig) -> float:
+    """What context parallelism adds per token of the other ranks, per block: the all-gathered keys
+    and values (3 branches x K, V for NSA, K, V for dense), and for NSA the compression MLPs' saved
+    inputs and hidden activations, since each rank compresses the whole sequence."""
+    m = cfg.model
+    size = DTYPES[cfg.training.mixed_precision_param].itemsize
+    G, D = m.n_kv_groups, m.head_dim
+    if m.attention != "nsa":
+        return 2 * G * D * size
+    hidden = m.cmp_mlp_hidden or 4 * D
+    compressor = 2 * G * (m.cmp_block_size * D + 2 * hidden) / m.cmp_stride  # K and V, per token
+    return (6 * G * D + compressor) * size
+
+
 def activation_bytes(cfg: JobConfig) -> float:
     """Activation memory of one micro-batch on one rank.
 
@@ -75,6 +100,8 @@ def activation_bytes(cfg: JobConfig) -> float:
     AC none keeps every block's; a checkpointed block keeps its input only, and one block's
     worth is rebuilt during its recompute. Plus the fp32 log-probabilities the loss keeps (the
     logits themselves are not kept: `loss.cross_entropy_loss` holds no reference to them).
+    Under context parallelism a rank keeps this for its Tl tokens, plus what the gathered rest of
+    the sequence costs (`gathered_bytes_per_token`).
     """
     m, t = cfg.model, cfg.training
     T1 = min(t.seq_len, max(256, m.window_size, 2 * m.sel_block_size))
@@ -82,11 +109,36 @@ def activation_bytes(cfg: JobConfig) -> float:
     s1, s2 = block_saved_bytes(cfg, T1), block_saved_bytes(cfg, T2)
     b = max(0.0, (s2 / T2 - s1 / T1) / (T2 - T1))  # per token, per extra token of context
     a = s1 / T1 - b * T1
-    per_block = t.local_batch_size * (a * t.seq_len + b * t.seq_len**2)
+    T, Tl = split_lengths(cfg)
+    per_block = t.local_batch_size * (a * Tl + b * Tl * T + (T - Tl) * gathered_bytes_per_token(cfg))
     wrapped = len(ac_layers(m, cfg.activation_checkpoint))
-    block_input = t.local_batch_size * t.seq_len * m.dim * DTYPES[t.mixed_precision_param].itemsize
-    logits = t.local_batch_size * t.seq_len * m.vocab_size * 4
+    block_input = t.local_batch_size * Tl * m.dim * DTYPES[t.mixed_precision_param].itemsize
+    logits = t.local_batch_size * Tl * m.vocab_size * 4
     return (m.n_layers - wrapped) * per_block + wrapped * block_input + (per_block if wrapped else 0) + logits
+
+
+def comm_bytes(cfg: JobConfig, params_local: int, world_size: int) -> dict[str, float]:
+    """Bytes one rank receives per optimizer step: FSDP's parameter all-gathers (forward, and again
+    in backward for resharded blocks) and gradient reduce-scatters, each moving (N - 1)/N of the
+    full tensors over N shards; and context parallelism's K/V all-gathers (forward, the recompute of
+    checkpointed blocks) and their gradients' reduce-scatters (backward), (cp - 1)/cp of the
+    gathered K/V per block per micro-batch."""
+    m, t, p = cfg.model, cfg.training, cfg.parallelism
+    shards = world_size // p.data_parallel_replicate_degree
+    compute = DTYPES[t.mixed_precision_param].itemsize
+    full_params = params_local * shards
+    regather = 2 if p.fsdp_reshard_after_forward != "never" else 1
+    accum = grad_accum_steps(cfg)
+    out = {"FSDP parameter all-gathers": accum * regather * full_params * compute * (shards - 1) / shards,
+           "FSDP gradient reduce-scatters": accum * full_params * DTYPES[t.mixed_precision_reduce].itemsize
+           * (shards - 1) / shards}
+    cp = p.context_parallel_degree
+    if cp > 1:
+        T, _ = split_lengths(cfg)
+        kv = (6 if m.attention == "nsa" else 2) * m.n_kv_groups * m.head_dim * compute
+        passes = 2 * m.n_layers + len(ac_layers(m, cfg.activation_checkpoint))  # fwd + bwd + recomputes
+        out["context-parallel K/V"] = accum * passes * t.local_batch_size * T * kv * (cp - 1) / cp
+    return out
 
 
 def measured_activation_peak(cfg: JobConfig) -> float:
@@ -154,6 +206,7 @@ def make_plan(cfg: JobConfig, world_size: int, peak_flops: float, mfu: float) ->
     parallelize(model, build_mesh(cfg.parallelism, torch.device("cpu")),
                 ac_layers(cfg.model, cfg.activation_checkpoint), no_compile, cfg.training, cfg.parallelism)
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    comm = comm_bytes(cfg, local, world_size)
     compute = DTYPES[cfg.training.mixed_precision_param].itemsize
     rank_bytes = {
         "parameters (fp32 shards)": local * 4.0,
@@ -165,13 +218,14 @@ def make_plan(cfg: JobConfig, world_size: int, peak_flops: float, mfu: float) ->
     }
     t = cfg.training
     step = t.global_batch_size * t.seq_len * fpt / (world_size * peak_flops * mfu)
-    return Plan(total, by_part, per_block, rank_bytes, fpt, step, t.global_batch_size * t.seq_len / step)
+    return Plan(total, by_part, per_block, rank_bytes, comm, fpt, step, t.global_batch_size * t.seq_len / step)
 
 
 def report(plan: Plan, cfg: JobConfig, world_size: int, gpu_gib: float, peak_flops: float, mfu: float) -> bool:
     p = cfg.parallelism
     print(f"plan: {world_size} ranks (replicate {p.data_parallel_replicate_degree} x shard "
-          f"{p.data_parallel_shard_degree}), seq {cfg.training.seq_len}, micro-batch {cfg.training.local_batch_size}, "
+          f"{p.data_parallel_shard_degree} x context {p.context_parallel_degree}), seq {cfg.training.seq_len}, "
+          f"micro-batch {cfg.training.local_batch_size}, "
           f"global batch {cfg.training.global_batch_size}, AC {cfg.activation_checkpoint.mode}, "
           f"{cfg.model.attention} attention ({cfg.model.attn_impl})")
     print(f"parameters: {plan.params_total / 1e6:.2f}M total, {plan.params_per_block / 1e6:.2f}M per block")
@@ -182,6 +236,9 @@ def report(plan: Plan, cfg: JobConfig, world_size: int, gpu_gib: float, peak_flo
         print(f"  {what:<36} {b / GIB:8.2f} GiB")
     need = sum(plan.rank_bytes.values())
     print(f"  {'total':<36} {need / GIB:8.2f} GiB of {gpu_gib:.0f} GiB")
+    print("per-rank communication per step (received):")
+    for what, b in plan.comm_bytes.items():
+        print(f"  {what:<36} {b / GIB:8.2f} GiB")
     print(f"FLOPs per token {plan.flops_per_token / 1e9:.3f} G; at {peak_flops / 1e12:.0f} TFLOP/s x {mfu:.0%} MFU: "
           f"{plan.step_seconds:.2f} s per step, {plan.tokens_per_second:,.0f} tokens/s "
           f"({plan.tokens_per_second / world_size:,.0f} per rank)")

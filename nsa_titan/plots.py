@@ -20,8 +20,8 @@ def line_chart(series: dict[str, Series], path: Path | str, title: str, xlabel: 
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     xs = sorted({x for s in series.values() for x in s})
-    lo, hi = y_range or (min(v for s in series.values() for v in s.values()),
-                         max(v for s in series.values() for v in s.values()))
+    values = [v for s in [*series.values(), *(b for pair in (bands or {}).values() for b in pair)] for v in s.values()]
+    lo, hi = y_range or (min(values), max(values))
     fx = lambda x: pad + (x - xs[0]) / max(1e-9, xs[-1] - xs[0]) * (w - 2 * pad)  # noqa: E731
     fy = lambda y: h - pad - (y - lo) / max(1e-9, hi - lo) * (h - 2 * pad)  # noqa: E731
     d.line([(pad, pad), (pad, h - pad), (w - pad, h - pad)], fill="black", width=2)
@@ -46,7 +46,7 @@ def line_chart(series: dict[str, Series], path: Path | str, title: str, xlabel: 
         for px, py in points:
             d.ellipse([px - 3, py - 3, px + 3, py + 3], fill=color)
         d.text((w - pad - 220, pad + 18 * i), name, fill=color)
-    d.text((pad, 20), title, fill="black")
+    d.text((pad, 12), title, fill="black")
     d.text((w // 2 - 40, h - 28), xlabel, fill="black")
-    d.text((8, pad - 30), ylabel, fill="black")
+    d.text((8, pad - 24), ylabel, fill="black")
     img.save(path)

@@ -160,10 +160,11 @@ class Trainer:
             self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps)
             if self.rank == 0:
                 self.paths.config.write_text(config_toml)
-            logger.info("training %d steps%s: global batch %d = %d ranks x %d local x %d accumulation, seq_len %d",
-                        t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step {self.state.step})"
-                        if self.state.step else "", t.global_batch_size, self.world_size, t.local_batch_size,
-                        self.grad_accum_steps, t.seq_len)
+            logger.info("training %d steps%s: global batch %d = %d data-parallel ranks x %d local x %d accumulation, "
+                        "seq_len %d%s", t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step "
+                        f"{self.state.step})" if self.state.step else "", t.global_batch_size, self.dp_world_size,
+                        t.local_batch_size, self.grad_accum_steps, t.seq_len,
+                        f", each sequence split across {cp} context-parallel ranks" if cp > 1 else "")
         except BaseException:
             self.watchdog.stop()
             if self.owns_stop:

@@ -10,6 +10,7 @@ import torch
 
 from nsa_titan.checkpoint import load_tensors
 from nsa_titan.config import ConfigError, load_config
+from nsa_titan.evaluate import evaluate
 
 from conftest import TINY, launch_ranks, single_process_run, tb_losses, torchrun
 
@@ -44,11 +45,16 @@ def test_cp2_matches_one_process(cp_runs, attention):
 
 @pytest.mark.multiprocess
 def test_dp2_cp2_on_four_ranks_matches_dp2_on_two(tmp_path):
-    """4 ranks: 2 data-parallel groups of 2 context-parallel ranks, against 2 plain FSDP ranks."""
+    """4 ranks: 2 data-parallel groups of 2 context-parallel ranks (FSDP over dp_shard x cp, and HSDP
+    replicating across the groups), against 2 plain FSDP ranks."""
     args = [*COMMON, "--training.steps", "4"]
-    four = launch_ranks([{"name": "dp2cp2", "args": [*args, *CP2]}], tmp_path / "four", nproc=4)["dp2cp2"]
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    four = launch_ranks([{"name": "fsdp", "args": [*args, *CP2]}, {"name": "hsdp", "args": [*args, *CP2, *hsdp]}],
+                        tmp_path / "four", nproc=4)
     two = launch_ranks([{"name": "dp2", "args": args}], tmp_path / "two", nproc=2)["dp2"]
-    torch.testing.assert_close(torch.tensor(four["losses"]), torch.tensor(two["losses"]), rtol=1e-5, atol=1e-6)
+    for name in ("fsdp", "hsdp"):
+        torch.testing.assert_close(torch.tensor(four[name]["losses"]), torch.tensor(two["losses"]), rtol=1e-5,
+                                   atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("args,world,message", [
@@ -94,6 +100,10 @@ def test_resume_across_cp_degrees_is_exact(tmp_path, saved_cp, loaded_cp):
     va, vb = (tb_losses(tmp_path / x / "tb", "validation/loss") for x in "ab")
     assert list(va) == list(vb) == [6]
     torch.testing.assert_close(torch.tensor(vb[6]), torch.tensor(va[6]), rtol=1e-5, atol=1e-6)
+    # A checkpoint trained with cp = 2 is evaluated by one process, to the trainer's validation loss.
+    split = tmp_path / ("a" if saved_cp == 2 else "b")
+    result = evaluate(str(split / "checkpoint" / "step-6"), "validation", batches=2)
+    assert result["loss"] == pytest.approx(va[6], rel=1e-5)
     for prefix in ("model", "optimizer"):
         sa = load_tensors(tmp_path / "a" / "checkpoint" / "step-6", prefix)
         sb = load_tensors(tmp_path / "b" / "checkpoint" / "step-6", prefix)
