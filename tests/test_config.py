@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomli
 
 from nsa_titan import train
 from nsa_titan.config import (
@@ -157,7 +158,10 @@ def test_print_config_is_a_toml_that_reproduces_the_run(tmp_path, capsys):
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))
 @pytest.mark.parametrize("world", [1, 8])
 def test_shipped_configs_validate(name, world):
-    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / name)], world_size=world)
+    """At 1 and 8 data-parallel ranks (times the config's context-parallel degree)."""
+    cp = tomli.loads((ROOT / "train_configs" / name).read_text()).get("parallelism", {}).get(
+        "context_parallel_degree", 1)
+    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / name)], world_size=world * cp)
     assert isinstance(cfg, JobConfig)
 
 
