@@ -30,7 +30,7 @@ def test_plans_m7c_at_any_world_size_in_seconds(world):
     assert proc.returncode == 0, proc.stderr
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu_s < 60, cpu_s
-    assert f"plan: {world} ranks (replicate 1 x shard {world})" in proc.stdout
+    assert f"plan: {world} ranks (replicate 1 x shard {world} x context 1)" in proc.stdout
     cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.vocab_size", "4096"],
                          world_size=world)
     real = sum(p.numel() for p in Transformer(cfg.model, 64).parameters())  # materialised on the CPU
