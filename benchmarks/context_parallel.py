@@ -1,13 +1,13 @@
 """Context parallelism: per-rank peak memory, tokens/s and bytes moved, cp = 2 against cp = 1.
 
-    python benchmarks/context_parallel.py [--seq 8192 16384] [--steps 4] [--layers 2] [--ac full]
+    python benchmarks/context_parallel.py [--seq 8192 16384] [--steps 5] [--layers 2] [--ac full]
 
 Trains M7C's width (`train_configs/m7c.toml`, `--layers` blocks, fp32, batch 1, synthetic tokens)
 through `run_train.sh`, once on 1 rank (cp = 1) and once on 2 ranks splitting every sequence
 (cp = 2), at each sequence length. Reports each rank's peak of live tensor memory in the
 profiled step (the profiler's allocation events; the largest over ranks), its peak resident memory
-(the heartbeat's `rss_gib`: with the allocator's retained pages and the runtime), the tokens/s of
-the last step (each token counted once), and the bytes the context-parallel collectives moved into
+(the heartbeat's `rss_gib`: with the allocator's retained pages and the runtime), the mean tokens/s
+of the steps after the profiled one (each token counted once), and the bytes the context-parallel collectives moved into
 one rank in one step, read from the profiler trace of step 2 (`[debug] profile_step`: the
 functional all-gathers of the K/V and the reduce-scatters of their gradients), against the
 planner's prediction (`plan.comm_bytes`).
@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,8 @@ def run(T: int, cp: int, layers: int, steps: int, ac: str, dump: Path) -> dict:
     trace = traces[0]
     cfg, _ = load_config(overrides(T, cp, layers, steps, ac), world_size=cp)
     predicted = comm_bytes(cfg, 0, cp).get("context-parallel K/V", 0.0)
-    return {"rss": max(b["rss_gib"] for r in beats for b in beats[r]), "tokens_per_s": beats[0][-1]["tokens_per_s"],
+    return {"rss": max(b["rss_gib"] for r in beats for b in beats[r]), "tokens_per_s": statistics.mean(
+                b["tokens_per_s"] for b in beats[0] if b["step"] > PROFILED_STEP),
             "tensors": max(peak_tensor_bytes(t) for t in traces) / 2**30,
             "moved": collective_bytes(trace, cp) if cp > 1 else 0.0, "predicted": predicted}
 
@@ -85,7 +87,7 @@ def run(T: int, cp: int, layers: int, steps: int, ac: str, dump: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5, help=f"steps (tokens/s: those after step {PROFILED_STEP})")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--ac", choices=("full", "none"), default="full",
                         help="activation checkpointing (m7c.toml: full)")
