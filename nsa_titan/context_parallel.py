@@ -13,6 +13,7 @@ those of the unsplit sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +70,22 @@ class ContextSplit:
         count = (labels != IGNORE_INDEX).sum()
         local = self.shard(labels, IGNORE_INDEX)
         return cross_entropy_loss(logits, local, reduction="sum") * self.size / count
+
+
+def gather_keys(split: ContextSplit | None, kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's keys and values (B, Tl, G, D) -> the whole padded sequence's, in one all-gather
+    (without context parallelism they are the whole sequence's already)."""
+    if split is None:
+        return kv
+    return dict(zip(kv, split.gather(torch.stack(list(kv.values()), 2)).unbind(2)))
+
+
+def attend_in_parts(split: ContextSplit | None, T: int, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """`attend(rows)` for every query without context parallelism; with it `attend(rows, q0=a)` for
+    each of this rank's chunks (rows: its rows of the rank's tokens, a: its first position among
+    the T keys of the padded sequence), concatenated in the rank's token order."""
+    if split is None:
+        return attend(slice(None))
+    chunks = split.chunks(T)
+    c = chunks[0][1] - chunks[0][0]
+    return torch.cat([attend(slice(i * c, (i + 1) * c), q0=a) for i, (a, _) in enumerate(chunks)], 1)

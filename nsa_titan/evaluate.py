@@ -1,10 +1,12 @@
 """Loss, perplexity and bits per byte of a trained model on a dataset split, or its long-range recall.
 
     python -m nsa_titan.evaluate outputs/debug_model/checkpoint/step-300 [--split validation] [--batches 50]
+    torchrun --nproc-per-node 2 -m nsa_titan.evaluate CHECKPOINT --context_parallel 2   # long sequences
     python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4] [--plot recall.png]
 
 The loss reads the split the way training validates (same packing, same batches, rank shards under
-torchrun), so at a checkpoint's step it reports the trainer's validation loss. The recall task
+torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so at
+a checkpoint's step it reports the trainer's validation loss. The recall task
 (`nsa_titan/data/recall.py`, sizes from the config's `[recall]`) asks, for each distance, for
 values hidden that many tokens before their query, on held-out samples, and reports the share
 of queries whose value tokens are all predicted exactly.
@@ -20,35 +22,48 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from .cli import ArgumentParser, run_command
-from .config import JobConfig
+from .config import ConfigError, JobConfig, cp_multiple
 from .data import DataError, build_validation_dataloader
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
 from .inference import load_model
 from .loss import cross_entropy_loss
+from .parallel import apply_cp
 from .plots import line_chart
 
 
 @torch.no_grad()
 def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, config: str | None = None,
-             overrides: list[str] | None = None) -> dict[str, float]:
-    """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)."""
-    model, tokenizer, cfg = load_model(checkpoint, config, overrides)
+             overrides: list[str] | None = None, context_parallel: int = 1) -> dict[str, float]:
+    """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)
+    per data-parallel rank; with `context_parallel` = cp > 1 (under torchrun) each sequence is split
+    across cp ranks as in training, and the other ranks are data-parallel."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    cp = context_parallel
+    if world % cp:
+        raise ConfigError(f"--context_parallel {cp} does not divide the {world} evaluating ranks: run under torchrun "
+                          f"with a multiple of {cp} ranks (e.g. NGPU={cp} / --nproc-per-node {cp})")
+    model, tokenizer, cfg = load_model(checkpoint, config, overrides, context_parallel=cp)
+    dp_rank, dp_world = rank // cp, world // cp
+    if cp > 1:  # the cp ranks of a data-parallel group neighbours, as in training
+        mesh = init_device_mesh("cpu", (dp_world, cp), mesh_dim_names=("dp", "cp"))
+        apply_cp(model, mesh, cp_multiple(cfg.model, cp))
     loader = build_validation_dataloader(cfg.data, dataclasses.replace(cfg.validation, split=split), tokenizer,
-                                         cfg.training.seq_len,
-                                         cfg.training.local_batch_size, rank, world)
+                                         cfg.training.seq_len, cfg.training.local_batch_size, dp_rank, dp_world)
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
     masking = cfg.training.document_masking  # as in training
     for k, (inputs, labels, document_ids) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
                                                             total=batches or None)):
         if batches and k >= batches:
             break
-        loss = cross_entropy_loss(model(inputs, document_ids if masking else None), labels)
+        logits = model(inputs, document_ids if masking else None)
+        loss = cross_entropy_loss(logits, labels) if model.cp is None else model.cp.loss(logits, labels)
         text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())
-        totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64)
+        # Each of the cp ranks adds 1 / cp of its group's batch: its loss share averages to the batch's.
+        totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64) / cp
     if dist.is_initialized():
         dist.all_reduce(totals)
     if totals[1] == 0:
@@ -56,7 +71,7 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     loss = float(totals[0] / totals[1])
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)),
             "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),
-            "batches": int(totals[1]) // world, "tokens": int(totals[2])}
+            "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
 
 
 @torch.no_grad()
@@ -90,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", help="recall: also draw accuracy by distance into this PNG file")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
+    parser.add_argument("--context_parallel", type=int, default=1,
+                        help="loss: split each sequence across this many ranks (under torchrun; default 1)")
     args, overrides = parser.parse_known_args(argv)
     if args.batches < 0:
         parser.error("--batches must be >= 0 (0: the whole split; for recall, 4 per distance)")
     if min(args.distances) < 1:
         parser.error("--distances must be >= 1")
+    if args.context_parallel < 1 or (args.task == "recall" and args.context_parallel > 1):
+        parser.error("--context_parallel must be >= 1, and 1 for --task recall (it evaluates in one process)")
     if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
         dist.init_process_group("gloo")
     try:
@@ -121,7 +140,7 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
                        "exact recall by distance", "distance (tokens)", "exact recall", (0.0, 1.0), marks)
             print(f"plot: {args.plot}")
         return 0
-    r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides)
+    r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides, args.context_parallel)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{args.split}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte "
               f"{r['bits_per_byte']:.4f} | {r['batches']} batches, {r['tokens']:,} tokens")

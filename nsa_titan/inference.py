@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint import CheckpointError, check_fit, load_tensors, read_model_file, shapes
-from .config import JobConfig, derive, load_config
+from .config import JobConfig, cp_multiple, derive, load_config
 from .data import Tokenizer, build_tokenizer
 from .models.transformer import Transformer
 from .paths import config_of_checkpoint
@@ -17,9 +17,11 @@ SINGLE_PROCESS = ["--parallelism.data_parallel_shard_degree", "-1", "--paralleli
 
 
 def load_model(checkpoint: str, config: str | None = None, overrides: list[str] | None = None,
-               max_seq_len: int = 0, device: str = "cpu") -> tuple[Transformer, Tokenizer, JobConfig]:
+               max_seq_len: int = 0, device: str = "cpu", context_parallel: int = 1
+               ) -> tuple[Transformer, Tokenizer, JobConfig]:
     """The model (eval mode, on `device`), its tokenizer and its config (by default the one saved with
-    the checkpoint)."""
+    the checkpoint). With `context_parallel` > 1 the config is checked for that split (a ConfigError
+    if it cannot run) and the model takes the padded sequence (`parallel.apply_cp` then splits it)."""
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"checkpoint '{checkpoint}' not found: give a step-N folder or an exported .pt file")
@@ -28,11 +30,14 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
         raise CheckpointError(f"no config found for {checkpoint} (looked for {config_path}); pass the training "
                               f"config with --config")
     # One process reads the model, whatever layout trained it (the saved config has that run's degrees).
-    cfg, _ = load_config(["--config", str(config_path), *SINGLE_PROCESS, *(overrides or [])], world_size=1)
+    split = ["--parallelism.context_parallel_degree", str(context_parallel), "--metrics.nsa_stats", "false"]
+    cfg, _ = load_config(["--config", str(config_path), *SINGLE_PROCESS, *(overrides or []),
+                          *(split if context_parallel > 1 else [])], world_size=context_parallel)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
-    cfg = derive(cfg, 1, tokenizer.vocab_size)
+    cfg = derive(cfg, context_parallel, tokenizer.vocab_size)
+    multiple = cp_multiple(cfg.model, context_parallel)
     state = load_tensors(path) if path.is_dir() else read_model_file(path)
-    model = Transformer(cfg.model, max(max_seq_len, cfg.training.seq_len))
+    model = Transformer(cfg.model, max(max_seq_len, -(-cfg.training.seq_len // multiple) * multiple))
     model.init_weights(0)  # the rope table; every parameter is then overwritten
     check_fit(f"checkpoint '{checkpoint}'", shapes(state), shapes(model.state_dict()))
     model.load_state_dict({k: v.float() for k, v in state.items()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -61,7 +62,6 @@ def test_dp2_cp2_on_four_ranks_matches_dp2_on_two(tmp_path):
     (["--parallelism.context_parallel_degree", "3"], 4, "context_parallel_degree = 3 does not divide the world size 4"),
     ([*CP2, "--training.seq_len", "24"], 2, "seq_len = 24 is too short to split across context_parallel_degree = 2"),
     ([*CP2, "--model.attn_impl", "reference"], 2, "needs attn_impl = 'fast'"),
-    ([*CP2, "--model.kernels", "triton"], 2, "kernels = 'triton' does not run under context parallelism"),
     ([*CP2, "--parallelism.data_parallel_shard_degree", "2"], 2, "world size / context_parallel_degree 2"),
 ])
 def test_bad_layouts_stop_before_any_model_is_built(args, world, message):
@@ -104,9 +104,20 @@ def test_resume_across_cp_degrees_is_exact(tmp_path, saved_cp, loaded_cp):
     split = tmp_path / ("a" if saved_cp == 2 else "b")
     result = evaluate(str(split / "checkpoint" / "step-6"), "validation", batches=2)
     assert result["loss"] == pytest.approx(va[6], rel=1e-5)
+    if saved_cp == 2:  # and by two ranks splitting each sequence, as training validated it
+        proc = torchrun(["-m", "nsa_titan.evaluate", str(split / "checkpoint" / "step-6"), "--batches", "2",
+                         "--context_parallel", "2"], nproc=2)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        loss = float(re.search(r"validation: loss (\S+) .* 2 batches, 288 tokens", proc.stdout).group(1))
+        assert loss == pytest.approx(va[6], rel=1e-4)
     for prefix in ("model", "optimizer"):
         sa = load_tensors(tmp_path / "a" / "checkpoint" / "step-6", prefix)
         sb = load_tensors(tmp_path / "b" / "checkpoint" / "step-6", prefix)
         assert sa.keys() == sb.keys() and len(sa) > 10
         for k in sa:
             torch.testing.assert_close(sb[k], sa[k], rtol=1e-4, atol=1e-6, msg=f"{prefix}.{k}")
+
+
+def test_evaluate_with_more_cp_ranks_than_it_has_stops_with_a_config_error():
+    with pytest.raises(ConfigError, match="--context_parallel 2 does not divide the 1 evaluating ranks"):
+        evaluate("no-checkpoint-needed", context_parallel=2)

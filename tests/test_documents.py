@@ -118,6 +118,18 @@ def test_fast_packed_equals_separate_across_many_chunks_and_tiles(small_chunks, 
     assert_grads_close(g_packed, g_separate, tol, layouts)
 
 
+def flash_attn_varlen_as_documented(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+    """flash_attn_varlen_func as documented: q (total_q, H, D), k, v (total_k, G, D); sequence i is
+    query rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] against key rows cu_seqlens_k[i] ..
+    cu_seqlens_k[i + 1], each as flash_attn_func (`flash_attn_as_documented`)."""
+    from test_nsa_fast import flash_attn_as_documented
+
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max(b - a for a, b in zip(cq, cq[1:])) <= max_seqlen_q and max(b - a for a, b in zip(ck, ck[1:])) <= max_seqlen_k
+    return torch.cat([flash_attn_as_documented(q[None, a:b], k[None, c:d], v[None, c:d], **kwargs)[0]
+                      for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
+
+
 def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
     """On GPUs the win branch with documents is flash_attn_varlen_func, each document one sequence
     of the flattened batch; checked with stand-ins written from flash-attn's documentation."""
@@ -126,11 +138,9 @@ def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
     calls = []
 
     def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
-        """q (total, H, D), k, v (total, G, D): sequence i is rows cu_seqlens[i] .. cu_seqlens[i + 1]."""
-        calls.append((cu_seqlens_q.tolist(), max_seqlen_q, kwargs))
-        cu = cu_seqlens_q.tolist()
-        return torch.cat([flash_attn_as_documented(q[None, a:b], k[None, a:b], v[None, a:b], **kwargs)[0]
-                          for a, b in zip(cu[:-1], cu[1:])])
+        calls.append((cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), max_seqlen_q, kwargs))
+        return flash_attn_varlen_as_documented(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               **kwargs)
 
     monkeypatch.setattr(kernels_module, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(kernels_module, "flash_attn_func", flash_attn_as_documented)
@@ -139,7 +149,8 @@ def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
     tokens = torch.randint(0, CFG["vocab_size"], (2, 150), generator=torch.Generator().manual_seed(8))
     grad_out = torch.randn(2, 150, CFG["vocab_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
-    assert calls[0] == ([0, 20, 25, 125, 150, 300], 150, {"causal": True, "window_size": (SPEC.w - 1, 0)})
+    cu = [0, 20, 25, 125, 150, 300]
+    assert calls[0] == (cu, cu, 150, {"causal": True, "window_size": (SPEC.w - 1, 0)})
     assert rel(packed, separate) < 1e-10
     assert_grads_close(g_packed, g_separate, 1e-10, layouts)
 

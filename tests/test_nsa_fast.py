@@ -207,27 +207,59 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
     assert calls == [{"causal": True, "window_size": (23, 0)}]
 
 
+def whole_and_parts(args: list[torch.Tensor], docs: Documents | None, cuts: list[int], kernels: Kernels | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+    """nsa_fast over all queries, and over the parts cut at `cuts` (multiples of l') against the
+    whole keys, concatenated; and the gradients of every input under one random output gradient."""
+    T = args[0].shape[1]
+    leaves = [x.detach().clone().requires_grad_() for x in args]
+    whole = nsa_fast(*leaves[:8], SPEC, kernels, docs=docs)
+    grad_out = torch.randn(whole.shape, dtype=whole.dtype, generator=torch.Generator().manual_seed(3))
+    expected = torch.autograd.grad(whole, leaves, grad_out)
+    edges = [0, *cuts, T]
+    parts = torch.cat([nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], SPEC, kernels, docs=docs, q0=a)
+                       for a, b in zip(edges, edges[1:])], 1)
+    return whole, parts, expected, torch.autograd.grad(parts, leaves, grad_out)
+
+
+def random_parts_inputs(T: int, with_docs: bool, dtype: torch.dtype = torch.float64
+                        ) -> tuple[list[torch.Tensor], Documents | None]:
+    """Inputs for `whole_and_parts` (B 2, H 12, G 2, D 16), with random documents when asked."""
+    args = list(random_inputs(2, T, 12, 2, 16, SPEC, dtype=dtype, seed=T))
+    docs = None
+    if with_docs:
+        ids = torch.cumsum(torch.rand(2, T, generator=torch.Generator().manual_seed(1)) < 0.03, 1)
+        docs = Documents.of(ids, SPEC)
+        args[1:3] = [torch.randn(2, T // SPEC.d, 2, 16, dtype=dtype) for _ in range(2)]  # cmp slots
+    return args, docs
+
+
 @pytest.mark.parametrize("with_docs", [False, True])
 @pytest.mark.parametrize("T,cuts", [(160, [64, 96]), (203, [16, 112, 160])])
 def test_queries_in_parts_equal_the_whole(small_chunks, with_docs, T, cuts):
     """Context parallelism's contract: each part of the queries (starting at a multiple of l'),
     against the keys of the whole sequence, gives the whole run's rows, and the parts' key
     gradients add up to the whole run's."""
-    args = random_inputs(2, T, 12, 2, 16, SPEC, seed=T)
-    q, kc, vc, ks, vs, kw, vw, gates = args
-    docs = None
-    if with_docs:
-        ids = torch.cumsum(torch.rand(2, T, generator=torch.Generator().manual_seed(1)) < 0.03, 1)
-        docs = Documents.of(ids, SPEC)
-        kc, vc = torch.randn(2, T // SPEC.d, 2, 16, dtype=q.dtype), torch.randn(2, T // SPEC.d, 2, 16, dtype=q.dtype)
-    leaves = [x.clone().requires_grad_() for x in (q, kc, vc, ks, vs, kw, vw, gates)]
-    whole = nsa_fast(*leaves[:8], SPEC, docs=docs)
-    grad_out = torch.randn(whole.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(3))
-    expected = torch.autograd.grad(whole, leaves, grad_out)
-    parts, edges = [], [0, *cuts, T]
-    for a, b in zip(edges, edges[1:]):
-        parts.append(nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], SPEC, docs=docs, q0=a))
-    torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-10, atol=1e-12)
-    got = torch.autograd.grad(torch.cat(parts, 1), leaves, grad_out)
+    whole, parts, expected, got = whole_and_parts(*random_parts_inputs(T, with_docs), cuts)
+    torch.testing.assert_close(parts, whole, rtol=1e-10, atol=1e-12)
+    for name, g, e in zip(["q", "kc", "vc", "ks", "vs", "kw", "vw", "gates"], got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_queries_in_parts_through_flash_attn_equal_the_whole(monkeypatch, with_docs):
+    """The same with the win branch through flash-attn (the stand-ins written from its documentation):
+    a part's queries against the keys from its first window on, aligned at the bottom right, and with
+    documents the varlen layout of each document's queries and keys (some with keys but no queries)."""
+    from test_documents import flash_attn_varlen_as_documented
+
+    monkeypatch.setattr(kernels_module, "flash_attn_func", flash_attn_as_documented)
+    monkeypatch.setattr(kernels_module, "flash_attn_varlen_func", flash_attn_varlen_as_documented)
+    kernels = Kernels(win="flash")
+    args, docs = random_parts_inputs(203, with_docs)
+    whole, parts, expected, got = whole_and_parts(args, docs, [16, 48, 112, 160], kernels)
+    reference = nsa_fast(*args, SPEC, docs=docs)  # the torch kernels
+    torch.testing.assert_close(whole, reference, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(parts, whole, rtol=1e-10, atol=1e-12)
     for name, g, e in zip(["q", "kc", "vc", "ks", "vs", "kw", "vw", "gates"], got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11, msg=name)

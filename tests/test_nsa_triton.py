@@ -74,6 +74,15 @@ def run_cases() -> dict:
     report["documents"] = {"used": model.layers["0"].attention.attn_fn.keywords["kernels"] is None and
                            choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16).sel,
                            "out": rel(packed, separate), "grads": rel(flat(g_packed), flat(g_separate))}
+    # Context parallelism: parts of the queries against the whole keys equal the whole run.
+    from test_nsa_fast import random_parts_inputs, whole_and_parts
+    report["parts"] = []
+    for with_docs in (False, True):
+        args, docs = random_parts_inputs(203, with_docs, torch.float32)
+        whole, parts, expected, got = whole_and_parts(args, docs, [16, 48, 112, 160], choose_kernels(
+            "triton", torch.device("cpu"), torch.float32, SPEC, 16))
+        report["parts"].append({"docs": with_docs, "out": rel(parts.detach(), whole.detach()),
+                                "grads": {n: rel(a, b) for n, a, b in zip(NAMES, got, expected)}})
     # Causality: changing the inputs at position s leaves every earlier output unchanged.
     with torch.no_grad():
         args = random_inputs(1, 50, 12, 2, 16, SPEC, dtype=torch.float32, seed=3)
@@ -122,6 +131,15 @@ def test_triton_sel_packed_documents_equal_separate_runs(report):
     docs = report["documents"]
     assert docs["used"] == "triton"
     assert docs["out"] < 1e-5 and docs["grads"] < 1e-5, docs
+
+
+def test_triton_sel_queries_in_parts_equal_the_whole(report):
+    """Context parallelism on the Triton kernels: each part of the queries against the whole keys."""
+    assert [p["docs"] for p in report["parts"]] == [False, True]
+    for part in report["parts"]:
+        assert part["out"] < 1e-6, part
+        for name, err in part["grads"].items():
+            assert err < 1e-6, (part["docs"], name, err)
 
 
 def test_triton_sel_is_causal(report):

@@ -134,9 +134,6 @@ def _validate_context_parallel(cfg: JobConfig, world_size: int) -> None:
     _require(m.attention == "dense" or m.attn_impl == "fast",
              f"[parallelism] context_parallel_degree = {cp} needs attn_impl = 'fast' for NSA (the reference "
              f"builds dense T x T masks of the whole sequence on every rank)")
-    _require(m.kernels in ("auto", "torch"),
-             f"[model] kernels = '{m.kernels}' does not run under context parallelism yet (its queries are a part "
-             f"of the sequence): use kernels = 'torch' (or 'auto', which picks it under cp)")
     _require(not cfg.metrics.nsa_stats,
              f"[metrics] nsa_stats = true does not run under context_parallel_degree = {cp} yet: turn it off, or "
              f"measure the statistics in a run without context parallelism")

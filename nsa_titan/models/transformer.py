@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
-from ..context_parallel import ContextSplit
+from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import (
     Documents, Kernels, NSASpec, cmp_visibility, dense_causal, masked_attention, nsa_fast, nsa_reference, select_blocks,
 )
@@ -184,8 +184,7 @@ class NSAAttention(nn.Module):
         ones (`kc`, `vc`): what a decoding cache keeps."""
         B, T, _ = x.shape
         q, kv = self.project(x, rope)
-        if self.cp is not None:  # this rank's tokens -> the keys and values of the whole sequence
-            kv = dict(zip(kv, self.cp.gather(torch.stack(list(kv.values()), 2)).unbind(2)))
+        kv = gather_keys(self.cp, kv)  # under cp: this rank's tokens -> the keys of the whole sequence
         kc, vc = self.compress(kv["k_cmp"], kv["v_cmp"], docs)
         gates = self.gates(x)
         if kv_out is not None:
@@ -193,11 +192,8 @@ class NSAAttention(nn.Module):
         if self.record_stats:
             self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
-        if self.cp is None:
-            o = self.attn_fn(q, *keys, gates, self.spec, docs=docs)
-        else:  # each of this rank's chunks, its queries at their positions in the sequence
-            o = torch.cat([self.attn_fn(q[:, i:i + b - a], *keys, gates[:, i:i + b - a], self.spec, docs=docs, q0=a)
-                           for i, (a, b) in zip((0, T // 2), self.cp.chunks(kv["k_sel"].shape[1]))], 1)
+        o = attend_in_parts(self.cp, kv["k_sel"].shape[1], lambda rows, **q0: self.attn_fn(
+            q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, **q0))
         return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
@@ -269,15 +265,11 @@ class DenseAttention(nn.Module):
         """x (B, T, dim) -> (B, T, dim); `kv_out` receives k and v (see NSAAttention.forward)."""
         B, T, _ = x.shape
         q, kv = self.project(x, rope)
-        if self.cp is not None:
-            kv = dict(zip(kv, self.cp.gather(torch.stack(list(kv.values()), 2)).unbind(2)))
+        kv = gather_keys(self.cp, kv)
         if kv_out is not None:
             kv_out.update(kv)
-        if self.cp is None:
-            o = dense_causal(q, kv["k"], kv["v"], docs)
-        else:
-            o = torch.cat([dense_causal(q[:, i:i + b - a], kv["k"], kv["v"], docs, q0=a)
-                           for i, (a, b) in zip((0, T // 2), self.cp.chunks(kv["k"].shape[1]))], 1)
+        o = attend_in_parts(self.cp, kv["k"].shape[1], lambda rows, **q0: dense_causal(
+            q[:, rows], kv["k"], kv["v"], docs, **q0))
         return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
@@ -344,7 +336,11 @@ class Transformer(nn.Module):
         """The document geometry of `document_ids` (B, T) for this model's attention."""
         attention = _unwrapped(next(iter(self.layers.values()))).attention
         nsa = isinstance(attention, NSAAttention)
-        varlen = nsa and self.kernels is not None and self.kernels.win == "flash"  # once here, not per layer
+        varlen = []  # flash-attn's varlen layouts of the query parts, computed once here, not per layer
+        if nsa and self.kernels is not None and self.kernels.win == "flash":
+            T = document_ids.shape[1]
+            parts = [(0, T)] if self.cp is None else self.cp.chunks(T)
+            varlen = [(max(0, a - attention.spec.w + 1), a, b) for a, b in parts]
         return Documents.of(document_ids, attention.spec if nsa else None, varlen)
 
     def positions(self, document_ids: torch.Tensor | None) -> tuple[Documents | None, torch.Tensor]:

@@ -11,7 +11,8 @@ no host sync, no T x T tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,20 +23,21 @@ from .common import NSASpec
 class Documents:
     """start, end (B, T) long: the first position of token t's document and the position after its
     last; cmp_start (B, Nc) long: the first key of each cmp slot (T, past every query, for an unused
-    slot); first_slot (B, T) long: the slot of block 0 of token t's document; cu_seqlens (N + 1,)
-    int32: where each of the N documents of the flattened batch starts (flash-attn's varlen
-    layout), only when asked for: sizing it takes one device-to-host sync."""
+    slot); first_slot (B, T) long: the slot of block 0 of token t's document; varlen: flash-attn's
+    varlen layout (`varlen_boundaries`) for each range (lo, q0, hi) of keys and queries asked for,
+    computed once for every layer: sizing it takes one device-to-host sync."""
 
     start: torch.Tensor
     end: torch.Tensor
     cmp_start: torch.Tensor
     first_slot: torch.Tensor
-    cu_seqlens: torch.Tensor | None = None
+    varlen: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @staticmethod
-    def of(document_ids: torch.Tensor, spec: NSASpec | None = None, varlen: bool = False) -> "Documents":
+    def of(document_ids: torch.Tensor, spec: NSASpec | None = None, varlen: Sequence[tuple[int, int, int]] = ()
+           ) -> "Documents":
         """The geometry of `document_ids` (B, T); cmp slots for `spec` (none without one); the
-        varlen boundaries when `varlen`."""
+        varlen boundaries of the ranges (lo, q0, hi) in `varlen`."""
         B, T = document_ids.shape
         dev = document_ids.device
         t = torch.arange(T, device=dev).expand(B, T)
@@ -45,10 +47,10 @@ class Documents:
         last = torch.ones_like(new)
         last[:, :-1] = new[:, 1:]
         end = torch.where(last, t + 1, T).flip(1).cummin(1).values.flip(1)
-        cu_seqlens = varlen_boundaries(start) if varlen else None
+        layouts = {r: varlen_boundaries(start, *r) for r in varlen}
         if spec is None:
             empty = torch.zeros(B, 0, dtype=torch.long, device=dev)
-            return Documents(start, end, empty, torch.zeros_like(start), cu_seqlens)
+            return Documents(start, end, empty, torch.zeros_like(start), layouts)
         # Slot flags: a cmp block starts at p when p - s is a multiple of d and p + l <= e.
         begins = ((t - start) % spec.d == 0) & (t + spec.l <= end)
         slot = torch.cumsum(begins, 1) - 1  # the slot of the block starting at p (if it does)
@@ -56,7 +58,7 @@ class Documents:
         cmp_start = torch.full((B, Nc + 1), T, dtype=torch.long, device=dev)
         cmp_start.scatter_(1, torch.where(begins, slot, Nc), t)[:, :Nc]
         before = slot + 1 - begins.long()  # slots starting before p
-        return Documents(start, end, cmp_start[:, :Nc].contiguous(), before.gather(1, start), cu_seqlens)
+        return Documents(start, end, cmp_start[:, :Nc].contiguous(), before.gather(1, start), layouts)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -77,9 +79,21 @@ class Documents:
         return (s >= self.start[:, t0:t1, None]) & (s <= t)
 
 
-def varlen_boundaries(start: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens (N + 1,) int32 of documents starting at `start` (B, T): the first token of each of
-    the N documents in the flattened batch, then B * T. One device-to-host sync (N is data)."""
+def varlen_boundaries(start: torch.Tensor, lo: int = 0, q0: int = 0, hi: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn's varlen layout of the queries q0 .. hi - 1 against the keys lo .. hi - 1 (lo <= q0;
+    default: the whole sequence) of documents starting at `start` (B, T): cu_seqlens_q and
+    cu_seqlens_k (N + 1,) int32, where each of the N documents that have keys in the range starts
+    in the flattened queries and keys, then their totals. A document with keys but no queries is an
+    empty query sequence; every document's queries and keys end together, as the causal alignment
+    at the bottom right needs. One device-to-host sync (N is data)."""
     B, T = start.shape
-    firsts = torch.nonzero((start == torch.arange(T, device=start.device)).flatten()).flatten()
-    return torch.cat([firsts, firsts.new_full((1,), B * T)]).to(torch.int32)
+    hi = T if hi is None else hi
+    pos = torch.arange(lo, hi, device=start.device)
+    first = start[:, lo:hi] == pos
+    first[:, 0] = True  # the range's first key begins a document's part
+    b, p = torch.nonzero(first, as_tuple=True)
+    cu_k = b * (hi - lo) + p
+    cu_q = b * (hi - q0) + (p + lo - q0).clamp(min=0)
+    return (torch.cat([cu_q, cu_q.new_full((1,), B * (hi - q0))]).to(torch.int32),
+            torch.cat([cu_k, cu_k.new_full((1,), B * (hi - lo))]).to(torch.int32))

@@ -35,7 +35,12 @@ CHUNK_CMP = 256
 CHUNK_WIN = 64
 """Queries per win chunk: the chunk reads C + w - 1 keys for its C windows of w."""
 CHUNK_SEL = 4096
-"""Queries per sel chunk: bounds the gathered rows (C x n x heads x D per KV group)."""
+"""Most queries per sel chunk: bounds the gathered rows (C x n x heads x D per KV group)."""
+SEL_CHUNKS = 4
+"""A sequence's queries are cut into at least this many sel chunks while they keep CHUNK_SEL / 2
+queries or more (short sequences keep one chunk); a part of the queries (context parallelism) is cut
+into as many chunks as the whole sequence, so the chunks' working memory shrinks with a rank's share
+of the sequence instead of staying at its largest."""
 TILE = 32
 """R: queries per sel tile (one block each)."""
 
@@ -289,9 +294,11 @@ def _key_blocks(x: torch.Tensor, L: int) -> torch.Tensor:
     return x.view(B * G, PAD_BLOCKS + Ns, L, D)
 
 
-def _sel_chunks(T: int, L: int) -> range:
-    """Chunk starts: CHUNK_SEL queries rounded to whole blocks of l'."""
-    return range(0, T, max(L, CHUNK_SEL // L * L))
+def _sel_chunks(Tq: int, T: int, L: int) -> range:
+    """Chunk starts for Tq of the T queries: the whole sequence's chunk (T / SEL_CHUNKS queries,
+    within CHUNK_SEL / 2 .. CHUNK_SEL) scaled by Tq / T, rounded to whole blocks of l'."""
+    C = min(CHUNK_SEL, max(CHUNK_SEL // 2, T // SEL_CHUNKS)) * Tq // T
+    return range(0, Tq, max(L, C // L * L))
 
 
 class _Selected(torch.autograd.Function):
@@ -306,7 +313,7 @@ class _Selected(torch.autograd.Function):
         kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
         qs = q.reshape(B * G, Tq, r, D) * D**-0.5
         out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
-        chunks = _sel_chunks(Tq, spec.l_sel)
+        chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
         for t0 in chunks:
             t1 = min(Tq, t0 + chunks.step)
             ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
@@ -349,7 +356,7 @@ class _Selected(torch.autograd.Function):
         lse = lse.reshape(B * G, Tq, r)
         delta = (d_out * out.reshape(B * G, Tq, r, D)).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
         dq = torch.empty_like(qs)
-        chunks = _sel_chunks(Tq, spec.l_sel)
+        chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
         for t0 in chunks:
             t1 = min(Tq, t0 + chunks.step)
             ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], ctx.q0 + t0, spec,
@@ -388,21 +395,25 @@ class _Selected(torch.autograd.Function):
         return dq.view(B, G, Tq, r, D), dks, dvs, None, None, None, None, None
 
 
-def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None
-                  ) -> torch.Tensor:
-    """The win branch by flash-attn's sliding window: q (B, T, H, D), k, v (B, T, G, D) ->
-    (B, G, T, r, D). Query t reads keys t - w + 1 .. t (window_size = (w - 1, 0)); with `docs`,
-    through the varlen entry point, each document one sequence (`docs.cu_seqlens`)."""
-    B, T, H, D = q.shape
+def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,
+                  q0: int) -> torch.Tensor:
+    """The win branch by flash-attn's sliding window: q (B, Tq, H, D) at positions q0 .. q0 + Tq - 1,
+    k, v (B, T, G, D) of the whole sequence -> (B, G, Tq, r, D). Query t reads keys t - w + 1 .. t
+    (window_size = (w - 1, 0)); the keys passed are those from the first query's window on, which
+    flash-attn's causal mask aligns with the queries at the bottom right. With `docs`, through the
+    varlen entry point, each document's part of the queries and of the keys one sequence."""
+    B, Tq, H, D = q.shape
+    lo, hi = max(0, q0 - spec.w + 1), q0 + Tq
+    k, v = k[:, lo:hi], v[:, lo:hi]
     window = (spec.w - 1, 0)
     if docs is None:
-        o = kernel_choice.flash_attn_func(q, k, v, causal=True, window_size=window)  # (B, T, H, D)
+        o = kernel_choice.flash_attn_func(q, k, v, causal=True, window_size=window)  # (B, Tq, H, D)
     else:
-        flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
-        cu = docs.cu_seqlens if docs.cu_seqlens is not None else varlen_boundaries(docs.start)
-        o = kernel_choice.flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, T, T,
-                                                 causal=True, window_size=window).view(B, T, H, D)
-    return o.view(B, T, k.shape[2], H // k.shape[2], D).transpose(1, 2)
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        cu_q, cu_k = docs.varlen.get((lo, q0, hi)) or varlen_boundaries(docs.start, lo, q0, hi)
+        o = kernel_choice.flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, Tq, hi - lo,
+                                                 causal=True, window_size=window).view(B, Tq, H, D)
+    return o.view(B, Tq, k.shape[2], H // k.shape[2], D).transpose(1, 2)
 
 
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
@@ -420,9 +431,6 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
     if kernels is None:
         kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D)
-    if Tq != T and (kernels.sel, kernels.win) != ("torch", "torch"):
-        raise NotImplementedError(f"a part of the queries (context parallelism) runs on the torch kernels only, "
-                                  f"not sel = {kernels.sel}, win = {kernels.win}")
     fields = () if docs is None else (docs.start, docs.end, docs.cmp_start, docs.first_slot)
     start = None if docs is None else docs.start[:, q0:q0 + Tq]
 
@@ -435,11 +443,11 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     o_cmp, idx, valid = _Shared.apply(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T, q0, *fields)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
         o_sel = triton_sel.SelectedTriton.apply(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype),
-                                                idx, valid, spec, start).to(acc)
+                                                idx, valid, spec, start, q0).to(acc)
     else:
         o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, start, q0)
     if kernels.win == "flash":
-        o_win = _window_flash(q, k_win, v_win, spec, docs).to(acc)
+        o_win = _window_flash(q, k_win, v_win, spec, docs, q0).to(acc)
     else:
         o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T, q0, *fields)
     g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)

@@ -29,35 +29,36 @@ AVAILABLE = triton is not None
 if AVAILABLE:
 
     @triton.jit
-    def _block(K, V, IDX, i, t, s, bg, T, sk_t, si_t, dd, ll, L: tl.constexpr):
-        """Keys and values (L, D) of query t's i-th chosen block, counted from its document's
-        start s, zero where it may not read; the readable mask (L,) and the offsets. A block
-        index of -1 (not a candidate) reads nothing."""
-        j = tl.load(IDX + bg * T * si_t + t * si_t + i)
+    def _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L: tl.constexpr):
+        """Keys and values (L, D) of the i-th chosen block of query row tq (position t), counted
+        from its document's start s, zero where it may not read; the readable mask (L,) and the
+        offsets. A block index of -1 (not a candidate) reads nothing."""
+        j = tl.load(IDX + bg * Tq * si_t + tq * si_t + i)
         pos = s + j * L + ll
         ok = (pos >= s) & (pos <= t)
-        kv_off = bg * T * sk_t + pos[:, None] * sk_t + dd[None, :]
+        kv_off = bg * Tk * sk_t + pos[:, None] * sk_t + dd[None, :]
         k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
         return k, v, ok, kv_off
 
     @triton.jit
     def _sel_fwd(Q, K, V, IDX, START, O, LSE, scale,
-                 sq_t, sk_t, si_t, slse_t, T, G,
+                 sq_t, sk_t, si_t, slse_t, Tq, Tk, q0, G,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
-        t = tl.program_id(0)
-        bg = tl.program_id(1)  # b * G + g: q, o (B, G, T, r, D), k, v (B, G, T, D), idx (B, G, T, N)
-        s = tl.load(START + (bg // G) * T + t)  # start (B, T): t's document start
+        tq = tl.program_id(0)  # the query row; its position t = q0 + tq among the Tk keys
+        t = q0 + tq
+        bg = tl.program_id(1)  # b * G + g: q, o (B, G, Tq, r, D), k, v (B, G, Tk, D), idx (B, G, Tq, N)
+        s = tl.load(START + (bg // G) * Tq + tq)  # start (B, Tq): t's document start
         rr = tl.arange(0, BLOCK_R)
         dd = tl.arange(0, D)
         ll = tl.arange(0, L)
-        q_off = bg * T * sq_t + t * sq_t + rr[:, None] * D + dd[None, :]
+        q_off = bg * Tq * sq_t + tq * sq_t + rr[:, None] * D + dd[None, :]
         q = tl.load(Q + q_off, mask=rr[:, None] < R, other=0.0)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            k, v, ok, kv_off = _block(K, V, IDX, i, t, s, bg, T, sk_t, si_t, dd, ll, L)
+            k, v, ok, kv_off = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
             sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             sc = tl.where(ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
@@ -69,28 +70,29 @@ if AVAILABLE:
             m = m_new
         o = acc / total[:, None]
         tl.store(O + q_off, o.to(O.dtype.element_ty), mask=rr[:, None] < R)
-        tl.store(LSE + bg * T * slse_t + t * slse_t + rr, m + tl.log(total), mask=rr < R)
+        tl.store(LSE + bg * Tq * slse_t + tq * slse_t + rr, m + tl.log(total), mask=rr < R)
 
     @triton.jit
     def _sel_bwd(Q, K, V, IDX, START, DO, LSE, DELTA, DQ, DK, DV, scale,
-                 sq_t, sk_t, si_t, slse_t, T, G,
+                 sq_t, sk_t, si_t, slse_t, Tq, Tk, q0, G,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
-        t = tl.program_id(0)
+        tq = tl.program_id(0)
+        t = q0 + tq
         bg = tl.program_id(1)
-        s = tl.load(START + (bg // G) * T + t)
+        s = tl.load(START + (bg // G) * Tq + tq)
         rr = tl.arange(0, BLOCK_R)
         dd = tl.arange(0, D)
         ll = tl.arange(0, L)
-        q_off = bg * T * sq_t + t * sq_t + rr[:, None] * D + dd[None, :]
+        q_off = bg * Tq * sq_t + tq * sq_t + rr[:, None] * D + dd[None, :]
         rows = rr[:, None] < R
         q = tl.load(Q + q_off, mask=rows, other=0.0)
         do = tl.load(DO + q_off, mask=rows, other=0.0)
-        stat_off = bg * T * slse_t + t * slse_t + rr
+        stat_off = bg * Tq * slse_t + tq * slse_t + rr
         lse = tl.load(LSE + stat_off, mask=rr < R, other=float("inf"))  # padded rows: p = 0
         delta = tl.load(DELTA + stat_off, mask=rr < R, other=0.0)
         dq = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            k, v, ok, kv_off = _block(K, V, IDX, i, t, s, bg, T, sk_t, si_t, dd, ll, L)
+            k, v, ok, kv_off = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
             sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             p = tl.where(ok[None, :], tl.exp(sc - lse[:, None]), 0.0)  # (BLOCK_R, L)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
@@ -103,39 +105,38 @@ if AVAILABLE:
         tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=rows)
 
 
-def _launch_args(q: torch.Tensor, idx: torch.Tensor, spec: NSASpec) -> dict:
-    B, G, T, r, D = q.shape
-    return dict(scale=D**-0.5, sq_t=r * D, sk_t=D, si_t=idx.shape[-1], slse_t=r, T=T, G=G, R=r,
-                BLOCK_R=max(16, triton.next_power_of_2(r)), D=D, L=spec.l_sel, N=idx.shape[-1])
+def _launch_args(q: torch.Tensor, ks: torch.Tensor, idx: torch.Tensor, spec: NSASpec, q0: int) -> dict:
+    B, G, Tq, r, D = q.shape
+    return dict(scale=D**-0.5, sq_t=r * D, sk_t=D, si_t=idx.shape[-1], slse_t=r, Tq=Tq, Tk=ks.shape[2], q0=q0, G=G,
+                R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), D=D, L=spec.l_sel, N=idx.shape[-1])
 
 
 class SelectedTriton(torch.autograd.Function):
-    """Same contract as fast._Selected: q (B, G, T, r, D); ks, vs (B, G, T, D); idx, valid
-    (B, G, T, n'); start (B, T) or None -> (B, G, T, r, D). Head dim and l' must be powers of two
-    >= 16."""
+    """Same contract as fast._Selected: q (B, G, Tq, r, D), the queries at q0 .. q0 + Tq - 1; ks, vs
+    (B, G, T, D) of the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq) or None ->
+    (B, G, Tq, r, D). Head dim and l' must be powers of two >= 16."""
 
     @staticmethod
-    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None):
+    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None, q0: int):
         q, ks, vs = q.contiguous(), ks.contiguous(), vs.contiguous()
-        B, G, T, r, D = q.shape
+        B, G, Tq, r, D = q.shape
         idx32 = torch.where(valid, idx, -1).to(torch.int32).contiguous()
-        start32 = (torch.zeros(B, T, device=q.device) if start is None else start).to(torch.int32).contiguous()
+        start32 = (torch.zeros(B, Tq, device=q.device) if start is None else start).to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        lse = torch.empty(B, G, T, r, dtype=torch.float32, device=q.device)
-        _sel_fwd[(T, B * G)](q, ks, vs, idx32, start32, out, lse, **_launch_args(q, idx32, spec))
+        lse = torch.empty(B, G, Tq, r, dtype=torch.float32, device=q.device)
+        _sel_fwd[(Tq, B * G)](q, ks, vs, idx32, start32, out, lse, **_launch_args(q, ks, idx32, spec, q0))
         ctx.save_for_backward(q, ks, vs, idx32, start32, out, lse)
-        ctx.spec = spec
+        ctx.spec, ctx.q0 = spec, q0
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, ks, vs, idx32, start32, out, lse = ctx.saved_tensors
-        B, G, T, r, D = q.shape
         d_out = d_out.contiguous()
-        delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, T, r)
+        delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
         dq = torch.empty_like(q)
         dk = torch.zeros(ks.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros_like(dk)
-        _sel_bwd[(T, B * G)](q, ks, vs, idx32, start32, d_out, lse, delta, dq, dk, dv,
-                             **_launch_args(q, idx32, ctx.spec))
-        return dq, dk.to(ks.dtype), dv.to(vs.dtype), None, None, None, None
+        _sel_bwd[(q.shape[2], q.shape[0] * q.shape[1])](q, ks, vs, idx32, start32, d_out, lse, delta, dq, dk, dv,
+                                                        **_launch_args(q, ks, idx32, ctx.spec, ctx.q0))
+        return dq, dk.to(ks.dtype), dv.to(vs.dtype), None, None, None, None, None
