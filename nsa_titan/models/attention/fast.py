@@ -27,7 +27,7 @@ import torch
 from . import kernels as kernel_choice
 from . import triton_sel
 from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, choose_blocks, mix_branches
-from .documents import Documents, varlen_boundaries
+from .documents import Documents
 from .kernels import Kernels
 
 CHUNK_CMP = 256
@@ -395,27 +395,6 @@ class _Selected(torch.autograd.Function):
         return dq.view(B, G, Tq, r, D), dks, dvs, None, None, None, None, None
 
 
-def _window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,
-                  q0: int) -> torch.Tensor:
-    """The win branch by flash-attn's sliding window: q (B, Tq, H, D) at positions q0 .. q0 + Tq - 1,
-    k, v (B, T, G, D) of the whole sequence -> (B, G, Tq, r, D). Query t reads keys t - w + 1 .. t
-    (window_size = (w - 1, 0)); the keys passed are those from the first query's window on, which
-    flash-attn's causal mask aligns with the queries at the bottom right. With `docs`, through the
-    varlen entry point, each document's part of the queries and of the keys one sequence."""
-    B, Tq, H, D = q.shape
-    lo, hi = max(0, q0 - spec.w + 1), q0 + Tq
-    k, v = k[:, lo:hi], v[:, lo:hi]
-    window = (spec.w - 1, 0)
-    if docs is None:
-        o = kernel_choice.flash_attn_func(q, k, v, causal=True, window_size=window)  # (B, Tq, H, D)
-    else:
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        cu_q, cu_k = docs.varlen.get((lo, q0, hi)) or varlen_boundaries(docs.start, lo, q0, hi)
-        o = kernel_choice.flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, Tq, hi - lo,
-                                                 causal=True, window_size=window).view(B, Tq, H, D)
-    return o.view(B, Tq, k.shape[2], H // k.shape[2], D).transpose(1, 2)
-
-
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
              k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
              kernels: Kernels | None = None, docs: Documents | None = None, q0: int = 0) -> torch.Tensor:
@@ -447,7 +426,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     else:
         o_sel = _Selected.apply(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, start, q0)
     if kernels.win == "flash":
-        o_win = _window_flash(q, k_win, v_win, spec, docs, q0).to(acc)
+        o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0).to(acc)
     else:
         o_win, _, _ = _Shared.apply(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T, q0, *fields)
     g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)

@@ -2,7 +2,7 @@
 
   cmp  PyTorch chunks (`fast._Shared`)
   sel  PyTorch block-centric tiles (`fast._Selected`), or Triton kernels (`triton_sel.py`) on CUDA
-  win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16
+  win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16 (`window_flash`)
 
 `auto` takes each fast kernel where it can run, else PyTorch; asking for one that cannot run is
 a ConfigError that says why. Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks).
@@ -18,6 +18,7 @@ import torch
 from ...config import ConfigError
 from . import triton_sel
 from .common import NSASpec
+from .documents import Documents, varlen_boundaries
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -73,3 +74,24 @@ def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: 
                               f"that runs) or 'torch'")
     return Kernels(sel="triton" if choice in ("auto", "triton") and not sel_problem else "torch",
                    win="flash" if choice in ("auto", "flash") and not win_problem else "torch")
+
+
+def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,
+                 q0: int) -> torch.Tensor:
+    """The win branch by flash-attn's sliding window: q (B, Tq, H, D) at positions q0 .. q0 + Tq - 1,
+    k, v (B, T, G, D) of the whole sequence -> (B, G, Tq, r, D). Query t reads keys t - w + 1 .. t
+    (window_size = (w - 1, 0)); the keys passed are those from the first query's window on, which
+    flash-attn's causal mask aligns with the queries at the bottom right. With `docs`, through the
+    varlen entry point, each document's part of the queries and of the keys one sequence."""
+    B, Tq, H, D = q.shape
+    lo, hi = max(0, q0 - spec.w + 1), q0 + Tq
+    k, v = k[:, lo:hi], v[:, lo:hi]
+    window = (spec.w - 1, 0)
+    if docs is None:
+        o = flash_attn_func(q, k, v, causal=True, window_size=window)  # (B, Tq, H, D)
+    else:
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        cu_q, cu_k = docs.varlen.get((lo, q0, hi)) or varlen_boundaries(docs.start, lo, q0, hi)
+        o = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, Tq, hi - lo, causal=True,
+                                   window_size=window).view(B, Tq, H, D)
+    return o.view(B, Tq, k.shape[2], H // k.shape[2], D).transpose(1, 2)
