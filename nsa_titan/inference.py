@@ -35,7 +35,7 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
                           *(split if context_parallel > 1 else [])], world_size=context_parallel)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     cfg = derive(cfg, context_parallel, tokenizer.vocab_size)
-    multiple = cp_multiple(cfg.model, context_parallel)
+    multiple = cp_multiple(cfg.model, context_parallel) if context_parallel > 1 else 1  # the cp padding
     state = load_tensors(path) if path.is_dir() else read_model_file(path)
     model = Transformer(cfg.model, max(max_seq_len, -(-cfg.training.seq_len // multiple) * multiple))
     model.init_weights(0)  # the rope table; every parameter is then overwritten
