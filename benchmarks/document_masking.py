@@ -71,14 +71,14 @@ def run_one(variant: str, T: int, mean: int, repeats: int) -> dict:
     module = (DenseAttention(cfg) if cfg.attention == "dense" else NSAAttention(cfg)).to(device, dtype)
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    ids = None if variant == "nsa" else document_ids(T, mean).to(device)
+    ids = None if variant == "nsa" else document_ids(T, mean)  # on the host, as the loader gives them
     x = torch.randn(1, T, cfg.dim, device=device, dtype=dtype, requires_grad=True)
     table = rope_tables(cfg.head_dim, T, 10000.0, device).to(dtype)
 
     def step() -> None:
         docs, rope = None, table
         if ids is not None:
-            docs = Documents.of(ids, module.spec if isinstance(module, NSAAttention) else None)
+            docs = Documents.of(ids, module.spec if isinstance(module, NSAAttention) else None).to(device)
             rope = table[docs.positions]
         module(x, rope, docs=docs).float().square().mean().backward()
         if device.type == "cuda":

@@ -214,8 +214,9 @@ class Trainer:
         return self.last_inputs, labels.to(self.device), self.last_documents
 
     def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
-        """The batch's document ids on the device when `[training] document_masking` is on, else None."""
-        return document_ids.to(self.device) if self.cfg.training.document_masking else None
+        """The batch's document ids (on the host, where the model measures them) when `[training]
+        document_masking` is on, else None."""
+        return document_ids if self.cfg.training.document_masking else None
 
     def train_step(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, float, float]:
         """Accumulate over micro-batches, clip, check, step.

@@ -82,12 +82,12 @@ def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: floa
 def small_chunks(monkeypatch):
     """Fast-path chunks and tiles much smaller than T, so every loop runs many times with partial last
     chunks (sel chunks: 2 blocks of l' = 16)."""
-    from nsa_titan.models.attention import fast
+    from nsa_titan.models.attention import fast, fast_sel
 
     monkeypatch.setattr(fast, "CHUNK_CMP", 24)
     monkeypatch.setattr(fast, "CHUNK_WIN", 16)
-    monkeypatch.setattr(fast, "CHUNK_SEL", 32)
-    monkeypatch.setattr(fast, "TILE", 3)
+    monkeypatch.setattr(fast_sel, "CHUNK_SEL", 32)
+    monkeypatch.setattr(fast_sel, "TILE", 3)
 
 
 def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:

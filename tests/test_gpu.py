@@ -81,23 +81,18 @@ def test_gpu_kernels_with_documents_equal_separate_runs(win):
 def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
     """Context parallelism's contract on CUDA with the kernels `auto` takes, in fp16: the queries cut
     at multiples of l' against the whole keys give the whole run (outputs and every gradient)."""
+    from nsa_titan.models.attention import Documents
+    from test_nsa_fast import whole_and_parts
+
     B, T, H, G, D = 1, 3000, 12, 2, 64
     args = [a.cuda().half() for a in random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=5)]
     docs = None
-    if with_docs:
-        from nsa_titan.models.attention import Documents
-        ids = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 2e-3, 1).cuda()
-        docs = Documents.of(ids, SPEC)
+    if with_docs:  # ids on the host, as the loader gives them
+        ids = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 2e-3, 1)
+        docs = Documents.of(ids, SPEC).to(torch.device("cuda"))
         args[1:3] = [torch.randn(B, T // SPEC.d, G, D, device="cuda").half() for _ in range(2)]  # cmp slots
     kernels = choose_kernels("auto", torch.device("cuda"), torch.float16, SPEC, D)
-    leaves = [a.clone().requires_grad_(True) for a in args]
-    whole = nsa_fast(*leaves, SPEC, kernels, docs=docs)
-    grad_out = torch.randn_like(whole)
-    expected = torch.autograd.grad(whole, leaves, grad_out)
-    edges = [0, 640, 1536, 2304, T]
-    parts = torch.cat([nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], SPEC, kernels, docs=docs, q0=a)
-                       for a, b in zip(edges, edges[1:])], 1)
-    got = torch.autograd.grad(parts, leaves, grad_out)
+    whole, parts, expected, got = whole_and_parts(args, docs, [640, 1536, 2304], kernels, SPEC)
     assert rel(parts, whole) < 5e-3
     for g, e in zip(got, expected):
         assert rel(g, e) < 5e-3

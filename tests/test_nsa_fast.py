@@ -207,17 +207,18 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
     assert calls == [{"causal": True, "window_size": (23, 0)}]
 
 
-def whole_and_parts(args: list[torch.Tensor], docs: Documents | None, cuts: list[int], kernels: Kernels | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+def whole_and_parts(args: list[torch.Tensor], docs: Documents | None, cuts: list[int], kernels: Kernels | None = None,
+                    spec: NSASpec = SPEC) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
     """nsa_fast over all queries, and over the parts cut at `cuts` (multiples of l') against the
-    whole keys, concatenated; and the gradients of every input under one random output gradient."""
+    whole keys, concatenated; and the gradients of every input under one random output gradient.
+    (tests/test_gpu.py runs it on CUDA at the paper's sizes.)"""
     T = args[0].shape[1]
     leaves = [x.detach().clone().requires_grad_() for x in args]
-    whole = nsa_fast(*leaves[:8], SPEC, kernels, docs=docs)
-    grad_out = torch.randn(whole.shape, dtype=whole.dtype, generator=torch.Generator().manual_seed(3))
+    whole = nsa_fast(*leaves[:8], spec, kernels, docs=docs)
+    grad_out = torch.randn(whole.shape, generator=torch.Generator().manual_seed(3)).to(whole)
     expected = torch.autograd.grad(whole, leaves, grad_out)
     edges = [0, *cuts, T]
-    parts = torch.cat([nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], SPEC, kernels, docs=docs, q0=a)
+    parts = torch.cat([nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], spec, kernels, docs=docs, q0=a)
                        for a, b in zip(edges, edges[1:])], 1)
     return whole, parts, expected, torch.autograd.grad(parts, leaves, grad_out)
 
@@ -244,6 +245,51 @@ def test_queries_in_parts_equal_the_whole(small_chunks, with_docs, T, cuts):
     torch.testing.assert_close(parts, whole, rtol=1e-10, atol=1e-12)
     for name, g, e in zip(["q", "kc", "vc", "ks", "vs", "kw", "vw", "gates"], got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_host_bounds_read_only_the_documents_keys(small_chunks, monkeypatch):
+    """With the host bounds (document ids from the loader), each chunk reads only its documents' keys:
+    the same outputs and gradients as the static ranges that a compiled graph or ids on a device
+    keep, with far fewer keys read by cmp and win and fewer sel tiles; and without documents the
+    static tile count follows each query's own choices."""
+    import dataclasses
+
+    from nsa_titan.models.attention import fast, fast_sel
+
+    read = {"keys": 0, "tiles": 0}
+    probs, tiles = fast._probs, fast_sel._tiles
+
+    def counting_probs(q, k, mask):
+        read["keys"] += q[0, 0].numel() // q.shape[-1] * k.shape[2]
+        return probs(q, k, mask)
+
+    def counting_tiles(kpos, use, t0, NT):
+        read["tiles"] += NT
+        return tiles(kpos, use, t0, NT)
+
+    monkeypatch.setattr(fast, "_probs", counting_probs)
+    monkeypatch.setattr(fast_sel, "_tiles", counting_tiles)
+    T = 400
+    args = list(random_inputs(2, T, 12, 2, 16, SPEC, dtype=torch.float64, seed=5))
+    ids = torch.stack([torch.arange(T) // 40, (torch.arange(T) + 17) // 50])  # documents of 40 and 50 tokens
+    docs = Documents.of(ids, SPEC)
+    args[1:3] = [torch.randn(2, T // SPEC.d, 2, 16, dtype=torch.float64) for _ in range(2)]  # cmp slots
+    counts, results = {}, {}
+    for name, d in (("bounds", docs), ("static", dataclasses.replace(docs, bounds=None)), ("none", None)):
+        read.update(keys=0, tiles=0)
+        leaves = [x.detach().clone().requires_grad_() for x in args]
+        out = nsa_fast(*leaves, SPEC, docs=d)
+        results[name] = (out, torch.autograd.grad(out.square().sum(), leaves))
+        counts[name] = dict(read)
+    out, grads = results["bounds"]
+    torch.testing.assert_close(out, results["static"][0], rtol=1e-12, atol=1e-14)
+    for g, e in zip(grads, results["static"][1]):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+    assert counts["bounds"]["keys"] < 0.6 * counts["static"]["keys"], counts
+    assert counts["bounds"]["tiles"] < 0.6 * counts["static"]["tiles"], counts
+    # without documents: fewer tiles than the bound that assumes per_query choices for every query
+    # (the one the static ranges above take), since early queries have fewer blocks to choose from
+    assert counts["none"]["tiles"] < 0.9 * counts["static"]["tiles"], counts
 
 
 @pytest.mark.parametrize("with_docs", [False, True])

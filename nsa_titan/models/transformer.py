@@ -333,7 +333,9 @@ class Transformer(nn.Module):
                              f"a larger max_seq_len (training.seq_len, or load_model's max_seq_len)")
 
     def documents(self, document_ids: torch.Tensor) -> Documents:
-        """The document geometry of `document_ids` (B, T) for this model's attention."""
+        """The document geometry of `document_ids` (B, T) for this model's attention, on the model's
+        device. Ids on the host (as the loader gives them) are measured there: the geometry then
+        carries host bounds for the fast path's chunks, and nothing waits on the device."""
         attention = _unwrapped(next(iter(self.layers.values()))).attention
         nsa = isinstance(attention, NSAAttention)
         varlen = []  # flash-attn's varlen layouts of the query parts, computed once here, not per layer
@@ -341,7 +343,7 @@ class Transformer(nn.Module):
             T = document_ids.shape[1]
             parts = [(0, T)] if self.cp is None else self.cp.chunks(T)
             varlen = [(max(0, a - attention.spec.w + 1), a, b) for a, b in parts]
-        return Documents.of(document_ids, attention.spec if nsa else None, varlen)
+        return Documents.of(document_ids, attention.spec if nsa else None, varlen).to(self.rope.device)
 
     def positions(self, document_ids: torch.Tensor | None) -> tuple[Documents | None, torch.Tensor]:
         """The document geometry (None without ids) and the RoPE rows the blocks take: the table from
@@ -362,8 +364,6 @@ class Transformer(nn.Module):
         if document_ids is not None and document_ids.shape != tokens.shape:
             raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, the tokens "
                              f"{tuple(tokens.shape)}: give one document index per token")
-        if document_ids is not None:
-            document_ids = document_ids.to(tokens.device)
         if self.cp is not None:  # padded at the end: the padding is a document of its own
             T = tokens.shape[1]
             tokens = self.cp.pad(tokens, 0)

@@ -104,10 +104,11 @@ def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0
     return choose_blocks(p_group, spec, t0, C if T is None else T, docs)
 
 
-def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
+                  slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
-    first Nv <= Nc cmp blocks (or slots, with `docs`) are all that queries t0 .. t0 + C - 1 can see.
+    first Nv <= Nc cmp blocks (or, with `docs`, the slots slot0 .. slot0 + Nv - 1) are all that
+    queries t0 .. t0 + C - 1 can see.
 
     Returns idx (B, G, C, n') long and valid (B, G, C, n') bool, n' = min(n, Ns): the chosen
     block indices (descending score) and whether each is a real candidate (j*l' <= t). With
@@ -128,7 +129,7 @@ def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: D
         else:  # the members counted inside the document, as slots
             members = sel_members(spec, Ns * spec.l_sel + spec.l, dev)[:Ns]  # (Ns, K), unclipped by T
             absent = members == spec.num_cmp_blocks(Ns * spec.l_sel + spec.l)
-            slots = torch.where(absent, Nv, docs.first_slot[:, t0:t0 + C, None, None] + members).clamp(max=Nv)
+            slots = torch.where(absent, Nv, docs.first_slot[:, t0:t0 + C, None, None] - slot0 + members).clamp(max=Nv)
             scores = padded.gather(-1, slots.view(B, 1, C, -1).expand(B, G, C, -1)).view(B, G, C, Ns, -1).sum(-1)
             t = t - docs.start[:, t0:t0 + C]  # (B, C): positions in the document
         j = torch.arange(Ns, device=dev)[None, None, :]

@@ -7,6 +7,11 @@ as *slots*: all complete blocks of all documents, in order, in a (B, T // d) arr
 length L has at most L // d of them, since d <= l, so T // d is a static bound). Its selection
 blocks start at s + j*l'. Everything is computed from `document_ids` by cumulative scans: O(T),
 no host sync, no T x T tensor.
+
+When the ids are on the host (the data loader's), `ChunkBounds` also keeps, as Python ints, what
+bounds a chunk of queries: its documents' first keys and slots, and how many sel blocks its
+queries can choose by score. The fast path's chunks then read only their documents' keys, so a
+window of short documents costs less than an unmasked one, still without a device sync.
 """
 
 from __future__ import annotations
@@ -16,7 +21,51 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import NSASpec
+from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
+
+
+@dataclass(frozen=True)
+class ChunkBounds:
+    """Host-side bounds, over the batch rows, for a chunk of queries t0 .. t1 - 1 (see the methods).
+    Lists per position t of the window (built by `Documents.of` from ids on the host)."""
+
+    start_min: list[int]  # min over rows of the first position of t's document
+    first_slot_min: list[int]  # min over rows of the slot of block 0 of t's document
+    visible_max: list[int]  # max over rows of the cmp slots wholly at or before t (slots are in order)
+    scored_cum: list[int]  # prefix sums over t of sum over rows of min(n - 3, max(0, jt - 2))
+    blocks_cum: list[int]  # prefix sums over t of sum over rows of max(0, jt - 2) where t ends its document
+    blocks_at: list[int]  # sum over rows of max(0, jt - 2) at t
+
+    @staticmethod
+    def of(start: torch.Tensor, end: torch.Tensor, first_slot: torch.Tensor, visible: torch.Tensor, spec: NSASpec
+           ) -> "ChunkBounds":
+        """From the (B, T) geometry on the host; visible[b, t]: the slots whole at or before t."""
+        t = torch.arange(start.shape[1])
+        # jt - 2 with jt the sel block holding t in its document: the blocks 1 .. jt - 2 are the
+        # only ones a query can choose by score (block 0, jt - 1 and jt are forced).
+        blocks = ((t - start) // spec.l_sel - 2).clamp(min=0)
+        scored = blocks.clamp(max=max(0, spec.n - N_FORCED_INITIAL - N_FORCED_LOCAL)).sum(0)
+        ends = (blocks * (end == t + 1)).sum(0)
+        zero = torch.zeros(1, dtype=torch.long)
+        return ChunkBounds(start.min(0).values.tolist(), first_slot.min(0).values.tolist(),
+                           visible.max(0).values.tolist(), torch.cat([zero, scored.cumsum(0)]).tolist(),
+                           torch.cat([zero, ends.cumsum(0)]).tolist(), blocks.sum(0).tolist())
+
+    def cmp_slots(self, t0: int, t1: int) -> tuple[int, int]:
+        """The slots [lo, hi) holding every cmp block a query t0 .. t1 - 1 sees (those of its
+        document, wholly in its past)."""
+        return self.first_slot_min[t0], self.visible_max[t1 - 1]
+
+    def window_start(self, t0: int, w: int) -> int:
+        """The first key a window of a query t0 .. t0 + C - 1 reaches."""
+        return max(t0 - w + 1, self.start_min[t0])
+
+    def scored_choices(self, t0: int, t1: int) -> tuple[int, int]:
+        """Per KV group: the most (query, block) choices by score of the queries t0 .. t1 - 1, and
+        the most distinct blocks those can name (blocks 1 .. jt - 2 of each document's last
+        query in the chunk)."""
+        return (self.scored_cum[t1] - self.scored_cum[t0],
+                self.blocks_cum[t1 - 1] - self.blocks_cum[t0] + self.blocks_at[t1 - 1])
 
 
 @dataclass(frozen=True)
@@ -32,12 +81,13 @@ class Documents:
     cmp_start: torch.Tensor
     first_slot: torch.Tensor
     varlen: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    bounds: ChunkBounds | None = None
 
     @staticmethod
     def of(document_ids: torch.Tensor, spec: NSASpec | None = None, varlen: Sequence[tuple[int, int, int]] = ()
            ) -> "Documents":
         """The geometry of `document_ids` (B, T); cmp slots for `spec` (none without one); the
-        varlen boundaries of the ranges (lo, q0, hi) in `varlen`."""
+        varlen boundaries of the ranges (lo, q0, hi) in `varlen`; host bounds for ids on the CPU."""
         B, T = document_ids.shape
         dev = document_ids.device
         t = torch.arange(T, device=dev).expand(B, T)
@@ -58,18 +108,29 @@ class Documents:
         cmp_start = torch.full((B, Nc + 1), T, dtype=torch.long, device=dev)
         cmp_start.scatter_(1, torch.where(begins, slot, Nc), t)[:, :Nc]
         before = slot + 1 - begins.long()  # slots starting before p
-        return Documents(start, end, cmp_start[:, :Nc].contiguous(), before.gather(1, start), layouts)
+        first_slot = before.gather(1, start)
+        bounds = None
+        if dev.type == "cpu":  # slot i is visible from t = start + l - 1 on
+            visible = torch.nn.functional.pad(torch.cumsum(begins, 1), (spec.l - 1, 0))[:, :T]
+            bounds = ChunkBounds.of(start, end, first_slot, visible, spec)
+        return Documents(start, end, cmp_start[:, :Nc].contiguous(), first_slot, layouts, bounds)
+
+    def to(self, device: torch.device) -> "Documents":
+        """The same geometry with its tensors on `device` (the host bounds stay)."""
+        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        return Documents(move(self.start), move(self.end), move(self.cmp_start), move(self.first_slot),
+                         {r: (move(a), move(b)) for r, (a, b) in self.varlen.items()}, self.bounds)
 
     @property
     def positions(self) -> torch.Tensor:
         """(B, T) long: each token's position inside its document (RoPE's position)."""
         return torch.arange(self.start.shape[1], device=self.start.device) - self.start
 
-    def cmp_visible(self, spec: NSASpec, t0: int, t1: int, hi: int) -> torch.Tensor:
-        """(B, t1 - t0, hi) bool: query t may attend cmp slot i < hi iff the block is in t's
-        document and wholly in its past."""
+    def cmp_visible(self, spec: NSASpec, t0: int, t1: int, hi: int, lo: int = 0) -> torch.Tensor:
+        """(B, t1 - t0, hi - lo) bool: query t may attend cmp slot lo <= i < hi iff the block is in
+        t's document and wholly in its past."""
         t = torch.arange(t0, t1, device=self.start.device)[None, :, None]
-        c = self.cmp_start[:, None, :hi]
+        c = self.cmp_start[:, None, lo:hi]
         return (c >= self.start[:, t0:t1, None]) & (c + spec.l - 1 <= t)
 
     def same_past(self, t0: int, t1: int, lo: int, hi: int) -> torch.Tensor:

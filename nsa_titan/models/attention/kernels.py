@@ -1,7 +1,7 @@
 """Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
 
   cmp  PyTorch chunks (`fast._Shared`)
-  sel  PyTorch block-centric tiles (`fast._Selected`), or Triton kernels (`triton_sel.py`) on CUDA
+  sel  PyTorch block-centric tiles (`fast_sel.Selected`), or Triton kernels (`triton_sel.py`) on CUDA
   win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16 (`window_flash`)
 
 `auto` takes each fast kernel where it can run, else PyTorch; asking for one that cannot run is
