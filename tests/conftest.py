@@ -82,10 +82,10 @@ def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: floa
 def small_chunks(monkeypatch):
     """Fast-path chunks and tiles much smaller than T, so every loop runs many times with partial last
     chunks (sel chunks: 2 blocks of l' = 16)."""
-    from nsa_titan.models.attention import fast, fast_sel
+    from nsa_titan.models.attention import fast_sel, fast_shared
 
-    monkeypatch.setattr(fast, "CHUNK_CMP", 24)
-    monkeypatch.setattr(fast, "CHUNK_WIN", 16)
+    monkeypatch.setattr(fast_shared, "CHUNK_CMP", 24)
+    monkeypatch.setattr(fast_shared, "CHUNK_WIN", 16)
     monkeypatch.setattr(fast_sel, "CHUNK_SEL", 32)
     monkeypatch.setattr(fast_sel, "TILE", 3)
 

@@ -254,10 +254,10 @@ def test_host_bounds_read_only_the_documents_keys(small_chunks, monkeypatch):
     static tile count follows each query's own choices."""
     import dataclasses
 
-    from nsa_titan.models.attention import fast, fast_sel
+    from nsa_titan.models.attention import fast_sel, fast_shared
 
     read = {"keys": 0, "tiles": 0}
-    probs, tiles = fast._probs, fast_sel._tiles
+    probs, tiles = fast_shared._probs, fast_sel._tiles
 
     def counting_probs(q, k, mask):
         read["keys"] += q[0, 0].numel() // q.shape[-1] * k.shape[2]
@@ -267,7 +267,7 @@ def test_host_bounds_read_only_the_documents_keys(small_chunks, monkeypatch):
         read["tiles"] += NT
         return tiles(kpos, use, t0, NT)
 
-    monkeypatch.setattr(fast, "_probs", counting_probs)
+    monkeypatch.setattr(fast_shared, "_probs", counting_probs)
     monkeypatch.setattr(fast_sel, "_tiles", counting_tiles)
     T = 400
     args = list(random_inputs(2, T, 12, 2, 16, SPEC, dtype=torch.float64, seed=5))

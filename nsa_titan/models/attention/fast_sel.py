@@ -207,46 +207,107 @@ def _sel_chunks(Tq: int, T: int, L: int) -> range:
     return range(0, Tq, max(L, C // L * L))
 
 
+def selected_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                     spec: NSASpec, start: torch.Tensor | None, q0: int, bounds: ChunkBounds | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sel attention: each (query, group) reads its own n blocks of l' keys (see the module doc).
+    q (B, G, Tq, r, D): the queries at q0 .. q0 + Tq - 1 (q0 a multiple of l'); ks, vs (B, G, T, D) of
+    the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq): each query's document start (None:
+    one document), bounds: the documents' host bounds (or None) -> out (B, G, Tq, r, D) and the
+    logsumexp of each (query, head) (B, G, Tq, r), what the backward needs."""
+    B, G, Tq, r, D = q.shape
+    kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
+    qs = q.reshape(B * G, Tq, r, D) * D**-0.5
+    out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
+    chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
+    for t0 in chunks:
+        t1 = min(Tq, t0 + chunks.step)
+        ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
+                       None if start is None else start[:, t0:t1], bounds)
+        BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
+        lanes = ch.rows.flatten()
+        NT = ch.qt.shape[0]
+        # Row maxima over all three parts, then one exp per score.
+        m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
+        m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
+        m = torch.maximum(m[:-1].view(BG, C, r), ch.s_loc.amax(-1).view(BG, -1, r)[:, :C])
+        m = torch.maximum(m, ch.s_ini.amax(-1).view(BG, -1, r)[:, :C])  # finite: key t is always read
+        e_t = ch.s_t.sub_(ch.per_lane(m)).exp_()
+        e_loc = ch.s_loc.sub_(ch.per_loc(m)[..., None]).exp_()
+        e_ini = ch.s_ini.sub_(ch.per_loc(m)[..., None]).exp_()
+        total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
+        total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
+        total += e_ini.sum(-1).view(BG, -1, r)[:, :C]
+        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+        o = (e_t.view(NT, TILE * r, L) @ vt).view(-1, r, D)
+        o = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
+        o += (e_loc.view(BG * nb, -1, ch.nloc * L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
+        o += (e_ini.view(BG * nb, -1, L) @ ch.initial_keys(vbp)).view(BG, -1, r, D)[:, :C]
+        out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
+        lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
+    return out, lse
+
+
+def selected_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
+                      valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, spec: NSASpec,
+                      start: torch.Tensor | None, q0: int, bounds: ChunkBounds | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dks, dvs) of `selected_forward`'s output, the scores recomputed chunk by chunk."""
+    B, G, Tq, r, D = q.shape
+    T = ks.shape[2]
+    kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
+    dkbp, dvbp = torch.zeros_like(kbp), torch.zeros_like(vbp)
+    qs = q.reshape(B * G, Tq, r, D) * D**-0.5
+    d_out = d_out.reshape(B * G, Tq, r, D)
+    lse = lse.reshape(B * G, Tq, r)
+    delta = (d_out * out.reshape(B * G, Tq, r, D)).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
+    dq = torch.empty_like(qs)
+    chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
+    for t0 in chunks:
+        t1 = min(Tq, t0 + chunks.step)
+        ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
+                       None if start is None else start[:, t0:t1], bounds)
+        BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
+        lanes = ch.rows.flatten()
+        NT = ch.qt.shape[0]
+        do, ls, dl = d_out[:, t0:t1], lse[:, t0:t1], delta[:, t0:t1]
+        # tiles
+        p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
+        dot = _with_dummy(do).index_select(0, lanes).view(NT, TILE * r, D)
+        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+        dvbp.view(-1, D).index_add_(0, ch.key_rows, (p.view(NT, TILE * r, L).transpose(1, 2) @ dot).view(-1, D))
+        ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, TILE * r, L)
+        dkbp.view(-1, D).index_add_(0, ch.key_rows, (ds.transpose(1, 2) @ ch.qt).view(-1, D))
+        dqc = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, (ds @ ch.kt).view(-1, r, D))[:-1].view(BG, C, r, D)
+        # loc
+        p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, ch.nloc * L)
+        do_loc = ch.per_loc(do).reshape(BG * nb, -1, D)
+        v_loc = ch.local_keys(vbp)
+        ch.scatter_local(dvbp, p.transpose(1, 2) @ do_loc)
+        ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, -1).sub_(ch.per_loc(dl)[..., None])
+        ds = ds.view_as(p).mul_(p)
+        ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
+        dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
+        # ini
+        p = ch.s_ini.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, L)
+        v_ini = ch.initial_keys(vbp)
+        ch.scatter_initial(dvbp, p.transpose(1, 2) @ do_loc)
+        ds = (do_loc @ v_ini.transpose(1, 2)).view(BG, nb, L, r, L).sub_(ch.per_loc(dl)[..., None])
+        ds = ds.view_as(p).mul_(p)
+        ch.scatter_initial(dkbp, ds.transpose(1, 2) @ ch.q_loc)
+        dqc += (ds @ ch.k_ini).view(BG, -1, r, D)[:, :C]
+        dq[:, t0:t1] = dqc * D**-0.5
+    dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
+    return dq.view(B, G, Tq, r, D), dks, dvs
+
+
 class Selected(torch.autograd.Function):
-    """sel attention: each (query, group) reads its own n blocks of l' keys (see the module doc)."""
+    """`selected_forward` / `selected_backward` as an autograd Function (eager runs; see ops.py)."""
 
     @staticmethod
     def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None, q0: int,
                 bounds: ChunkBounds | None):
-        """q (B, G, Tq, r, D): the queries at q0 .. q0 + Tq - 1 (q0 a multiple of l'); ks, vs
-        (B, G, T, D) of the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq): each query's
-        document start (None: one document), bounds: the documents' host bounds (or None)
-        -> (B, G, Tq, r, D)."""
-        B, G, Tq, r, D = q.shape
-        kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
-        qs = q.reshape(B * G, Tq, r, D) * D**-0.5
-        out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
-        chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
-        for t0 in chunks:
-            t1 = min(Tq, t0 + chunks.step)
-            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
-                           None if start is None else start[:, t0:t1], bounds)
-            BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
-            lanes = ch.rows.flatten()
-            NT = ch.qt.shape[0]
-            # Row maxima over all three parts, then one exp per score.
-            m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
-            m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
-            m = torch.maximum(m[:-1].view(BG, C, r), ch.s_loc.amax(-1).view(BG, -1, r)[:, :C])
-            m = torch.maximum(m, ch.s_ini.amax(-1).view(BG, -1, r)[:, :C])  # finite: key t is always read
-            e_t = ch.s_t.sub_(ch.per_lane(m)).exp_()
-            e_loc = ch.s_loc.sub_(ch.per_loc(m)[..., None]).exp_()
-            e_ini = ch.s_ini.sub_(ch.per_loc(m)[..., None]).exp_()
-            total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
-            total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
-            total += e_ini.sum(-1).view(BG, -1, r)[:, :C]
-            vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
-            o = (e_t.view(NT, TILE * r, L) @ vt).view(-1, r, D)
-            o = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
-            o += (e_loc.view(BG * nb, -1, ch.nloc * L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
-            o += (e_ini.view(BG * nb, -1, L) @ ch.initial_keys(vbp)).view(BG, -1, r, D)[:, :C]
-            out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
-            lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
+        out, lse = selected_forward(q, ks, vs, idx, valid, spec, start, q0, bounds)
         ctx.save_for_backward(q, ks, vs, idx, valid, out, lse, start)
         ctx.spec, ctx.q0, ctx.bounds = spec, q0, bounds
         return out
@@ -254,50 +315,5 @@ class Selected(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, ks, vs, idx, valid, out, lse, start = ctx.saved_tensors
-        spec = ctx.spec
-        B, G, Tq, r, D = q.shape
-        T = ks.shape[2]
-        kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
-        dkbp, dvbp = torch.zeros_like(kbp), torch.zeros_like(vbp)
-        qs = q.reshape(B * G, Tq, r, D) * D**-0.5
-        d_out = d_out.reshape(B * G, Tq, r, D)
-        lse = lse.reshape(B * G, Tq, r)
-        delta = (d_out * out.reshape(B * G, Tq, r, D)).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
-        dq = torch.empty_like(qs)
-        chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
-        for t0 in chunks:
-            t1 = min(Tq, t0 + chunks.step)
-            ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], ctx.q0 + t0, spec,
-                           None if start is None else start[:, t0:t1], ctx.bounds)
-            BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
-            lanes = ch.rows.flatten()
-            NT = ch.qt.shape[0]
-            do, ls, dl = d_out[:, t0:t1], lse[:, t0:t1], delta[:, t0:t1]
-            # tiles
-            p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
-            dot = _with_dummy(do).index_select(0, lanes).view(NT, TILE * r, D)
-            vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
-            dvbp.view(-1, D).index_add_(0, ch.key_rows, (p.view(NT, TILE * r, L).transpose(1, 2) @ dot).view(-1, D))
-            ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, TILE * r, L)
-            dkbp.view(-1, D).index_add_(0, ch.key_rows, (ds.transpose(1, 2) @ ch.qt).view(-1, D))
-            dqc = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, (ds @ ch.kt).view(-1, r, D))[:-1].view(BG, C, r, D)
-            # loc
-            p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, ch.nloc * L)
-            do_loc = ch.per_loc(do).reshape(BG * nb, -1, D)
-            v_loc = ch.local_keys(vbp)
-            ch.scatter_local(dvbp, p.transpose(1, 2) @ do_loc)
-            ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, -1).sub_(ch.per_loc(dl)[..., None])
-            ds = ds.view_as(p).mul_(p)
-            ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
-            dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
-            # ini
-            p = ch.s_ini.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, L)
-            v_ini = ch.initial_keys(vbp)
-            ch.scatter_initial(dvbp, p.transpose(1, 2) @ do_loc)
-            ds = (do_loc @ v_ini.transpose(1, 2)).view(BG, nb, L, r, L).sub_(ch.per_loc(dl)[..., None])
-            ds = ds.view_as(p).mul_(p)
-            ch.scatter_initial(dkbp, ds.transpose(1, 2) @ ch.q_loc)
-            dqc += (ds @ ch.k_ini).view(BG, -1, r, D)[:, :C]
-            dq[:, t0:t1] = dqc * D**-0.5
-        dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
-        return dq.view(B, G, Tq, r, D), dks, dvs, None, None, None, None, None, None
+        grads = selected_backward(d_out, q, ks, vs, idx, valid, out, lse, ctx.spec, start, ctx.q0, ctx.bounds)
+        return *grads, None, None, None, None, None, None

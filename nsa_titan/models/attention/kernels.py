@@ -1,6 +1,6 @@
 """Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
 
-  cmp  PyTorch chunks (`fast._Shared`)
+  cmp  PyTorch chunks (`fast_shared.Shared`)
   sel  PyTorch block-centric tiles (`fast_sel.Selected`), or Triton kernels (`triton_sel.py`) on CUDA
   win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16 (`window_flash`)
 

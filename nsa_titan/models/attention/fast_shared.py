@@ -1,0 +1,134 @@
+"""The cmp and win branches of the fast path: chunks of queries against the keys the whole chunk may read.
+
+The keys are the Nv compressed keys visible to the chunk's last query (cmp), or the C + w - 1 keys
+covering its C windows (win); with documents and host bounds, only the chunk's documents' keys.
+The r query heads of a KV group are stacked, so a chunk is two matmuls per group; only the columns
+where the mask varies are masked. The cmp forward also picks each chunk's sel blocks from its
+probabilities. Flash-style: the forward keeps its inputs, the backward recomputes each chunk's
+probabilities once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import NSASpec, choose_blocks
+from .documents import ChunkBounds, Documents
+
+CHUNK_CMP = 256
+"""Queries per cmp chunk."""
+CHUNK_WIN = 64
+"""Queries per win chunk: the chunk reads C + w - 1 keys for its C windows of w."""
+def _key_range(kind: str, spec: NSASpec, t0: int, t1: int, S: int, device: torch.device, docs: Documents | None,
+               bounds: ChunkBounds | None) -> tuple[int, int, torch.Tensor]:
+    """Keys [lo, hi) that queries t0 .. t1 - 1 may read in branch `kind`, and the mask (C, 1, hi - lo),
+    or with `docs` (B, 1, C, 1, hi - lo). With `docs` the cmp keys are slots: those visible to
+    t1 - 1 are among the first t1 // d (see documents.py), which bounds the range without a host
+    sync; with host `bounds` too, the range is cut to the chunk's documents."""
+    t = torch.arange(t0, t1, device=device)[:, None]
+    if kind == "cmp" and docs is not None:
+        lo, hi = (0, min(S, t1 // spec.d)) if bounds is None else bounds.cmp_slots(t0, t1)
+        return lo, hi, docs.cmp_visible(spec, t0, t1, hi, lo)[:, None, :, None]
+    if kind == "cmp":  # block i is visible to t when i*d + l - 1 <= t
+        hi = min(S, max(0, (t1 - spec.l) // spec.d + 1))
+        i = torch.arange(hi, device=device)[None, :]
+        return 0, hi, (i * spec.d + spec.l - 1 <= t)[:, None]
+    lo, hi = max(0, t0 - spec.w + 1) if bounds is None else bounds.window_start(t0, spec.w), t1
+    s = torch.arange(lo, hi, device=device)[None, :]
+    in_window = (s <= t) & (s > t - spec.w)
+    if docs is not None:
+        return lo, hi, (in_window & docs.same_past(t0, t1, lo, hi))[:, None, :, None]
+    return lo, hi, in_window[:, None]
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax probabilities (B, G, C, r, S) of the queries q (B, G, C, r, D) over the keys
+    k (B, G, S, D) where mask (broadcast to the same shape) allows, rounded as the reference
+    rounds them: scores scaled after the product, `masked_softmax` (0 for no key). The mask
+    rides in the product (baddbmm onto a 0 / -inf bias, the same bits as masking afterwards)."""
+    B, G, C, r, D = q.shape
+    S = k.shape[2]
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    s = bias.expand(B, G, C, r, S).contiguous()
+    s.view(B * G, C * r, S).baddbmm_(q.reshape(B * G, C * r, D), k.reshape(B * G, S, D).transpose(-1, -2))
+    s.mul_(D**-0.5)
+    m = s.amax(-1, keepdim=True)
+    e = s.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()
+    total = e.sum(-1, keepdim=True)
+    return e.div_(torch.where(total > 0, total, torch.ones_like(total)))
+
+
+def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, spec: NSASpec, T: int, q0: int,
+                   docs: Documents | None, bounds: ChunkBounds | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """cmp or win attention (`kind`). q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1
+    of a sequence of T tokens (all of them unless context parallelism splits it); k, v (B, G, S, D)
+    of the whole sequence; docs: the `Documents` of the whole sequence, or None; bounds: their host
+    bounds, or None. Returns out (B, G, Tq, r, D) and, for cmp, the chosen sel blocks idx / valid
+    (B, G, Tq, n') (see `choose_blocks`; None for win)."""
+    B, G, Tq, r, D = q.shape
+    chunk = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
+    out, idx, valid = torch.zeros_like(q), [], []
+    for t0 in range(q0, q0 + Tq, chunk):
+        t1 = min(q0 + Tq, t0 + chunk)
+        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, bounds)
+        if hi == lo:  # no complete cmp block yet: no key, output 0
+            p = q.new_zeros(B, G, t1 - t0, r, 0)
+        else:
+            p = _probs(q[:, :, t0 - q0:t1 - q0], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
+            out[:, :, t0 - q0:t1 - q0] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
+        if kind == "cmp":
+            chosen = choose_blocks(p.sum(3), spec, t0, T, docs, slot0=lo)
+            idx.append(chosen[0])
+            valid.append(chosen[1])
+    if kind != "cmp":
+        return out, None, None
+    return out, torch.cat(idx, 2), torch.cat(valid, 2)
+
+
+def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, spec: NSASpec,
+                    q0: int, docs: Documents | None, bounds: ChunkBounds | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of `shared_forward`'s output."""
+    B, G, Tq, r, D = q.shape
+    chunk = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for t0 in range(q0, q0 + Tq, chunk):
+        t1 = min(q0 + Tq, t0 + chunk)
+        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, bounds)
+        if hi == lo:
+            continue
+        a, b = t0 - q0, t1 - q0  # the chunk's rows of q
+        p = _probs(q[:, :, a:b], k[:, :, lo:hi], mask)  # the forward's, recomputed
+        do = d_out[:, :, a:b].reshape(B, G, -1, D)
+        p2 = p.view(B, G, -1, hi - lo)
+        dv[:, :, lo:hi] += p2.transpose(-1, -2) @ do
+        dp = (do @ v[:, :, lo:hi].transpose(-1, -2)).view_as(p)
+        # softmax backward with delta = sum(p * dp), not d_out . out: one row's keys are all
+        # in this chunk, and this form keeps a one-key row's exact zero.
+        ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(D**-0.5).view(B, G, -1, hi - lo)
+        dq[:, :, a:b] = (ds @ k[:, :, lo:hi]).view(B, G, -1, r, D)
+        dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q[:, :, a:b].reshape(B, G, -1, D)
+    return dq, dk, dv
+
+
+class Shared(torch.autograd.Function):
+    """`shared_forward` / `shared_backward` as an autograd Function (eager runs; see ops.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kind: str, spec: NSASpec, T: int, q0: int, bounds: ChunkBounds | None, *doc_fields):
+        """doc_fields: the tensors of a `Documents`, or none."""
+        out, idx, valid = shared_forward(q, k, v, kind, spec, T, q0, Documents(*doc_fields) if doc_fields else None,
+                                         bounds)
+        ctx.save_for_backward(q, k, v, *doc_fields)
+        ctx.kind, ctx.spec, ctx.q0, ctx.bounds = kind, spec, q0, bounds
+        if idx is not None:
+            ctx.mark_non_differentiable(idx, valid)
+        return out, idx, valid
+
+    @staticmethod
+    def backward(ctx, d_out, *_):
+        q, k, v, *doc_fields = ctx.saved_tensors
+        docs = Documents(*doc_fields) if doc_fields else None
+        grads = shared_backward(d_out, q, k, v, ctx.kind, ctx.spec, ctx.q0, docs, ctx.bounds)
+        return *grads, None, None, None, None, None, *(None for _ in doc_fields)
