@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
+from torch._inductor.compile_fx import compile_fx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -52,11 +54,8 @@ def run_one(variant: str, T: int, repeats: int) -> dict:
     nodes: list[int] = []
     fn = block
     if variant == "compiled":
-        import torch._dynamo
-
         def count(gm: torch.fx.GraphModule, example_inputs: list) -> object:
             nodes.append(len(gm.graph.nodes))
-            from torch._inductor.compile_fx import compile_fx
             return compile_fx(gm, example_inputs)
 
         torch._dynamo.reset()

@@ -85,3 +85,21 @@ def test_the_ops_pass_opcheck(with_docs):
         _, idx, valid = ops._shared_op(part, kc, vc, "cmp", spec, T, q0, *fields)
         start = None if fields[0] is None else fields[0][:, q0:]
         torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start))
+
+
+@pytest.mark.slow
+def test_inductor_compiled_block_equals_eager():
+    """The ops through inductor, as `apply_compile` runs them (its generated code checks each op's
+    output sizes and strides against the fake implementation), at a T that is not a multiple of
+    l' (so a key gradient is cut from a padded block layout), with documents."""
+    module, T = layer(), 70
+    docs = Documents.of(torch.stack([torch.arange(T) // 30, torch.arange(T) // 50]), SPEC)
+    x = torch.randn(2, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    rope = rope_tables(16, T, 10000.0).double()[docs.positions]
+    torch._dynamo.reset()
+    results = []
+    for fn in (torch.compile(module, fullgraph=True), module):
+        out = fn(x, rope, docs=docs)
+        results.append((out.detach(), *torch.autograd.grad(out.square().sum(), [x, *module.parameters()])))
+    for got, want in zip(*results):
+        assert float((got - want).norm() / want.norm()) < 1e-10

@@ -22,6 +22,11 @@ Tensor = torch.Tensor
 OptTensor = Tensor | None
 
 
+def _contiguous(xs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """An op's outputs in the strides its fake implementation promises (dense, row-major)."""
+    return tuple(x.contiguous() for x in xs)
+
+
 def _docs(start: OptTensor, end: OptTensor, cmp_start: OptTensor, first_slot: OptTensor) -> Documents | None:
     return None if start is None else Documents(start, end, cmp_start, first_slot)
 
@@ -33,7 +38,7 @@ def _shared_op(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: list[int], T: i
                                      None)
     if idx is None:  # win: no blocks chosen (an op returns tensors)
         idx, valid = _no_blocks(q)
-    return out, idx, valid
+    return _contiguous((out, idx, valid))
 
 
 def _no_blocks(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -43,11 +48,9 @@ def _no_blocks(q: Tensor) -> tuple[Tensor, Tensor]:
 
 @_shared_op.register_fake
 def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot):
-    if kind != "cmp":
-        return (torch.empty_like(q), *_no_blocks(q))
     B, G, Tq = q.shape[:3]
-    n = min(spec[3], NSASpec(*spec).num_sel_blocks(T))
-    return (torch.empty_like(q), q.new_empty(B, G, Tq, n, dtype=torch.long),
+    n = min(spec[3], NSASpec(*spec).num_sel_blocks(T)) if kind == "cmp" else 0
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(B, G, Tq, n, dtype=torch.long),
             q.new_empty(B, G, Tq, n, dtype=torch.bool))
 
 
@@ -55,13 +58,14 @@ def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot):
 def _shared_backward_op(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, kind: str, spec: list[int], q0: int,
                         start: OptTensor, end: OptTensor, cmp_start: OptTensor, first_slot: OptTensor
                         ) -> tuple[Tensor, Tensor, Tensor]:
-    return shared_backward(d_out.contiguous(), q, k, v, kind, NSASpec(*spec), q0,
-                           _docs(start, end, cmp_start, first_slot), None)
+    grads = shared_backward(d_out.contiguous(), q, k, v, kind, NSASpec(*spec), q0,
+                            _docs(start, end, cmp_start, first_slot), None)
+    return _contiguous(grads)
 
 
 @_shared_backward_op.register_fake
 def _(d_out, q, k, v, kind, spec, q0, start, end, cmp_start, first_slot):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _contiguous((torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
 
 def _shared_setup(ctx, inputs, output) -> None:
@@ -82,23 +86,24 @@ _shared_op.register_autograd(_shared_grad, setup_context=_shared_setup)
 @torch.library.custom_op("nsa_titan::selected", mutates_args=())
 def _selected_op(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: list[int], q0: int,
                  start: OptTensor) -> tuple[Tensor, Tensor]:
-    return selected_forward(q, ks, vs, idx, valid, NSASpec(*spec), start, q0, None)
+    return _contiguous(selected_forward(q, ks, vs, idx, valid, NSASpec(*spec), start, q0, None))
 
 
 @_selected_op.register_fake
 def _(q, ks, vs, idx, valid, spec, q0, start):
-    return torch.empty_like(q), q.new_empty(q.shape[:4])
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:4])
 
 
 @torch.library.custom_op("nsa_titan::selected_backward", mutates_args=())
 def _selected_backward_op(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, out: Tensor,
                           lse: Tensor, spec: list[int], q0: int, start: OptTensor) -> tuple[Tensor, Tensor, Tensor]:
-    return selected_backward(d_out.contiguous(), q, ks, vs, idx, valid, out, lse, NSASpec(*spec), start, q0, None)
+    return _contiguous(selected_backward(d_out.contiguous(), q, ks, vs, idx, valid, out, lse, NSASpec(*spec), start,
+                                         q0, None))
 
 
 @_selected_backward_op.register_fake
 def _(d_out, q, ks, vs, idx, valid, out, lse, spec, q0, start):
-    return torch.empty_like(q), torch.empty_like(ks), torch.empty_like(vs)
+    return _contiguous((torch.empty_like(q), torch.empty_like(ks), torch.empty_like(vs)))
 
 
 def _selected_setup(ctx, inputs, output) -> None:
