@@ -207,6 +207,16 @@ def _sel_chunks(Tq: int, T: int, L: int) -> range:
     return range(0, Tq, max(L, C // L * L))
 
 
+def _each_chunk(qs: torch.Tensor, kbp: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec,
+                start: torch.Tensor | None, q0: int, bounds: ChunkBounds | None, T: int):
+    """(t0, t1, `_SelChunk`) for each sel chunk of the queries qs (BG, Tq, r, D) of a sequence of T."""
+    chunks = _sel_chunks(qs.shape[1], T, spec.l_sel)
+    for t0 in chunks:
+        t1 = min(qs.shape[1], t0 + chunks.step)
+        yield t0, t1, _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
+                                None if start is None else start[:, t0:t1], bounds)
+
+
 def selected_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
                      spec: NSASpec, start: torch.Tensor | None, q0: int, bounds: ChunkBounds | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,11 +229,7 @@ def selected_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: t
     kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
     qs = q.reshape(B * G, Tq, r, D) * D**-0.5
     out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
-    chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
-    for t0 in chunks:
-        t1 = min(Tq, t0 + chunks.step)
-        ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
-                       None if start is None else start[:, t0:t1], bounds)
+    for t0, t1, ch in _each_chunk(qs, kbp, idx, valid, spec, start, q0, bounds, ks.shape[2]):
         BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
         lanes = ch.rows.flatten()
         NT = ch.qt.shape[0]
@@ -262,11 +268,7 @@ def selected_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs
     lse = lse.reshape(B * G, Tq, r)
     delta = (d_out * out.reshape(B * G, Tq, r, D)).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
     dq = torch.empty_like(qs)
-    chunks = _sel_chunks(Tq, ks.shape[2], spec.l_sel)
-    for t0 in chunks:
-        t1 = min(Tq, t0 + chunks.step)
-        ch = _SelChunk(qs[:, t0:t1], kbp, idx[:, :, t0:t1], valid[:, :, t0:t1], q0 + t0, spec,
-                       None if start is None else start[:, t0:t1], bounds)
+    for t0, t1, ch in _each_chunk(qs, kbp, idx, valid, spec, start, q0, bounds, ks.shape[2]):
         BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
         lanes = ch.rows.flatten()
         NT = ch.qt.shape[0]
