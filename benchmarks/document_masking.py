@@ -1,6 +1,7 @@
 """Document masking's cost: NSA with documents vs NSA without, and vs dense attention with the same mask.
 
     python benchmarks/document_masking.py [--T 8192 32768] [--mean 1024 4096] [--repeats 3] [--dense_repeats 1]
+                                          [--variants nsa nsa-docs dense-docs] [--compile]
 
 One M7C attention layer *module* (dim 768, 12 query heads, 2 KV groups, head dim 64; NSA l=32,
 d=16, l'=64, n=16, w=512), batch 1, fp32 on CPU (bf16 on a GPU), forward + backward on x (1, T, 768),
@@ -11,7 +12,8 @@ projections and compression included:
   dense-docs    DenseAttention with the same documents (SDPA with a block-diagonal causal mask)
 
 Each (variant, T, mean) runs in its own process: the median of `--repeats` timed runs after one
-warm-up, and the peak resident memory it added. The ratios are taken between runs of this one
+warm-up, and the peak resident memory it added. With `--compile` the module is
+`torch.compile(module, fullgraph=True)` (the warm-up compiles it; one graph serves every layout). The ratios are taken between runs of this one
 invocation, on the same machine. Also prints the keys a query attends to, averaged over the window.
 """
 
@@ -38,6 +40,7 @@ from nsa_titan.env import MALLOC_TUNING  # noqa: E402
 from nsa_titan.models.attention import Documents  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, nsa_spec, rope_tables  # noqa: E402
 
+VARIANTS = ("nsa", "nsa-docs", "dense-docs")
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
            sel_top_n=16, window_size=512)
 
@@ -62,7 +65,7 @@ def keys_per_query(ids: torch.Tensor | None, T: int) -> float:
     return float(sum(spec.keys_per_query(rel).values()).mean())
 
 
-def run_one(variant: str, T: int, mean: int, repeats: int) -> dict:
+def run_one(variant: str, T: int, mean: int, repeats: int, compile: bool) -> dict:
     """In a fresh process: median seconds of forward + backward, and the peak memory added (GiB)."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +76,7 @@ def run_one(variant: str, T: int, mean: int, repeats: int) -> dict:
         torch.nn.init.normal_(p, std=0.02)
     ids = None if variant == "nsa" else document_ids(T, mean)  # on the host, as the loader gives them
     x = torch.randn(1, T, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    forward = torch.compile(module, fullgraph=True) if compile else module
     table = rope_tables(cfg.head_dim, T, 10000.0, device).to(dtype)
 
     def step() -> None:
@@ -80,7 +84,7 @@ def run_one(variant: str, T: int, mean: int, repeats: int) -> dict:
         if ids is not None:
             docs = Documents.of(ids, module.spec if isinstance(module, NSAAttention) else None).to(device)
             rope = table[docs.positions]
-        module(x, rope, docs=docs).float().square().mean().backward()
+        forward(x, rope, docs=docs).float().square().mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -101,15 +105,18 @@ def main() -> None:
     parser.add_argument("--mean", type=int, nargs="+", default=[1024, 4096], help="mean document length")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dense_repeats", type=int, default=1, help="timed runs of dense-docs (slow: T^2)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--compile", action="store_true", help="torch.compile the module (fullgraph)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        variant, T, mean, repeats = json.loads(args.one)
-        print(json.dumps(run_one(variant, T, mean, repeats)))
+        variant, T, mean, repeats, compile = json.loads(args.one)
+        print(json.dumps(run_one(variant, T, mean, repeats, compile)))
         return
     env = {**os.environ, **MALLOC_TUNING} if not torch.cuda.is_available() else dict(os.environ)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU fp32'}, host allocator tuned")
+          f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU fp32'}, host allocator tuned, "
+          f"{'compiled' if args.compile else 'eager'}")
     print("| T | mean doc | docs | keys/query NSA (docs / none) | nsa s | nsa-docs s | dense-docs s | nsa-docs / nsa "
           "| dense-docs / nsa-docs | peak GiB nsa / nsa-docs / dense-docs |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -117,18 +124,19 @@ def main() -> None:
         plain = None
         for mean in args.mean:
             results = {}
-            for variant in ("nsa", "nsa-docs", "dense-docs"):
+            for variant in args.variants:
                 if variant == "nsa" and plain is not None:
                     results[variant] = plain
                     continue
                 repeats = args.dense_repeats if variant == "dense-docs" else args.repeats
-                out = subprocess.run([sys.executable, __file__, "--one", json.dumps([variant, T, mean, repeats])],
+                out = subprocess.run([sys.executable, __file__, "--one",
+                                      json.dumps([variant, T, mean, repeats, args.compile])],
                                      env=env, capture_output=True, text=True, check=True)
                 results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-            plain = results["nsa"]
-            r = results
+            plain = results.get("nsa")
+            r = {v: results.get(v, {"seconds": math.nan, "peak_gib": math.nan, "docs": 0}) for v in VARIANTS}
             ids = document_ids(T, mean)
-            print(f"| {T:,} | {mean:,} | {r['nsa-docs']['docs']} | {keys_per_query(ids, T):,.0f} / "
+            print(f"| {T:,} | {mean:,} | {int(ids.max()) + 1} | {keys_per_query(ids, T):,.0f} / "
                   f"{keys_per_query(None, T):,.0f} | {r['nsa']['seconds']:.2f} | {r['nsa-docs']['seconds']:.2f} | "
                   f"{r['dense-docs']['seconds']:.2f} | {r['nsa-docs']['seconds'] / r['nsa']['seconds']:.2f}x | "
                   f"{r['dense-docs']['seconds'] / r['nsa-docs']['seconds']:.2f}x | {r['nsa']['peak_gib']:.2f} / "

@@ -3,8 +3,8 @@
 The chunk loops run inside the ops (`models/attention/ops.py`); dynamo sees one node per branch and
 its fake implementation. Checked here: the captured graph has the same nodes at every T (with many
 chunks), compiled outputs and gradients equal eager ones (with and without documents, whose host
-bounds only eager runs use), and `torch.library.opcheck` passes for every op (schema, fake
-implementation, autograd registration).
+bounds a compiled graph takes as an input tensor: it reads as few keys as eager), and
+`torch.library.opcheck` passes for every op (schema, fake implementation, autograd registration).
 """
 
 from __future__ import annotations
@@ -50,14 +50,21 @@ def compiled_and_eager(module: NSAAttention, T: int, docs: Documents | None) -> 
 
 
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_compiled_graph_does_not_grow_with_T_and_equals_eager(small_chunks, with_docs):
+def test_compiled_graph_does_not_grow_with_T_and_equals_eager(small_chunks, monkeypatch, with_docs):
+    from nsa_titan.models.attention import fast_shared
+
+    keys_read, probs = [], fast_shared._probs
+    monkeypatch.setattr(fast_shared, "_probs", lambda q, k, mask: keys_read.append(k.shape[2]) or probs(q, k, mask))
     module, counts = layer(), {}
     for T in (96, 400):  # 4 and 17 cmp chunks, 6 and 25 win chunks, 3 and 13 sel chunks
         ids = torch.stack([torch.arange(T) // 37, torch.arange(T) // 90])
         docs = Documents.of(ids, SPEC) if with_docs else None
+        keys_read.clear()
         nodes, (out_c, grad_c), (out_e, grad_e) = compiled_and_eager(module, T, docs)
+        half = len(keys_read) // 2
+        assert keys_read[:half] == keys_read[half:], "compiled and eager chunks read the same keys"
         counts[T] = nodes
-        for got, want in ((out_c, out_e), (grad_c, grad_e)):  # eager uses the host bounds: other sums' order
+        for got, want in ((out_c, out_e), (grad_c, grad_e)):
             assert float((got - want).norm() / want.norm()) < 1e-12
     assert len(counts[96]) == 1, "one graph: fullgraph, no break"
     assert counts[96] == counts[400], counts
@@ -71,11 +78,11 @@ def test_the_ops_pass_opcheck(with_docs):
     args = list(random_inputs(2, T, 4, 2, 16, SPEC, dtype=torch.float64, seed=1))
     q = args[0].view(2, T, 2, 2, 16).transpose(1, 2).contiguous()  # (B, G, T, r, D)
     k, v = (x.transpose(1, 2).contiguous() for x in args[3:5])  # (B, G, T, D)
-    fields: tuple = (None,) * 4
+    fields: tuple = (None,) * 5
     kc, vc = (x.transpose(1, 2).contiguous() for x in args[1:3])
     if with_docs:
         docs = Documents.of(torch.stack([torch.arange(T) // 30, torch.arange(T) // 50]), SPEC)
-        fields = (docs.start, docs.end, docs.cmp_start, docs.first_slot)
+        fields = (docs.start, docs.end, docs.cmp_start, docs.first_slot, docs.bounds.table)
         kc, vc = (torch.randn(2, 2, T // SPEC.d, 16, dtype=torch.float64) for _ in range(2))
     spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
     for x in (q, k, v, kc, vc):
@@ -86,7 +93,7 @@ def test_the_ops_pass_opcheck(with_docs):
         torch.library.opcheck(ops._shared_op, (part, k, v, "win", spec, T, q0, *fields))
         _, idx, valid = ops._shared_op(part, kc, vc, "cmp", spec, T, q0, *fields)
         start = None if fields[0] is None else fields[0][:, q0:]
-        torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start))
+        torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start, fields[4]))
 
 
 @pytest.mark.slow

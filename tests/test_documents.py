@@ -198,9 +198,9 @@ def test_host_bounds_hand_worked():
     first 4 slots are its first document's; queries t with jt - 2 >= 1 (t - start >= 48) may choose
     min(2, jt - 2) blocks by score, of blocks 1 .. jt - 2 of their document."""
     bounds = Documents.of(torch.stack([ids_of([3, 70]), ids_of([20, 53])]), SPEC).bounds
-    assert bounds.cmp_slots(64, 73) == (0, 16)  # every slot of row 0's document is seen by t = 72
-    assert bounds.cmp_slots(24, 30) == (0, 5)  # t = 29 sees the blocks starting at 3 .. 19 (row 0)
-    assert bounds.window_start(24, 8) == 17 and bounds.window_start(24, 24) == 3  # cut at row 0's start
+    # every slot of row 0's document is seen by t = 72; t = 29 sees the blocks starting at 3 .. 19 (row 0)
+    assert bounds.cmp_slots([(64, 73), (24, 30)]) == [(0, 16), (0, 5)]
+    assert bounds.window_starts([(24, 30)], 8) == [17] and bounds.window_starts([(24, 30)], 24) == [3]  # row 0's start
     # row 0: 16 queries (51..66) with jt = 3 choose 1, 6 (67..72) with jt = 4 choose 2; row 1: 5 with
     # jt = 3 (68..72); blocks: row 0's block 1 and 2, row 1's block 1, named by the last query.
     assert bounds.scored_choices(0, 73) == (16 + 12 + 5, 2 + 1)

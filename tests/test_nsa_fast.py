@@ -249,8 +249,7 @@ def test_queries_in_parts_equal_the_whole(small_chunks, with_docs, T, cuts):
 
 def test_host_bounds_read_only_the_documents_keys(small_chunks, monkeypatch):
     """With the host bounds (document ids from the loader), each chunk reads only its documents' keys:
-    the same outputs and gradients as the static ranges that a compiled graph or ids on a device
-    keep, with far fewer keys read by cmp and win and fewer sel tiles; and without documents the
+    the same outputs and gradients as the static ranges that ids on a device keep, with far fewer keys read by cmp and win and fewer sel tiles; and without documents the
     static tile count follows each query's own choices."""
     import dataclasses
 

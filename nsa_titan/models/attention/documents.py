@@ -26,15 +26,17 @@ from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
 
 @dataclass(frozen=True)
 class ChunkBounds:
-    """Host-side bounds, over the batch rows, for a chunk of queries t0 .. t1 - 1 (see the methods).
-    Lists per position t of the window (built by `Documents.of` from ids on the host)."""
+    """Host-side bounds, over the batch rows, for chunks of queries t0 .. t1 - 1 (see the methods),
+    built by `Documents.of` from ids on the host. table (6, T + 1) long, on the host, one row each:
+      0  the least first position of t's document,
+      1  the least slot of block 0 of t's document,
+      2  the most cmp slots wholly at or before t (slots are in order),
+      3  prefix sums over t of min(n - 3, max(0, jt - 2)), summed over rows,
+      4  prefix sums over t of max(0, jt - 2) where t ends its document, summed over rows,
+      5  max(0, jt - 2) at t, summed over rows.
+    A tensor, so that a compiled graph takes it as an input (no value guards, no recompiles)."""
 
-    start_min: list[int]  # min over rows of the first position of t's document
-    first_slot_min: list[int]  # min over rows of the slot of block 0 of t's document
-    visible_max: list[int]  # max over rows of the cmp slots wholly at or before t (slots are in order)
-    scored_cum: list[int]  # prefix sums over t of sum over rows of min(n - 3, max(0, jt - 2))
-    blocks_cum: list[int]  # prefix sums over t of sum over rows of max(0, jt - 2) where t ends its document
-    blocks_at: list[int]  # sum over rows of max(0, jt - 2) at t
+    table: torch.Tensor
 
     @staticmethod
     def of(start: torch.Tensor, end: torch.Tensor, first_slot: torch.Tensor, visible: torch.Tensor, spec: NSASpec
@@ -46,26 +48,28 @@ class ChunkBounds:
         blocks = ((t - start) // spec.l_sel - 2).clamp(min=0)
         scored = blocks.clamp(max=max(0, spec.n - N_FORCED_INITIAL - N_FORCED_LOCAL)).sum(0)
         ends = (blocks * (end == t + 1)).sum(0)
-        zero = torch.zeros(1, dtype=torch.long)
-        return ChunkBounds(start.min(0).values.tolist(), first_slot.min(0).values.tolist(),
-                           visible.max(0).values.tolist(), torch.cat([zero, scored.cumsum(0)]).tolist(),
-                           torch.cat([zero, ends.cumsum(0)]).tolist(), blocks.sum(0).tolist())
+        pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731
+        prefix = lambda x: torch.nn.functional.pad(x.cumsum(0), (1, 0))  # noqa: E731
+        return ChunkBounds(torch.stack([pad(start.min(0).values), pad(first_slot.min(0).values),
+                                        pad(visible.max(0).values), prefix(scored), prefix(ends), pad(blocks.sum(0))]))
 
-    def cmp_slots(self, t0: int, t1: int) -> tuple[int, int]:
-        """The slots [lo, hi) holding every cmp block a query t0 .. t1 - 1 sees (those of its
-        document, wholly in its past)."""
-        return self.first_slot_min[t0], self.visible_max[t1 - 1]
+    def cmp_slots(self, chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """For each chunk (t0, t1): the slots [lo, hi) holding every cmp block a query t0 .. t1 - 1
+        sees (those of its document, wholly in its past)."""
+        t0, t1 = torch.tensor(chunks).T
+        return list(zip(self.table[1, t0].tolist(), self.table[2, t1 - 1].tolist()))
 
-    def window_start(self, t0: int, w: int) -> int:
-        """The first key a window of a query t0 .. t0 + C - 1 reaches."""
-        return max(t0 - w + 1, self.start_min[t0])
+    def window_starts(self, chunks: list[tuple[int, int]], w: int) -> list[int]:
+        """For each chunk (t0, t1): the first key a window of its queries reaches."""
+        t0 = torch.tensor(chunks)[:, 0]
+        return torch.maximum(t0 - w + 1, self.table[0, t0]).tolist()
 
     def scored_choices(self, t0: int, t1: int) -> tuple[int, int]:
         """Per KV group: the most (query, block) choices by score of the queries t0 .. t1 - 1, and
         the most distinct blocks those can name (blocks 1 .. jt - 2 of each document's last
         query in the chunk)."""
-        return (self.scored_cum[t1] - self.scored_cum[t0],
-                self.blocks_cum[t1 - 1] - self.blocks_cum[t0] + self.blocks_at[t1 - 1])
+        (s0, _, s1), (b0, b1, _), (_, at, _) = self.table[3:, [t0, t1 - 1, t1]].tolist()
+        return s1 - s0, b1 - b0 + at
 
 
 @dataclass(frozen=True)

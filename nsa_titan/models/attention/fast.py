@@ -1,15 +1,15 @@
 """Fast NSA attention in PyTorch: the cost grows with the keys a query attends to, not with T^2.
 
-Each branch is a flash-style autograd Function that keeps only its inputs (and, for sel, the
-output and the logsumexp of each (query, head)) and recomputes its scores once in backward,
-chunk by chunk: memory is linear in T and no T x T tensor exists.
+Each branch is a flash-style custom op with its backward (`ops.py`) that keeps only its inputs
+(and, for sel, the output and the logsumexp of each (query, head)) and recomputes its scores once
+in backward, chunk by chunk: memory is linear in T and no T x T tensor exists.
   cmp, win (`fast_shared.py`): chunks of queries against the keys the whole chunk may read (with
       documents and host bounds, only the chunk's documents' keys); the cmp forward also picks
       each chunk's sel blocks.
   sel (`fast_sel.py`): the forced blocks as dense products, the blocks chosen by score as
       block-centric tiles.
-The loops are over chunks, never over tokens. Under torch.compile each branch is one custom op
-(`ops.py`), so the graph does not grow with T. `kernels.py` chooses where sel runs as Triton
+The loops are over chunks, never over tokens, and inside the ops: under torch.compile each branch
+is one node, so the graph does not grow with T. `kernels.py` chooses where sel runs as Triton
 kernels (`triton_sel.py`) and win through flash-attn instead.
 """
 
@@ -52,8 +52,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         o_sel = triton_sel.SelectedTriton.apply(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype),
                                                 idx, valid, spec, start, q0).to(acc)
     else:
-        o_sel = ops.selected(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, start, q0,
-                             None if docs is None else docs.bounds)
+        o_sel = ops.selected(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, q0, docs)
     if kernels.win == "flash":
         o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0).to(acc)
     else:

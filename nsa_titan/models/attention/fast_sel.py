@@ -301,21 +301,3 @@ def selected_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs
         dq[:, t0:t1] = dqc * D**-0.5
     dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
     return dq.view(B, G, Tq, r, D), dks, dvs
-
-
-class Selected(torch.autograd.Function):
-    """`selected_forward` / `selected_backward` as an autograd Function (eager runs; see ops.py)."""
-
-    @staticmethod
-    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None, q0: int,
-                bounds: ChunkBounds | None):
-        out, lse = selected_forward(q, ks, vs, idx, valid, spec, start, q0, bounds)
-        ctx.save_for_backward(q, ks, vs, idx, valid, out, lse, start)
-        ctx.spec, ctx.q0, ctx.bounds = spec, q0, bounds
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, ks, vs, idx, valid, out, lse, start = ctx.saved_tensors
-        grads = selected_backward(d_out, q, ks, vs, idx, valid, out, lse, ctx.spec, start, ctx.q0, ctx.bounds)
-        return *grads, None, None, None, None, None, None

@@ -19,21 +19,33 @@ CHUNK_CMP = 256
 """Queries per cmp chunk."""
 CHUNK_WIN = 64
 """Queries per win chunk: the chunk reads C + w - 1 keys for its C windows of w."""
+def _chunks(kind: str, spec: NSASpec, q0: int, Tq: int, bounds: ChunkBounds | None
+            ) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """(t0, t1, cut) for each chunk of the queries q0 .. q0 + Tq - 1: cut, with host `bounds`, is the
+    range of its documents' keys (cmp: slots [lo, hi); win: (first key, None)), else None."""
+    size = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
+    chunks = [(t0, min(q0 + Tq, t0 + size)) for t0 in range(q0, q0 + Tq, size)]
+    if bounds is None:
+        return [(t0, t1, None) for t0, t1 in chunks]
+    cuts = bounds.cmp_slots(chunks) if kind == "cmp" else [(lo, None) for lo in bounds.window_starts(chunks, spec.w)]
+    return [(t0, t1, cut) for (t0, t1), cut in zip(chunks, cuts)]
+
+
 def _key_range(kind: str, spec: NSASpec, t0: int, t1: int, S: int, device: torch.device, docs: Documents | None,
-               bounds: ChunkBounds | None) -> tuple[int, int, torch.Tensor]:
+               cut: tuple[int, int | None] | None) -> tuple[int, int, torch.Tensor]:
     """Keys [lo, hi) that queries t0 .. t1 - 1 may read in branch `kind`, and the mask (C, 1, hi - lo),
     or with `docs` (B, 1, C, 1, hi - lo). With `docs` the cmp keys are slots: those visible to
     t1 - 1 are among the first t1 // d (see documents.py), which bounds the range without a host
-    sync; with host `bounds` too, the range is cut to the chunk's documents."""
+    sync; a `cut` from the host bounds (`_chunks`) narrows the range to the chunk's documents."""
     t = torch.arange(t0, t1, device=device)[:, None]
     if kind == "cmp" and docs is not None:
-        lo, hi = (0, min(S, t1 // spec.d)) if bounds is None else bounds.cmp_slots(t0, t1)
+        lo, hi = (0, min(S, t1 // spec.d)) if cut is None else cut
         return lo, hi, docs.cmp_visible(spec, t0, t1, hi, lo)[:, None, :, None]
     if kind == "cmp":  # block i is visible to t when i*d + l - 1 <= t
         hi = min(S, max(0, (t1 - spec.l) // spec.d + 1))
         i = torch.arange(hi, device=device)[None, :]
         return 0, hi, (i * spec.d + spec.l - 1 <= t)[:, None]
-    lo, hi = max(0, t0 - spec.w + 1) if bounds is None else bounds.window_start(t0, spec.w), t1
+    lo, hi = max(0, t0 - spec.w + 1) if cut is None else cut[0], t1
     s = torch.arange(lo, hi, device=device)[None, :]
     in_window = (s <= t) & (s > t - spec.w)
     if docs is not None:
@@ -67,11 +79,9 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     bounds, or None. Returns out (B, G, Tq, r, D) and, for cmp, the chosen sel blocks idx / valid
     (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
-    chunk = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
     out, idx, valid = torch.zeros_like(q), [], []
-    for t0 in range(q0, q0 + Tq, chunk):
-        t1 = min(q0 + Tq, t0 + chunk)
-        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, bounds)
+    for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds):
+        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
         if hi == lo:  # no complete cmp block yet: no key, output 0
             p = q.new_zeros(B, G, t1 - t0, r, 0)
         else:
@@ -91,11 +101,9 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of `shared_forward`'s output."""
     B, G, Tq, r, D = q.shape
-    chunk = CHUNK_CMP if kind == "cmp" else CHUNK_WIN
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for t0 in range(q0, q0 + Tq, chunk):
-        t1 = min(q0 + Tq, t0 + chunk)
-        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, bounds)
+    for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds):
+        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
         if hi == lo:
             continue
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
@@ -110,25 +118,3 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dq[:, :, a:b] = (ds @ k[:, :, lo:hi]).view(B, G, -1, r, D)
         dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q[:, :, a:b].reshape(B, G, -1, D)
     return dq, dk, dv
-
-
-class Shared(torch.autograd.Function):
-    """`shared_forward` / `shared_backward` as an autograd Function (eager runs; see ops.py)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, kind: str, spec: NSASpec, T: int, q0: int, bounds: ChunkBounds | None, *doc_fields):
-        """doc_fields: the tensors of a `Documents`, or none."""
-        out, idx, valid = shared_forward(q, k, v, kind, spec, T, q0, Documents(*doc_fields) if doc_fields else None,
-                                         bounds)
-        ctx.save_for_backward(q, k, v, *doc_fields)
-        ctx.kind, ctx.spec, ctx.q0, ctx.bounds = kind, spec, q0, bounds
-        if idx is not None:
-            ctx.mark_non_differentiable(idx, valid)
-        return out, idx, valid
-
-    @staticmethod
-    def backward(ctx, d_out, *_):
-        q, k, v, *doc_fields = ctx.saved_tensors
-        docs = Documents(*doc_fields) if doc_fields else None
-        grads = shared_backward(d_out, q, k, v, ctx.kind, ctx.spec, ctx.q0, docs, ctx.bounds)
-        return *grads, None, None, None, None, None, *(None for _ in doc_fields)
