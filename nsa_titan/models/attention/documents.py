@@ -8,8 +8,8 @@ length L has at most L // d of them, since d <= l, so T // d is a static bound).
 blocks start at s + j*l'. Everything is computed from `document_ids` by cumulative scans: O(T),
 no host sync, no T x T tensor.
 
-When the ids are on the host (the data loader's), `ChunkBounds` also keeps, as Python ints, what
-bounds a chunk of queries: its documents' first keys and slots, and how many sel blocks its
+When the ids are on the host (the data loader's), `ChunkBounds` also keeps, in a small host
+tensor, what bounds a chunk of queries: its documents' first keys and slots, and how many sel blocks its
 queries can choose by score. The fast path's chunks then read only their documents' keys, so a
 window of short documents costs less than an unmasked one, still without a device sync.
 """

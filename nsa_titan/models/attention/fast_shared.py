@@ -19,6 +19,8 @@ CHUNK_CMP = 256
 """Queries per cmp chunk."""
 CHUNK_WIN = 64
 """Queries per win chunk: the chunk reads C + w - 1 keys for its C windows of w."""
+
+
 def _chunks(kind: str, spec: NSASpec, q0: int, Tq: int, bounds: ChunkBounds | None
             ) -> list[tuple[int, int, tuple[int, int] | None]]:
     """(t0, t1, cut) for each chunk of the queries q0 .. q0 + Tq - 1: cut, with host `bounds`, is the
