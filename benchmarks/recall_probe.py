@@ -38,17 +38,18 @@ BINS = [(0, 64), (64, 128), (128, 256), (256, 512), (512, 2048)]
 
 
 def bigram_batch(gen: torch.Generator, B: int, seq: int, pairs: int, min_pairs: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """inputs, labels (-100: not asked) and distances (B, seq) of B rows of repeated pairs; each row
-    draws its pair count from [min_pairs, pairs] (min_pairs 0: always `pairs`)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """inputs, labels (-100: not asked), distances and earlier occurrences (B, seq) of B rows of
+    repeated pairs; each row draws its pair count from [min_pairs, pairs] (min_pairs 0: always `pairs`)."""
     n = seq // 2 + 1
     keys = torch.stack([torch.randperm(K, generator=gen)[:pairs] + 1 for _ in range(B)])  # (B, P)
     vals = torch.randint(128, 255, (B, pairs), generator=gen)
     P = torch.randint(min_pairs or pairs, pairs + 1, (B, 1), generator=gen)
     pick = (torch.rand(B, n, generator=gen) * P).long()
     rows = torch.stack([keys.gather(1, pick), vals.gather(1, pick)], 2).flatten(1)[:, :seq + 1]  # k v k v ...
-    labels, dist = torch.full_like(rows, -100), torch.zeros_like(rows)
+    labels, dist, seen_n = torch.full_like(rows, -100), torch.zeros_like(rows), torch.zeros_like(rows)
     last = torch.full((B, K + 1), -1)  # the previous position of each key
+    count = torch.zeros((B, K + 1), dtype=torch.long)  # occurrences of each key so far
     for i in range(0, seq + 1, 2):
         key = rows[:, i]
         prev = last.gather(1, key[:, None])[:, 0]
@@ -56,18 +57,21 @@ def bigram_batch(gen: torch.Generator, B: int, seq: int, pairs: int, min_pairs: 
             seen = prev >= 0
             labels[:, i + 1] = torch.where(seen, rows[:, i + 1], -100)
             dist[:, i + 1] = torch.where(seen, i - prev, 0)
+            seen_n[:, i + 1] = count.gather(1, key[:, None])[:, 0]
         last.scatter_(1, key[:, None], torch.full_like(key[:, None], i))
-    return rows[:, :-1], labels[:, 1:], dist[:, 1:]
+        count.scatter_add_(1, key[:, None], torch.ones_like(key[:, None]))
+    return rows[:, :-1], labels[:, 1:], dist[:, 1:], seen_n[:, 1:]
 
 
 @torch.no_grad()
-def accuracy_by_distance(model: torch.nn.Module, batches: list) -> str:
+def accuracy_by_distance(model: torch.nn.Module, batches: list, seen: int = 0) -> str:
+    """Accuracy of the labelled values by distance bin (`seen` > 0: only keys seen that many times before)."""
     model.eval()
     hit, total = torch.zeros(len(BINS)), torch.zeros(len(BINS))
-    for x, y, d in batches:
+    for x, y, d, c in batches:
         pred = model(x).argmax(-1)
         for j, (lo, hi) in enumerate(BINS):
-            m = (y != -100) & (d >= lo) & (d < hi)
+            m = (y != -100) & (d >= lo) & (d < hi) & ((c == seen) if seen else True)
             hit[j] += (pred[m] == y[m]).sum()
             total[j] += m.sum()
     model.train()
@@ -88,10 +92,13 @@ def main() -> None:
     ap.add_argument("--warm_seq", type=int, default=256)
     ap.add_argument("--warm_pairs", type=int, default=16)
     ap.add_argument("--warm_batch", type=int, default=32)
+    ap.add_argument("--warm_branch", default="", help="NSA branch(es) on during the short rows, e.g. win")
+    ap.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.head_dim=64")
     a = ap.parse_args()
+    extra = [arg for o in a.overrides for arg in ("--" + o.split("=", 1)[0], o.split("=", 1)[1])]
     cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "recall.toml"), "--model.attention", a.attn,
                           "--model.nsa_branch", a.branch, "--training.seq_len", str(a.seq), "--optimizer.lr",
-                          str(a.lr), "--training.steps", str(a.steps)], world_size=1)
+                          str(a.lr), "--training.steps", str(a.steps), *extra], world_size=1)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg.model, a.seq)
@@ -103,11 +110,16 @@ def main() -> None:
     gen, held_out = torch.Generator().manual_seed(1), torch.Generator().manual_seed(99)
     evals = [bigram_batch(held_out, 8, a.seq, a.pairs) for _ in range(4)]
     start = time.time()
+    attns = [block.attention for block in model.layers.values() if hasattr(block.attention, "keep")]
+    on = [attn.keep for attn in attns]
     for step in range(1, a.steps + a.warm_steps + 1):
+        for attn, keep in zip(attns, on):  # the short rows' branches, then the configured ones
+            short = step <= a.warm_steps and a.warm_branch
+            attn.keep = tuple(float(b in a.warm_branch) for b in attn.BRANCHES) if short else keep
         if step <= a.warm_steps:
-            x, y, _ = bigram_batch(gen, a.warm_batch, a.warm_seq, a.warm_pairs, a.min_pairs)
+            x, y, *_ = bigram_batch(gen, a.warm_batch, a.warm_seq, a.warm_pairs, a.min_pairs)
         else:
-            x, y, _ = bigram_batch(gen, a.batch, a.seq, a.pairs, a.min_pairs)
+            x, y, *_ = bigram_batch(gen, a.batch, a.seq, a.pairs, a.min_pairs)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
@@ -117,6 +129,17 @@ def main() -> None:
         if step % 50 == 0 or step == 1:
             report = accuracy_by_distance(model, evals) if step % 100 == 0 else ""
             print(f"step {step} loss {loss.item():.3f} {time.time() - start:.0f}s {report}", flush=True)
+    diagnose(model, evals)
+
+
+def diagnose(model: Transformer, evals: list) -> None:
+    """Accuracy by how often the key was seen before, and with each NSA branch switched off."""
+    for seen in (1, 2, 3, 4):
+        print(f"keys seen {seen}x before: {accuracy_by_distance(model, evals, seen)}")
+    for layer in range(len(model.layers) if model.cfg.attention == "nsa" else 0):
+        for branch in ("cmp", "sel", "win"):
+            with model.branch_off(layer, branch):
+                print(f"layer {layer} {branch} off: {accuracy_by_distance(model, evals)}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ CPU rank, with the same data, steps, seed and optimizer:
 Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
 marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, logged during
-NSA's training (`[metrics] nsa_stats`). Prints the Markdown tables.
+NSA's training (`[metrics] nsa_stats`). Prints the Markdown tables, with NSA's accuracy when each
+branch of each layer is switched off in turn (which branch does the recall).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.evaluate import evaluate_recall  # noqa: E402
+from nsa_titan.evaluate import evaluate_recall, recall_ablations, recall_table  # noqa: E402
 from nsa_titan.inference import load_model  # noqa: E402
 from nsa_titan.plots import line_chart  # noqa: E402
 from quality_report import scalars  # noqa: E402
@@ -77,7 +78,11 @@ def main() -> None:
             seconds = train(name, steps + overrides, dump)
             model, _, run_cfg = load_model(str(max((dump / "checkpoint").glob("step-*"),
                                                    key=lambda p: int(p.name.split("-")[1]))))
-            results = evaluate_recall(model, run_cfg, args.distances, args.batches)
+            if name == "nsa":  # which branch of which layer does the recall: each switched off in turn
+                ablations = recall_ablations(model, run_cfg, args.distances, args.batches)
+                results = ablations["all on"]
+            else:
+                results = evaluate_recall(model, run_cfg, args.distances, args.batches)
             acc[name] = {dist: c / max(n, 1) for dist, (c, n) in results.items()}
             print(f"{name}: trained in {seconds / 60:.1f} min; " +
                   ", ".join(f"{dist}: {c}/{n}" for dist, (c, n) in results.items()))
@@ -97,6 +102,7 @@ def main() -> None:
           "---|" * m.n_layers)
     for s in sorted(share)[::max(1, len(share) // 10)]:
         print(f"| {s} | " + " | ".join(f"{v:.3f}" for v in share[s]) + " |")
+    print("\nNSA's exact recall by distance with one branch of one layer switched off:\n" + recall_table(ablations))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@
     python -m nsa_titan.evaluate outputs/debug_model/checkpoint/step-300 [--split validation] [--batches 50]
     torchrun --nproc-per-node 2 -m nsa_titan.evaluate CHECKPOINT --context_parallel 2   # long sequences
     python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4] [--plot recall.png]
+    python -m nsa_titan.evaluate CHECKPOINT --task recall --ablate     # ... with each NSA branch of each layer off
 
 The loss reads the split the way training validates (same packing, same batches, rank shards under
 torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so at
 a checkpoint's step it reports the trainer's validation loss. The recall task
 (`nsa_titan/data/recall.py`, sizes from the config's `[recall]`) asks, for each distance, for
 values hidden that many tokens before their query, on held-out samples, and reports the share
-of queries whose value tokens are all predicted exactly.
+of queries whose value tokens are all predicted exactly; `--ablate` repeats it with each NSA
+branch of each layer switched off in turn, which shows the branch that does the recall.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .data import DataError, build_validation_dataloader
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
 from .inference import load_model
 from .loss import cross_entropy_loss
+from .models.transformer import NSAAttention, Transformer
 from .parallel import apply_cp
 from .plots import line_chart
 
@@ -94,6 +97,26 @@ def evaluate_recall(model: torch.nn.Module, cfg: JobConfig, distances: list[int]
     return results
 
 
+def recall_ablations(model: Transformer, cfg: JobConfig, distances: list[int], batches: int
+                     ) -> dict[str, dict[int, tuple[int, int]]]:
+    """`evaluate_recall` with every NSA branch on ("all on"), then with each branch of each layer off."""
+    results = {"all on": evaluate_recall(model, cfg, distances, batches)}
+    for layer in range(cfg.model.n_layers):
+        for branch in NSAAttention.BRANCHES:
+            with model.branch_off(layer, branch):
+                results[f"layer {layer} {branch} off"] = evaluate_recall(model, cfg, distances, batches)
+    return results
+
+
+def recall_table(results: dict[str, dict[int, tuple[int, int]]]) -> str:
+    """Markdown: a row per model or ablation, a column per distance, exact recall in %."""
+    distances = list(next(iter(results.values())))
+    lines = ["| | " + " | ".join(f"{d:,}" for d in distances) + " |", "|---|" + "---|" * len(distances)]
+    lines += [f"| {name} | " + " | ".join(f"{c / max(n, 1):.1%}" for c, n in by.values()) + " |"
+              for name, by in results.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.evaluate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--distances", type=int, nargs="+", default=[64, 256, 1024],
                         help="recall: the pair-to-query distances to test")
     parser.add_argument("--plot", help="recall: also draw accuracy by distance into this PNG file")
+    parser.add_argument("--ablate", action="store_true",
+                        help="recall: also with each NSA branch of each layer switched off in turn")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
     parser.add_argument("--context_parallel", type=int, default=1,
@@ -126,13 +151,20 @@ def main(argv: list[str] | None = None) -> int:
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.task == "recall":
         model, _, cfg = load_model(args.checkpoint, args.config, overrides)
+        if args.ablate and cfg.model.attention != "nsa":
+            raise ConfigError(f"--ablate switches NSA branches off, but {args.checkpoint} is a "
+                              f"{cfg.model.attention} attention model: leave --ablate out")
         try:
-            results = evaluate_recall(model, cfg, args.distances, args.batches or 4)
+            runs = (recall_ablations(model, cfg, args.distances, args.batches or 4) if args.ablate else
+                    {"all on": evaluate_recall(model, cfg, args.distances, args.batches or 4)})
         except ValueError as e:
             raise DataError(str(e)) from None
+        results = runs["all on"]
         print("| distance | recalled | queries |\n|---|---|---|")
         for d, (correct, total) in results.items():
             print(f"| {d:,} | {correct / max(total, 1):.1%} | {total} |")
+        if args.ablate:
+            print("\nexact recall by distance with one branch switched off:\n" + recall_table(runs))
         if args.plot:
             m = cfg.model
             marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size} if m.attention == "nsa" else {}

@@ -132,3 +132,27 @@ def test_lr_schedule_cosine():
     assert lr_factor(10, 110, s) == pytest.approx(1.0)
     assert lr_factor(60, 110, s) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
     assert lr_factor(110, 110, s) == pytest.approx(0.1)
+
+
+def test_branch_off_silences_one_branch_of_one_layer_and_restores_it():
+    model, dense = build(Model(**TINY)), build(Model(**TINY, attention="dense"))
+    tokens = torch.randint(0, 50, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(tokens)
+        for layer in range(2):
+            for branch in ("cmp", "sel", "win"):
+                with model.branch_off(layer, branch):
+                    assert not torch.allclose(model(tokens), base, atol=1e-6), (layer, branch)
+        with model.branch_off(0, "cmp"), model.branch_off(0, "sel"), model.branch_off(0, "win"):
+            silenced = model(tokens)  # layer 0's attention adds nothing: as if its output projection were 0
+        assert torch.equal(model(tokens), base)
+        model.layers["0"].attention.wo.weight.zero_()
+        torch.testing.assert_close(silenced, model(tokens), rtol=0, atol=1e-6)
+        win_only = build(Model(**TINY, nsa_branch="win"))
+        alone = win_only(tokens)
+        for branch, changes in (("cmp", False), ("sel", False), ("win", True)):
+            with win_only.branch_off(1, branch):
+                assert torch.equal(win_only(tokens), alone) != changes, branch
+    with pytest.raises(ValueError, match="needs an NSA layer"):
+        with dense.branch_off(0, "sel"):
+            pass

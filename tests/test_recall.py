@@ -113,7 +113,7 @@ def test_bad_recall_sizes_are_config_errors(override, message):
 @pytest.mark.multiprocess
 def test_the_shipped_recall_config_trains_and_its_checkpoint_is_evaluated_by_distance(tmp_path):
     """train_configs/recall.toml as the report runs it (loader worker, gate statistics, final save),
-    shortened; then `nsa_titan.evaluate --task recall` on the step folder."""
+    shortened; then `nsa_titan.evaluate --task recall --ablate` on the step folder."""
     proc = torchrun(["-m", "nsa_titan.train", "--config", str(ROOT / "train_configs" / "recall.toml"),
                      "--training.steps", "3", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)], nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -122,9 +122,14 @@ def test_the_shipped_recall_config_trains_and_its_checkpoint_is_evaluated_by_dis
     assert [e.step for e in events.Scalars("nsa/layer1/gate_sel")] == [1, 2, 3]
     out = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", str(tmp_path / "checkpoint" / "step-3"),
                           "--task", "recall", "--distances", "32", "900", "--batches", "1", "--plot",
-                          str(tmp_path / "recall.png")],
+                          str(tmp_path / "recall.png"), "--ablate"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split("|")[1:4] for line in out.stdout.splitlines() if line.startswith("| ") and "%" in line]
+    table, ablations = out.stdout.split("with one branch switched off")
+    rows = [line.split("|")[1:4] for line in table.splitlines() if line.startswith("| ") and "%" in line]
     assert [r[0].strip() for r in rows] == ["32", "900"] and all(int(r[2]) >= 8 for r in rows)
+    names = [line.split("|")[1].strip() for line in ablations.splitlines() if "%" in line]
+    assert names == ["all on"] + [f"layer {i} {b} off" for i in (0, 1) for b in ("cmp", "sel", "win")]
+    assert [line.split("|")[2:4] for line in ablations.splitlines() if "all on" in line][0] == \
+        [f" {r[1].strip()} " for r in rows]  # the same held-out queries with every branch on
     assert Image.open(tmp_path / "recall.png").size == (820, 500)

@@ -9,8 +9,10 @@ so the values do not depend on how the parameters are later sharded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -331,6 +333,20 @@ class Transformer(nn.Module):
         if end > self.max_seq_len:
             raise ValueError(f"{end} positions exceed the model's max_seq_len = {self.max_seq_len}: build it with "
                              f"a larger max_seq_len (training.seq_len, or load_model's max_seq_len)")
+
+    @contextlib.contextmanager
+    def branch_off(self, layer: int, branch: str) -> Iterator[None]:
+        """Within the block, NSA branch `branch` (cmp, sel or win) of layer `layer` adds nothing (its
+        gate times 0): which branch carries a skill (`evaluate --task recall --ablate`)."""
+        attention = _unwrapped(self.layers[str(layer)]).attention
+        if not isinstance(attention, NSAAttention) or branch not in attention.BRANCHES:
+            raise ValueError(f"branch_off({layer}, {branch!r}): needs an NSA layer and one of {NSAAttention.BRANCHES}")
+        keep = attention.keep
+        attention.keep = tuple(k * (b != branch) for k, b in zip(keep, attention.BRANCHES))
+        try:
+            yield
+        finally:
+            attention.keep = keep
 
     def documents(self, document_ids: torch.Tensor) -> Documents:
         """The document geometry of `document_ids` (B, T) for this model's attention, on the model's
