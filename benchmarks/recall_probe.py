@@ -63,6 +63,17 @@ def bigram_batch(gen: torch.Generator, B: int, seq: int, pairs: int, min_pairs: 
     return rows[:, :-1], labels[:, 1:], dist[:, 1:], seen_n[:, 1:]
 
 
+def copy_batch(gen: torch.Generator, B: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs and labels (B, seq) of rows that repeat a random segment of 16..seq/2 tokens: every
+    token of the repeat after its first is labelled (what an induction head predicts)."""
+    rows, labels = torch.empty(B, seq + 1, dtype=torch.long), torch.full((B, seq + 1), -100)
+    for b in range(B):
+        L = int(torch.randint(16, seq // 2 + 1, (1,), generator=gen))
+        rows[b] = torch.randint(1, 255, (L,), generator=gen).repeat(seq // L + 1)[:seq + 1]
+        labels[b, L + 1:] = rows[b, L + 1:]  # from the second token of the second copy: induction
+    return rows[:, :-1], labels[:, 1:]
+
+
 @torch.no_grad()
 def accuracy_by_distance(model: torch.nn.Module, batches: list, seen: int = 0) -> str:
     """Accuracy of the labelled values by distance bin (`seen` > 0: only keys seen that many times before)."""
@@ -93,6 +104,8 @@ def main() -> None:
     ap.add_argument("--warm_pairs", type=int, default=16)
     ap.add_argument("--warm_batch", type=int, default=32)
     ap.add_argument("--warm_branch", default="", help="NSA branch(es) on during the short rows, e.g. win")
+    ap.add_argument("--warm_task", choices=("pairs", "copy"), default="pairs",
+                    help="the short rows: repeated pairs, or a random segment repeated (copy)")
     ap.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.head_dim=64")
     a = ap.parse_args()
     extra = [arg for o in a.overrides for arg in ("--" + o.split("=", 1)[0], o.split("=", 1)[1])]
@@ -116,7 +129,9 @@ def main() -> None:
         for attn, keep in zip(attns, on):  # the short rows' branches, then the configured ones
             short = step <= a.warm_steps and a.warm_branch
             attn.keep = tuple(float(b in a.warm_branch) for b in attn.BRANCHES) if short else keep
-        if step <= a.warm_steps:
+        if step <= a.warm_steps and a.warm_task == "copy":
+            x, y = copy_batch(gen, a.warm_batch, a.warm_seq)
+        elif step <= a.warm_steps:
             x, y, *_ = bigram_batch(gen, a.warm_batch, a.warm_seq, a.warm_pairs, a.min_pairs)
         else:
             x, y, *_ = bigram_batch(gen, a.batch, a.seq, a.pairs, a.min_pairs)
