@@ -53,6 +53,34 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0, trace_folde
     return True
 
 
+def side_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for side traffic (checkpoints), whose worker threads each run
+    their tensor copies on one intra-op thread.
+
+    A thread's first parallel op fixes its OpenMP team to the process's intra-op thread count, and
+    libgomp keeps that team for the thread's life. Once more team threads are parked than there are
+    cores, libgomp stops spinning at every team's barriers, so each of the main thread's short
+    parallel ops sleeps and wakes through the kernel: a 1-rank CPU job trained ~35% slower after its
+    first save, when the group's two worker threads had copied the save's gathered plans
+    (`benchmarks/save_slowdown.py`). Here each worker runs a copy large enough to go through
+    OpenMP while the count is 1, so it never makes a team."""
+    group = dist.new_group(backend="gloo")
+    threads, world = torch.get_num_threads(), dist.get_world_size()
+    if threads == 1:  # nothing to fix: torchrun's default with several ranks per node
+        return group
+    torch.set_num_threads(1)
+    try:  # more copies in flight than the group has worker threads (2), so that each one runs one;
+        # each gathers 4 MB in all, a copy that outlasts the other worker's wake-up
+        x = torch.zeros(max(1, (1 << 20) // world))
+        works = [dist.all_gather(list(torch.empty(world, *x.shape).unbind()), x, group=group, async_op=True)
+                 for _ in range(8)]
+        for work in works:
+            work.wait()
+    finally:
+        torch.set_num_threads(threads)
+    return group
+
+
 def build_mesh(p: Parallelism, device: torch.device) -> DeviceMesh:
     """("dp_shard",) for FSDP, ("dp_replicate", "dp_shard") for HSDP, and a last dimension "cp"
     under context parallelism (its ranks neighbours: they talk every layer)."""

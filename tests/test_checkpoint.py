@@ -206,3 +206,35 @@ def test_hsdp_checkpoint_loads_under_fsdp_and_on_one_rank(tmp_path):
         assert loaded["step"] == 4
         assert all(torch.equal(loaded["params"][k], v) for k, v in model.items())
         assert all(torch.equal(v, optim[f"state.{k}"]) for k, v in loaded["optimizer"].items())
+
+
+SIDE_GROUP = """
+import os, sys, torch, torch.distributed as dist
+from nsa_titan.parallel import side_group
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+torch.set_num_threads(2)  # the default 1-rank CPU job's intra-op threads
+dist.init_process_group("gloo")
+group = side_group() if sys.argv[1] == "side" else dist.new_group(backend="gloo")
+torch.ones(1 << 20).add_(1)  # the main thread's own team, which training has too
+before = len(os.listdir("/proc/self/task"))
+for _ in range(4):  # what a save runs on the group: gathered plans, large tensors
+    dist.all_gather_object([None], bytes(4_000_000), group=group)
+    dist.all_reduce(torch.ones(1 << 20), group=group)
+print(len(os.listdir("/proc/self/task")) - before, torch.get_num_threads())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+def test_the_checkpoint_groups_threads_make_no_openmp_team():
+    """A plain gloo group's worker threads keep an OpenMP team after their first large copy (the
+    cause of ~35% slower steps after a save); the checkpoint manager's `side_group` does not, and
+    leaves the main thread's intra-op threads as they were."""
+    added = {}
+    for kind in ("plain", "side"):
+        out = subprocess.run([sys.executable, "-c", SIDE_GROUP, kind, str(free_port())], capture_output=True, text=True,
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        added[kind], threads = map(int, out.stdout.split())
+        assert threads == 2
+    assert added["plain"] >= 1 and added["side"] == 0, added

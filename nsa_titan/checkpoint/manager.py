@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..config import Checkpoint as CheckpointConfig
+from ..parallel import side_group
 from .errors import CheckpointError
 from .folders import commit, inspect_folder, scan
 from .model_file import check_fit, read_model_file, saved_shapes, shapes, write_model_file
@@ -88,7 +89,7 @@ class CheckpointManager:
         }
         # Checkpoint traffic (async writes) runs on its own gloo group: the default group may be
         # NCCL, and is busy with training collectives. None when nothing is saved or loaded.
-        self.pg = dist.new_group(backend="gloo") if cfg.enable or cfg.initial_load_path else None
+        self.pg = side_group() if cfg.enable or cfg.initial_load_path else None
         token = [f"{int(time.time())}-{os.getpid()}"]
         if cfg.enable:
             dist.broadcast_object_list(token, src=0, group=self.pg)
