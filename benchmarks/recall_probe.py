@@ -18,6 +18,7 @@ steps: the accuracy of the labelled values on 4 held-out batches at `--seq`, by 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import load_config  # noqa: E402
-from nsa_titan.models.transformer import Transformer  # noqa: E402
+from nsa_titan.models.transformer import NSAAttention, Transformer  # noqa: E402
 from nsa_titan.optim import build_lr_scheduler, build_optimizer  # noqa: E402
 
 K = 127
@@ -123,12 +124,14 @@ def main() -> None:
     gen, held_out = torch.Generator().manual_seed(1), torch.Generator().manual_seed(99)
     evals = [bigram_batch(held_out, 8, a.seq, a.pairs) for _ in range(4)]
     start = time.time()
-    attns = [block.attention for block in model.layers.values() if hasattr(block.attention, "keep")]
-    on = [attn.keep for attn in attns]
+    warm_off = contextlib.ExitStack()  # during the short rows: the branches not in --warm_branch off
+    for layer in range(len(model.layers) if a.warm_branch else 0):
+        for branch in NSAAttention.BRANCHES:
+            if branch not in a.warm_branch:
+                warm_off.enter_context(model.branch_off(layer, branch))
     for step in range(1, a.steps + a.warm_steps + 1):
-        for attn, keep in zip(attns, on):  # the short rows' branches, then the configured ones
-            short = step <= a.warm_steps and a.warm_branch
-            attn.keep = tuple(float(b in a.warm_branch) for b in attn.BRANCHES) if short else keep
+        if step == a.warm_steps + 1:
+            warm_off.close()
         if step <= a.warm_steps and a.warm_task == "copy":
             x, y = copy_batch(gen, a.warm_batch, a.warm_seq)
         elif step <= a.warm_steps:
@@ -152,7 +155,7 @@ def diagnose(model: Transformer, evals: list) -> None:
     for seen in (1, 2, 3, 4):
         print(f"keys seen {seen}x before: {accuracy_by_distance(model, evals, seen)}")
     for layer in range(len(model.layers) if model.cfg.attention == "nsa" else 0):
-        for branch in ("cmp", "sel", "win"):
+        for branch in NSAAttention.BRANCHES:
             with model.branch_off(layer, branch):
                 print(f"layer {layer} {branch} off: {accuracy_by_distance(model, evals)}")
 
