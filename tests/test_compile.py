@@ -91,7 +91,7 @@ def test_the_ops_pass_opcheck(with_docs):
         part = q[:, :, q0:].detach().requires_grad_(True)
         torch.library.opcheck(ops._shared_op, (part, kc, vc, "cmp", spec, T, q0, *fields))
         torch.library.opcheck(ops._shared_op, (part, k, v, "win", spec, T, q0, *fields))
-        _, idx, valid = ops._shared_op(part, kc, vc, "cmp", spec, T, q0, *fields)
+        _, _, idx, valid = ops._shared_op(part, kc, vc, "cmp", spec, T, q0, *fields)
         start = None if fields[0] is None else fields[0][:, q0:]
         torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start, fields[4]))
 

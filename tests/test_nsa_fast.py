@@ -52,8 +52,15 @@ CASES = [  # (batch, T, H, G, D): T not a multiple of l, d or l'; T < l; T < l';
 ]
 
 
+FP32_TOL = 2e-4
+"""fp32 against the fp32 reference. They round differently: on CPUs the fused kernels take a fast
+exp and d_out . out where the reference sums p * dp. Measured against the fp64 reference, both
+are equally far off (up to ~1e-3 for the input's gradient at T = 257, where fp32 and fp64 pick
+different blocks), and up to 1e-4 from each other. fp64 (1e-10) is the exactness check."""
+
+
 @pytest.mark.parametrize("B,T,H,G,D", CASES, ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-G{c[3]}-D{c[4]}" for c in CASES])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, FP32_TOL)])
 def test_fast_equals_reference_output_and_every_gradient(B, T, H, G, D, dtype, tol):
     ref, fast = module_pair(H, G, D, SPEC, dtype)
     rope = rope_tables(D, T, 10000.0).to(dtype)
@@ -100,7 +107,7 @@ def test_fast_is_causal(T):
 
 
 @pytest.mark.parametrize("T", [90, 203])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, FP32_TOL)])
 def test_fast_equals_reference_across_many_chunks_and_tiles(small_chunks, T, dtype, tol):
     args = random_inputs(2, T, 12, 2, 16, SPEC, dtype=dtype, seed=T + 1)
     grad_out = torch.randn(args[0].shape, dtype=dtype, generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ import torch
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import (
-    NSASpec, cmp_visibility, sel_members, dense_causal, nsa_reference, select_blocks,
+    NSASpec, cmp_visibility, dense_causal, nsa_reference, sel_members, select_blocks, top_n,
 )
 from nsa_titan.models.transformer import NSAAttention, Transformer, rope_tables
 
@@ -135,6 +135,22 @@ def test_select_blocks_hand_worked_group_sum_and_forced_blocks():
     p[0, :, 23, 1:4] = 0.1
     idx, _ = select_blocks(p, spec, n_groups=1)
     assert set(idx[0, 0, 23].tolist()) == {0, 1, 4, 5}
+
+
+@pytest.mark.parametrize("Ns", [3, 16, 130, 1024])
+def test_top_n_is_the_first_n_of_a_stable_descending_sort(Ns):
+    """Ties (equal scores, +inf forced blocks, -inf non-candidates) go to the lower index, as a
+    stable sort orders them, at every row length; also with fewer finite scores than n."""
+    g = torch.Generator().manual_seed(Ns)
+    scores = torch.randint(0, 5, (3, 40, Ns), generator=g).double()  # many exact ties
+    scores[0] = torch.rand(40, Ns, generator=g, dtype=torch.float64)
+    scores[:, :, :2] = float("inf")
+    scores[:, :10, Ns // 2:] = float("-inf")
+    scores[2, :, 1:] = float("-inf")  # one real score, the rest -inf
+    n = min(16, Ns)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
+    assert torch.equal(top_n(scores, n), want)
+    assert torch.equal(top_n(scores.float(), n), torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[..., :n])
 
 
 @pytest.mark.parametrize("T", [5, 8, 23, 45])

@@ -104,6 +104,21 @@ def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0
     return choose_blocks(p_group, spec, t0, C if T is None else T, docs)
 
 
+def top_n(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n largest scores of each row (last dim), by descending score, ties to the lower
+    index: the first n of a stable descending sort, without sorting the whole row (topk finds the
+    n-th largest; only the n chosen are sorted)."""
+    kth = torch.topk(scores, n, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, tied = scores > kth, scores == kth
+    take = above | (tied & (torch.cumsum(tied, -1) <= n - above.sum(-1, keepdim=True)))
+    slot = torch.where(take, torch.cumsum(take, -1) - 1, n)  # the chosen in index order; n: a trash slot
+    index = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    idx = torch.zeros(*scores.shape[:-1], n + 1, dtype=torch.long, device=scores.device)
+    idx = idx.scatter_(-1, slot, index)[..., :n]
+    order = torch.sort(scores.gather(-1, idx), dim=-1, descending=True, stable=True).indices
+    return idx.gather(-1, order)
+
+
 def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
                   slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
@@ -138,7 +153,7 @@ def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: D
         forced = ((j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL)))[:, None]
         scores = scores.masked_fill(forced, float("inf")).masked_fill(~candidate, float("-inf"))
         n = min(spec.n, Ns)
-        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
+        idx = top_n(scores, n)
         valid = candidate.expand(B, G, C, Ns).gather(-1, idx)
     return idx, valid
 

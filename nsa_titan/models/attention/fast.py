@@ -1,8 +1,8 @@
 """Fast NSA attention in PyTorch: the cost grows with the keys a query attends to, not with T^2.
 
-Each branch is a flash-style custom op with its backward (`ops.py`) that keeps only its inputs
-(and, for sel, the output and the logsumexp of each (query, head)) and recomputes its scores once
-in backward, chunk by chunk: memory is linear in T and no T x T tensor exists.
+Each branch is a flash-style custom op with its backward (`ops.py`) that keeps only its inputs,
+its output and the logsumexp of each (query, head), and recomputes its scores once in backward,
+chunk by chunk: memory is linear in T and no T x T tensor exists.
   cmp, win (`fast_shared.py`): chunks of queries against the keys the whole chunk may read (with
       documents and host bounds, only the chunk's documents' keys); the cmp forward also picks
       each chunk's sel blocks.

@@ -1,4 +1,5 @@
-"""The sel branch of the fast path (`Selected`): each (query, KV group) reads its own n blocks of l' keys.
+"""The sel branch of the fast path (`selected_forward`, `selected_backward`): each (query, KV group)
+reads its own n blocks of l' keys.
 
 In three dense parts per chunk of queries. The forced blocks need no gather: the block holding t
 and the one before are one (l' * r) x 2l' product per query block, block 0 one product for all
@@ -8,12 +9,18 @@ is a dense (R * r) x D @ D x l' product over a block loaded once for all the gro
 paper's group-centric sharing); what gets gathered is R query rows per block, not l' x D keys per
 query. Tile counts have a static bound (`_tile_bound`: each query's own number of choices, or the
 host bounds of its documents): no host sync, no data-dependent shapes.
+
+On CPUs each part (tiles, loc, ini) is one call of ATen's fused flash-attention kernel
+(`cpu_flash.py`); the forward merges the parts by their logsumexps, the backward hands each part
+the rows' whole output and logsumexp. Elsewhere the same steps run as separate ops, with the row
+maxima of all parts first and one exp per score.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu_flash
 from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
 from .documents import ChunkBounds
 
@@ -116,7 +123,7 @@ class _SelChunk:
                  t0: int, spec: NSASpec, start: torch.Tensor | None, bounds: ChunkBounds | None):
         BG, C, r, D = qs.shape  # qs (BG, C, r, D); kbp (BG, 2 + Ns, L, D): block j at 2 + j
         L, B = spec.l_sel, idx.shape[0]
-        self.BG, self.C, self.r, self.D, self.L = BG, C, r, D, L
+        self.B, self.BG, self.C, self.r, self.D, self.L = B, BG, C, r, D, L
         self.j0, self.nb = t0 // L, -(-C // L)
         self.nloc = 2 if start is None else 3
         dev = qs.device
@@ -134,7 +141,6 @@ class _SelChunk:
         self.key_rows = (first[:, None] + torch.arange(L, device=dev)).flatten()  # (NT * L,)
         self.qt = _with_dummy(qs).index_select(0, self.rows.flatten()).view(NT, R * r, D)
         self.kt = kbp.view(-1, D).index_select(0, self.key_rows).view(NT, L, D)
-        self.s_t = (self.qt @ self.kt.transpose(1, 2)).view(NT, R, r, L)
         # loc: query block b against the keys of blocks j0 + b - nloc + 1 .. j0 + b, those from the
         # first key of block jt - 1 (of t's document, not before it) to t.
         self.q_loc = _pad_blocks(qs, self.nb, L).view(BG * self.nb, L * r, D)
@@ -142,9 +148,7 @@ class _SelChunk:
         key = (torch.arange(self.nb, device=dev)[:, None, None] + self.j0 - self.nloc + 1) * L \
             + torch.arange(self.nloc * L, device=dev)  # (nb, 1, nloc * L)
         lo = (s + (jt - 1).clamp(min=0) * L).view(-1, self.nb, L, 1)
-        ok = (key >= lo) & (key <= t.view(1, self.nb, L, 1))  # (B or 1, nb, L, nloc * L)
-        s_loc = (self.q_loc @ self.k_loc.transpose(1, 2)).view(B, -1, self.nb, L, r, self.nloc * L)
-        self.s_loc = s_loc.masked_fill_(~ok[:, None, :, :, None], float("-inf")).view(BG, self.nb, L, r, -1)
+        self.ok = (key >= lo) & (key <= t.view(1, self.nb, L, 1))  # (B or 1, nb, L, nloc * L)
         # ini: block 0 of the document of each query block's first query, for its rows with jt >= 2.
         self.ini_rows = None  # without documents block 0 is the same for every query block
         if start is not None:
@@ -153,9 +157,25 @@ class _SelChunk:
             rows = (bgs * kbp.shape[1] + PAD_BLOCKS) * L + first[:, None, :]  # (B, G, nb)
             self.ini_rows = (rows[..., None] + torch.arange(L, device=dev)).flatten()  # (BG * nb * L,)
         self.k_ini = self.initial_keys(kbp)
-        s_ini = (self.q_loc @ self.k_ini.transpose(1, 2)).view(B, -1, self.nb, L, r, L)
-        late = (jt >= 2).view(-1, 1, self.nb, L, 1, 1)
-        self.s_ini = s_ini.masked_fill_(~late, float("-inf")).view(BG, self.nb, L, r, L)
+        self.late = (jt >= 2).view(-1, 1, self.nb, L, 1, 1)
+
+    def scores(self) -> None:
+        """The scores of the three parts: s_t (NT, R, r, L), s_loc (BG, nb, L, r, nloc * L) and
+        s_ini (BG, nb, L, r, L)."""
+        B, BG, nb, L, r = self.B, self.BG, self.nb, self.L, self.r
+        self.s_t = (self.qt @ self.kt.transpose(1, 2)).view(*self.rows.shape, r, L)
+        s_loc = (self.q_loc @ self.k_loc.transpose(1, 2)).view(B, -1, nb, L, r, self.nloc * L)
+        self.s_loc = s_loc.masked_fill_(~self.ok[:, None, :, :, None], float("-inf")).view(BG, nb, L, r, -1)
+        s_ini = (self.q_loc @ self.k_ini.transpose(1, 2)).view(B, -1, nb, L, r, L)
+        self.s_ini = s_ini.masked_fill_(~self.late, float("-inf")).view(BG, nb, L, r, L)
+
+    def biases(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masks of the loc and ini parts as the fused kernels' biases, (BG * nb, 1, L * r, nloc * L)
+        and (BG * nb, 1, L * r, L)."""
+        B, G, L, r = self.B, self.BG // self.B, self.L, self.r
+        loc = cpu_flash.bias_of(self.ok[:, None, :, :, None], dtype).expand(B, G, -1, -1, r, -1)
+        ini = cpu_flash.bias_of(self.late, dtype).expand(B, G, -1, -1, r, L)
+        return loc.reshape(-1, 1, L * r, self.nloc * L), ini.reshape(-1, 1, L * r, L)
 
     def local_keys(self, xbp: torch.Tensor) -> torch.Tensor:
         """(BG * nb, nloc * L, D): for query block b, blocks j0 + b - nloc + 1 .. j0 + b of xbp."""
@@ -217,6 +237,58 @@ def _each_chunk(qs: torch.Tensor, kbp: torch.Tensor, idx: torch.Tensor, valid: t
                                 None if start is None else start[:, t0:t1], bounds)
 
 
+def _forward_fused(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through the fused kernels (CPUs), a part at a time, merged by their logsumexps:
+    out (BG, C, r, D) and logsumexp (BG, C, r)."""
+    BG, C, r, D, L = ch.BG, ch.C, ch.r, ch.D, ch.L
+    NT, lanes = ch.rows.shape[0], ch.rows.flatten()
+    bias_loc, bias_ini = ch.biases(vbp.dtype)
+    o_loc, m_loc = cpu_flash.attend(ch.q_loc, ch.k_loc, ch.local_keys(vbp), bias_loc, 1.0)
+    o_ini, m_ini = cpu_flash.attend(ch.q_loc, ch.k_ini, ch.initial_keys(vbp), bias_ini, 1.0)
+    m_ini = m_ini.masked_fill(~ch.late.expand(ch.B, BG // ch.B, -1, -1, r, -1).reshape(m_ini.shape), float("-inf"))
+    m_loc, m_ini = (x.view(BG, -1, r)[:, :C] for x in (m_loc, m_ini))  # no keys: logsumexp -inf
+    m = torch.maximum(m_loc, m_ini)  # finite: key t is always read
+    if NT:
+        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+        o_t, m_t = cpu_flash.attend(ch.qt, ch.kt, vt, None, 1.0)  # (NT, R * r, D), (NT, R * r)
+        m_t = m_t.view(-1, r)
+        big = m_t.new_full((BG * C + 1, r), float("-inf")).scatter_reduce_(0, lanes[:, None].expand(-1, r), m_t, "amax")
+        m = torch.maximum(m, big[:-1].view(BG, C, r))
+    w_loc, w_ini = (x.sub(m).exp_() for x in (m_loc, m_ini))
+    total = w_loc + w_ini
+    o = o_loc.view(BG, -1, r, D)[:, :C] * w_loc[..., None] + o_ini.view(BG, -1, r, D)[:, :C] * w_ini[..., None]
+    if NT:
+        w_t = m_t.sub_(_with_dummy(m).index_select(0, lanes)).exp_()  # (NT * R, r)
+        total += total.new_zeros(BG * C + 1, r).index_add_(0, lanes, w_t)[:-1].view(BG, C, r)
+        o_t = o_t.view(-1, r, D).mul_(w_t[..., None])
+        o += o.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o_t)[:-1].view(BG, C, r, D)
+    return o.div_(total[..., None]), m + torch.log(total)
+
+
+def _forward_ops(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_forward_fused` as separate ops (other devices): row maxima over all three parts, then one
+    exp per score."""
+    BG, C, r, D, L, nb = ch.BG, ch.C, ch.r, ch.D, ch.L, ch.nb
+    NT, lanes = ch.rows.shape[0], ch.rows.flatten()
+    ch.scores()
+    m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
+    m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
+    m = torch.maximum(m[:-1].view(BG, C, r), ch.s_loc.amax(-1).view(BG, -1, r)[:, :C])
+    m = torch.maximum(m, ch.s_ini.amax(-1).view(BG, -1, r)[:, :C])  # finite: key t is always read
+    e_t = ch.s_t.sub_(ch.per_lane(m)).exp_()
+    e_loc = ch.s_loc.sub_(ch.per_loc(m)[..., None]).exp_()
+    e_ini = ch.s_ini.sub_(ch.per_loc(m)[..., None]).exp_()
+    total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
+    total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
+    total += e_ini.sum(-1).view(BG, -1, r)[:, :C]
+    vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+    o = (e_t.view(NT, TILE * r, L) @ vt).view(-1, r, D)
+    o = vbp.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
+    o += (e_loc.view(BG * nb, -1, ch.nloc * L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
+    o += (e_ini.view(BG * nb, -1, L) @ ch.initial_keys(vbp)).view(BG, -1, r, D)[:, :C]
+    return o / total[..., None], m + torch.log(total)
+
+
 def selected_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
                      spec: NSASpec, start: torch.Tensor | None, q0: int, bounds: ChunkBounds | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,29 +301,76 @@ def selected_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: t
     kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
     qs = q.reshape(B * G, Tq, r, D) * D**-0.5
     out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
+    forward = _forward_fused if cpu_flash.fused(q) else _forward_ops
     for t0, t1, ch in _each_chunk(qs, kbp, idx, valid, spec, start, q0, bounds, ks.shape[2]):
-        BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
-        lanes = ch.rows.flatten()
-        NT = ch.qt.shape[0]
-        # Row maxima over all three parts, then one exp per score.
-        m = ch.s_t.new_full((BG * C + 1, r), float("-inf"))
-        m = m.scatter_reduce_(0, lanes[:, None].expand(-1, r), ch.s_t.amax(-1).view(-1, r), "amax")
-        m = torch.maximum(m[:-1].view(BG, C, r), ch.s_loc.amax(-1).view(BG, -1, r)[:, :C])
-        m = torch.maximum(m, ch.s_ini.amax(-1).view(BG, -1, r)[:, :C])  # finite: key t is always read
-        e_t = ch.s_t.sub_(ch.per_lane(m)).exp_()
-        e_loc = ch.s_loc.sub_(ch.per_loc(m)[..., None]).exp_()
-        e_ini = ch.s_ini.sub_(ch.per_loc(m)[..., None]).exp_()
-        total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
-        total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
-        total += e_ini.sum(-1).view(BG, -1, r)[:, :C]
-        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
-        o = (e_t.view(NT, TILE * r, L) @ vt).view(-1, r, D)
-        o = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
-        o += (e_loc.view(BG * nb, -1, ch.nloc * L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
-        o += (e_ini.view(BG * nb, -1, L) @ ch.initial_keys(vbp)).view(BG, -1, r, D)[:, :C]
-        out[:, :, t0:t1] = (o / total[..., None]).view(B, G, C, r, D)
-        lse[:, :, t0:t1] = (m + torch.log(total)).view(B, G, C, r)
+        o, ls = forward(ch, vbp)
+        out[:, :, t0:t1] = o.view(B, G, -1, r, D)
+        lse[:, :, t0:t1] = ls.view(B, G, -1, r)
     return out, lse
+
+
+def _backward_fused(ch: _SelChunk, do: torch.Tensor, out: torch.Tensor, ls: torch.Tensor, vbp: torch.Tensor,
+                    dkbp: torch.Tensor, dvbp: torch.Tensor) -> torch.Tensor:
+    """One chunk's gradients through the fused kernels (CPUs), a part at a time from the rows' whole
+    output `out` (BG, C, r, D) and logsumexp `ls` (BG, C, r): dk, dv added into dkbp, dvbp; returns
+    the gradient (BG, C, r, D) of the scaled queries."""
+    BG, C, r, D, L, nb = ch.BG, ch.C, ch.r, ch.D, ch.L, ch.nb
+    NT, lanes = ch.rows.shape[0], ch.rows.flatten()
+    dqc = do.new_zeros(BG * C + 1, r, D)
+    if NT:  # tiles: each one block's keys for R queries (dummy lanes: zero rows, zero d_out)
+        do_t, out_t = (_with_dummy(x).index_select(0, lanes).view(NT, TILE * r, D) for x in (do, out))
+        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+        lse_t = ch.per_lane(ls).view(NT, TILE * r)
+        dq, dk, dv = cpu_flash.attend_backward(do_t, ch.qt, ch.kt, vt, out_t, lse_t, None, 1.0)
+        dkbp.view(-1, D).index_add_(0, ch.key_rows, dk.view(-1, D))
+        dvbp.view(-1, D).index_add_(0, ch.key_rows, dv.view(-1, D))
+        dqc.index_add_(0, lanes, dq.reshape(-1, r, D))
+    dqc = dqc[:-1].view(BG, C, r, D)
+    # loc and ini: per query block of l', its local blocks and its block 0
+    bias_loc, bias_ini = ch.biases(do.dtype)
+    do_b, out_b = (ch.per_loc(x).reshape(BG * nb, -1, D) for x in (do, out))
+    ls_b = ch.per_loc(ls).reshape(BG * nb, -1)
+    dq, dk, dv = cpu_flash.attend_backward(do_b, ch.q_loc, ch.k_loc, ch.local_keys(vbp), out_b, ls_b, bias_loc, 1.0)
+    ch.scatter_local(dkbp, dk)
+    ch.scatter_local(dvbp, dv)
+    dqc += dq.view(BG, -1, r, D)[:, :C]
+    dq, dk, dv = cpu_flash.attend_backward(do_b, ch.q_loc, ch.k_ini, ch.initial_keys(vbp), out_b, ls_b, bias_ini, 1.0)
+    ch.scatter_initial(dkbp, dk)
+    ch.scatter_initial(dvbp, dv)
+    return dqc + dq.view(BG, -1, r, D)[:, :C]
+
+
+def _backward_ops(ch: _SelChunk, do: torch.Tensor, ls: torch.Tensor, dl: torch.Tensor, vbp: torch.Tensor,
+                  dkbp: torch.Tensor, dvbp: torch.Tensor) -> torch.Tensor:
+    """`_backward_fused` as separate ops (other devices), with the rows' sum of p * dp `dl` (BG, C, r)."""
+    BG, C, r, D, L, nb = ch.BG, ch.C, ch.r, ch.D, ch.L, ch.nb
+    NT, lanes = ch.rows.shape[0], ch.rows.flatten()
+    ch.scores()
+    # tiles
+    p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
+    dot = _with_dummy(do).index_select(0, lanes).view(NT, TILE * r, D)
+    vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+    dvbp.view(-1, D).index_add_(0, ch.key_rows, (p.view(NT, TILE * r, L).transpose(1, 2) @ dot).view(-1, D))
+    ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, TILE * r, L)
+    dkbp.view(-1, D).index_add_(0, ch.key_rows, (ds.transpose(1, 2) @ ch.qt).view(-1, D))
+    dqc = do.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, (ds @ ch.kt).view(-1, r, D))[:-1].view(BG, C, r, D)
+    # loc
+    p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, ch.nloc * L)
+    do_loc = ch.per_loc(do).reshape(BG * nb, -1, D)
+    v_loc = ch.local_keys(vbp)
+    ch.scatter_local(dvbp, p.transpose(1, 2) @ do_loc)
+    ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, -1).sub_(ch.per_loc(dl)[..., None])
+    ds = ds.view_as(p).mul_(p)
+    ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
+    dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
+    # ini
+    p = ch.s_ini.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, L)
+    v_ini = ch.initial_keys(vbp)
+    ch.scatter_initial(dvbp, p.transpose(1, 2) @ do_loc)
+    ds = (do_loc @ v_ini.transpose(1, 2)).view(BG, nb, L, r, L).sub_(ch.per_loc(dl)[..., None])
+    ds = ds.view_as(p).mul_(p)
+    ch.scatter_initial(dkbp, ds.transpose(1, 2) @ ch.q_loc)
+    return dqc + (ds @ ch.k_ini).view(BG, -1, r, D)[:, :C]
 
 
 def selected_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
@@ -264,40 +383,17 @@ def selected_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs
     kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
     dkbp, dvbp = torch.zeros_like(kbp), torch.zeros_like(vbp)
     qs = q.reshape(B * G, Tq, r, D) * D**-0.5
-    d_out = d_out.reshape(B * G, Tq, r, D)
+    d_out, out = d_out.reshape(B * G, Tq, r, D), out.reshape(B * G, Tq, r, D)
     lse = lse.reshape(B * G, Tq, r)
-    delta = (d_out * out.reshape(B * G, Tq, r, D)).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
+    fused = cpu_flash.fused(q)
+    delta = None if fused else (d_out * out).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
     dq = torch.empty_like(qs)
     for t0, t1, ch in _each_chunk(qs, kbp, idx, valid, spec, start, q0, bounds, ks.shape[2]):
-        BG, C, L, nb = ch.BG, ch.C, ch.L, ch.nb
-        lanes = ch.rows.flatten()
-        NT = ch.qt.shape[0]
-        do, ls, dl = d_out[:, t0:t1], lse[:, t0:t1], delta[:, t0:t1]
-        # tiles
-        p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
-        dot = _with_dummy(do).index_select(0, lanes).view(NT, TILE * r, D)
-        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
-        dvbp.view(-1, D).index_add_(0, ch.key_rows, (p.view(NT, TILE * r, L).transpose(1, 2) @ dot).view(-1, D))
-        ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, TILE * r, L)
-        dkbp.view(-1, D).index_add_(0, ch.key_rows, (ds.transpose(1, 2) @ ch.qt).view(-1, D))
-        dqc = q.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, (ds @ ch.kt).view(-1, r, D))[:-1].view(BG, C, r, D)
-        # loc
-        p = ch.s_loc.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, ch.nloc * L)
-        do_loc = ch.per_loc(do).reshape(BG * nb, -1, D)
-        v_loc = ch.local_keys(vbp)
-        ch.scatter_local(dvbp, p.transpose(1, 2) @ do_loc)
-        ds = (do_loc @ v_loc.transpose(1, 2)).view(BG, nb, L, r, -1).sub_(ch.per_loc(dl)[..., None])
-        ds = ds.view_as(p).mul_(p)
-        ch.scatter_local(dkbp, ds.transpose(1, 2) @ ch.q_loc)
-        dqc += (ds @ ch.k_loc).view(BG, -1, r, D)[:, :C]
-        # ini
-        p = ch.s_ini.sub_(ch.per_loc(ls)[..., None]).exp_().view(BG * nb, -1, L)
-        v_ini = ch.initial_keys(vbp)
-        ch.scatter_initial(dvbp, p.transpose(1, 2) @ do_loc)
-        ds = (do_loc @ v_ini.transpose(1, 2)).view(BG, nb, L, r, L).sub_(ch.per_loc(dl)[..., None])
-        ds = ds.view_as(p).mul_(p)
-        ch.scatter_initial(dkbp, ds.transpose(1, 2) @ ch.q_loc)
-        dqc += (ds @ ch.k_ini).view(BG, -1, r, D)[:, :C]
+        do, ls = d_out[:, t0:t1], lse[:, t0:t1]
+        if fused:
+            dqc = _backward_fused(ch, do, out[:, t0:t1], ls, vbp, dkbp, dvbp)
+        else:
+            dqc = _backward_ops(ch, do, ls, delta[:, t0:t1], vbp, dkbp, dvbp)
         dq[:, t0:t1] = dqc * D**-0.5
     dks, dvs = (x[:, PAD_BLOCKS:].reshape(B, G, -1, D)[:, :, :T] for x in (dkbp, dvbp))
     return dq.view(B, G, Tq, r, D), dks, dvs

@@ -2,16 +2,19 @@
 
 The keys are the Nv compressed keys visible to the chunk's last query (cmp), or the C + w - 1 keys
 covering its C windows (win); with documents and host bounds, only the chunk's documents' keys.
-The r query heads of a KV group are stacked, so a chunk is two matmuls per group; only the columns
-where the mask varies are masked. The cmp forward also picks each chunk's sel blocks from its
-probabilities. Flash-style: the forward keeps its inputs, the backward recomputes each chunk's
-probabilities once.
+The r query heads of a KV group are stacked, so a chunk is two matmuls per group. The cmp forward
+computes each chunk's probabilities, since it picks the chunk's sel blocks from them. Flash-style:
+the forward keeps its inputs, output and logsumexp, the backward recomputes each chunk's
+probabilities once. On CPUs the win forward and both backwards are ATen's fused flash-attention
+kernel per chunk (scores, softmax and products tile by tile in cache, one pass), with the chunk's
+mask as a 0 / -inf bias; elsewhere they are the same steps as separate ops.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu_flash
 from .common import NSASpec, choose_blocks
 from .documents import ChunkBounds, Documents
 
@@ -55,53 +58,91 @@ def _key_range(kind: str, spec: NSASpec, t0: int, t1: int, S: int, device: torch
     return lo, hi, in_window[:, None]
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax probabilities (B, G, C, r, S) of the queries q (B, G, C, r, D) over the keys
     k (B, G, S, D) where mask (broadcast to the same shape) allows, rounded as the reference
-    rounds them: scores scaled after the product, `masked_softmax` (0 for no key). The mask
-    rides in the product (baddbmm onto a 0 / -inf bias, the same bits as masking afterwards)."""
+    rounds them: scores scaled after the product, `masked_softmax` (0 for no key); and the
+    logsumexp of each row (B, G, C, r), 0 for a row without keys. The mask rides in the product
+    (baddbmm onto a 0 / -inf bias, the same bits as masking afterwards)."""
     B, G, C, r, D = q.shape
     S = k.shape[2]
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    s = bias.expand(B, G, C, r, S).contiguous()
+    s = cpu_flash.bias_of(mask, q.dtype).expand(B, G, C, r, S).contiguous()
     s.view(B * G, C * r, S).baddbmm_(q.reshape(B * G, C * r, D), k.reshape(B * G, S, D).transpose(-1, -2))
     s.mul_(D**-0.5)
     m = s.amax(-1, keepdim=True)
-    e = s.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m))).exp_()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = s.sub_(m).exp_()
     total = e.sum(-1, keepdim=True)
-    return e.div_(torch.where(total > 0, total, torch.ones_like(total)))
+    lse = torch.where(total > 0, m + torch.log(total), torch.zeros_like(m)).squeeze(-1)
+    return e.div_(torch.where(total > 0, total, torch.ones_like(total))), lse
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Queries (B, G, C, r, D), or keys (B, G, S, D), as the fused kernels' (B * G, rows, D): the r
+    heads of a query side by side, one key head per group."""
+    return x.reshape(x.shape[0] * x.shape[1], -1, x.shape[-1])
+
+
+def _bias(mask: torch.Tensor, B: int, G: int, r: int, dtype: torch.dtype) -> torch.Tensor:
+    """A chunk's mask ((C, 1, S), or (B, 1, C, 1, S) with documents) as the fused kernels' bias over
+    the rows of `_rows`: (C * r, S), or (B * G, 1, C * r, S)."""
+    bias = cpu_flash.bias_of(mask, dtype)
+    if mask.dim() == 3:
+        return bias.expand(-1, r, -1).reshape(-1, mask.shape[-1])
+    return bias.expand(B, G, -1, r, -1).reshape(B * G, 1, -1, mask.shape[-1])
+
+
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through the fused kernel: out (B, G, C, r, D) and logsumexp (B, G, C, r)."""
+    B, G, C, r, D = q.shape
+    out, lse = cpu_flash.attend(_rows(q), _rows(k), _rows(v), _bias(mask, B, G, r, q.dtype), D**-0.5)
+    return out.view(q.shape), lse.view(B, G, C, r)
+
+
+def _fused_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of one chunk through the fused kernel, from the chunk's rows of the
+    forward's output and logsumexp."""
+    B, G, C, r, D = q.shape
+    dq, dk, dv = cpu_flash.attend_backward(_rows(do), _rows(q), _rows(k), _rows(v), _rows(out),
+                                           lse.reshape(B * G, -1), _bias(mask, B, G, r, q.dtype), D**-0.5)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, spec: NSASpec, T: int, q0: int,
                    docs: Documents | None, bounds: ChunkBounds | None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """cmp or win attention (`kind`). q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1
     of a sequence of T tokens (all of them unless context parallelism splits it); k, v (B, G, S, D)
     of the whole sequence; docs: the `Documents` of the whole sequence, or None; bounds: their host
-    bounds, or None. Returns out (B, G, Tq, r, D) and, for cmp, the chosen sel blocks idx / valid
-    (B, G, Tq, n') (see `choose_blocks`; None for win)."""
+    bounds, or None. Returns out (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r),
+    and, for cmp, the chosen sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
-    out, idx, valid = torch.zeros_like(q), [], []
+    out, lse, idx, valid = torch.zeros_like(q), q.new_zeros(B, G, Tq, r), [], []
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds):
         lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
+        a, b = t0 - q0, t1 - q0  # the chunk's rows of q
         if hi == lo:  # no complete cmp block yet: no key, output 0
             p = q.new_zeros(B, G, t1 - t0, r, 0)
+        elif kind == "win" and cpu_flash.fused(q):
+            out[:, :, a:b], lse[:, :, a:b] = _fused_forward(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], mask)
         else:
-            p = _probs(q[:, :, t0 - q0:t1 - q0], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
-            out[:, :, t0 - q0:t1 - q0] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
+            p, lse[:, :, a:b] = _probs(q[:, :, a:b], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
+            out[:, :, a:b] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
         if kind == "cmp":
             chosen = choose_blocks(p.sum(3), spec, t0, T, docs, slot0=lo)
             idx.append(chosen[0])
             valid.append(chosen[1])
     if kind != "cmp":
-        return out, None, None
-    return out, torch.cat(idx, 2), torch.cat(valid, 2)
+        return out, lse, None, None
+    return out, lse, torch.cat(idx, 2), torch.cat(valid, 2)
 
 
-def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, spec: NSASpec,
-                    q0: int, docs: Documents | None, bounds: ChunkBounds | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dk, dv) of `shared_forward`'s output."""
+def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, kind: str, spec: NSASpec, q0: int, docs: Documents | None,
+                    bounds: ChunkBounds | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
     B, G, Tq, r, D = q.shape
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds):
@@ -109,7 +150,13 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         if hi == lo:
             continue
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
-        p = _probs(q[:, :, a:b], k[:, :, lo:hi], mask)  # the forward's, recomputed
+        if cpu_flash.fused(q):
+            dq[:, :, a:b], dkc, dvc = _fused_backward(d_out[:, :, a:b], q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi],
+                                                      out[:, :, a:b], lse[:, :, a:b], mask)
+            dk[:, :, lo:hi] += dkc
+            dv[:, :, lo:hi] += dvc
+            continue
+        p, _ = _probs(q[:, :, a:b], k[:, :, lo:hi], mask)  # the forward's, recomputed
         do = d_out[:, :, a:b].reshape(B, G, -1, D)
         p2 = p.view(B, G, -1, hi - lo)
         dv[:, :, lo:hi] += p2.transpose(-1, -2) @ do

@@ -7,8 +7,8 @@ branch is one opaque node whose fake implementation gives only the output shapes
 the time to compile it, are the same at every T, and `fullgraph` blocks still compile. Documents
 come in as tensors, their host bounds too (`ChunkBounds.table`, on the host), so one compiled graph
 serves every layout and still reads only each chunk's documents' keys. Eager runs call the same
-ops. Each forward keeps only its inputs (sel also its output and logsumexp); each backward
-recomputes the scores chunk by chunk.
+ops. Each forward keeps only its inputs, its output and the logsumexp of each (query, head); each
+backward recomputes the scores chunk by chunk.
 """
 
 from __future__ import annotations
@@ -45,44 +45,44 @@ def _no_blocks(q: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("nsa_titan::shared", mutates_args=())
 def _shared_op(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: list[int], T: int, q0: int, start: OptTensor,
                end: OptTensor, cmp_start: OptTensor, first_slot: OptTensor, bounds: OptTensor
-               ) -> tuple[Tensor, Tensor, Tensor]:
-    out, idx, valid = shared_forward(q, k, v, kind, NSASpec(*spec), T, q0, _docs(start, end, cmp_start, first_slot),
-                                     _bounds(bounds))
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, lse, idx, valid = shared_forward(q, k, v, kind, NSASpec(*spec), T, q0,
+                                          _docs(start, end, cmp_start, first_slot), _bounds(bounds))
     if idx is None:  # win: no blocks chosen (an op returns tensors)
         idx, valid = _no_blocks(q)
-    return _contiguous((out, idx, valid))
+    return _contiguous((out, lse, idx, valid))
 
 
 @_shared_op.register_fake
 def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot, bounds):
     B, G, Tq = q.shape[:3]
     n = min(spec[3], NSASpec(*spec).num_sel_blocks(T)) if kind == "cmp" else 0
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(B, G, Tq, n, dtype=torch.long),
-            q.new_empty(B, G, Tq, n, dtype=torch.bool))
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:4]),
+            q.new_empty(B, G, Tq, n, dtype=torch.long), q.new_empty(B, G, Tq, n, dtype=torch.bool))
 
 
 @torch.library.custom_op("nsa_titan::shared_backward", mutates_args=())
-def _shared_backward_op(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, kind: str, spec: list[int], q0: int,
-                        start: OptTensor, end: OptTensor, cmp_start: OptTensor, first_slot: OptTensor,
-                        bounds: OptTensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _contiguous(shared_backward(d_out.contiguous(), q, k, v, kind, NSASpec(*spec), q0,
+def _shared_backward_op(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, kind: str,
+                        spec: list[int], q0: int, start: OptTensor, end: OptTensor, cmp_start: OptTensor,
+                        first_slot: OptTensor, bounds: OptTensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _contiguous(shared_backward(d_out.contiguous(), q, k, v, out, lse, kind, NSASpec(*spec), q0,
                                        _docs(start, end, cmp_start, first_slot), _bounds(bounds)))
 
 
 @_shared_backward_op.register_fake
-def _(d_out, q, k, v, kind, spec, q0, start, end, cmp_start, first_slot, bounds):
+def _(d_out, q, k, v, out, lse, kind, spec, q0, start, end, cmp_start, first_slot, bounds):
     return _contiguous((torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
 
 def _shared_setup(ctx, inputs, output) -> None:
     q, k, v, kind, spec, T, q0, *tensors = inputs
-    ctx.save_for_backward(q, k, v, *tensors)
+    ctx.save_for_backward(q, k, v, *output[:2], *tensors)
     ctx.kind, ctx.spec, ctx.q0 = kind, spec, q0
 
 
-def _shared_grad(ctx, d_out, _d_idx, _d_valid):
-    q, k, v, *tensors = ctx.saved_tensors
-    return *_shared_backward_op(d_out, q, k, v, ctx.kind, ctx.spec, ctx.q0, *tensors), *(None,) * 9
+def _shared_grad(ctx, d_out, _d_lse, _d_idx, _d_valid):
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    return *_shared_backward_op(d_out, q, k, v, out, lse, ctx.kind, ctx.spec, ctx.q0, *tensors), *(None,) * 9
 
 
 _shared_op.register_autograd(_shared_grad, setup_context=_shared_setup)
@@ -140,7 +140,7 @@ def shared(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: NSASpec, T: int, q0
     """cmp or win attention (`fast_shared.shared_forward`), with the documents' host bounds when
     they have them; idx and valid are None for win."""
     fields = (None,) * 4 if docs is None else (docs.start, docs.end, docs.cmp_start, docs.first_slot)
-    out, idx, valid = _shared_op(q, k, v, kind, _spec_list(spec), T, q0, *fields, _table(docs))
+    out, _, idx, valid = _shared_op(q, k, v, kind, _spec_list(spec), T, q0, *fields, _table(docs))
     return (out, idx, valid) if kind == "cmp" else (out, None, None)
 
 

@@ -112,7 +112,7 @@ def _launch_args(q: torch.Tensor, ks: torch.Tensor, idx: torch.Tensor, spec: NSA
 
 
 class SelectedTriton(torch.autograd.Function):
-    """Same contract as fast_sel.Selected: q (B, G, Tq, r, D), the queries at q0 .. q0 + Tq - 1; ks, vs
+    """Same contract as fast_sel.selected_forward: q (B, G, Tq, r, D), the queries at q0 .. q0 + Tq - 1; ks, vs
     (B, G, T, D) of the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq) or None ->
     (B, G, Tq, r, D). Head dim and l' must be powers of two >= 16."""
 

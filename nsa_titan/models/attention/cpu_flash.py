@@ -1,0 +1,46 @@
+"""ATen's fused flash-attention kernels for CPUs, on the fast path's tiles.
+
+`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` and its backward are the kernels
+behind `scaled_dot_product_attention` on CPUs: scores, softmax and both products tile by tile in
+cache, one pass over the keys instead of a separate op (and a pass over memory) for each step.
+They take a batch of independent problems with an additive bias, so the fast path hands them its
+chunks (cmp, win) and its sel tiles, loc and ini blocks as they are: queries (N, M, D) against
+keys (N, S, D), the mask as a 0 / -inf bias. The backward takes the forward's output and
+logsumexp of each row; since it computes the softmax's row term as d_out . out, a part of a row's
+keys (one sel tile) gets its exact gradient from the row's whole output and logsumexp. A row whose
+keys are all masked gets 0 (with logsumexp 0), as the reference's `masked_softmax` gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve this tensor's device (CPUs)."""
+    return x.device.type == "cpu"
+
+
+def bias_of(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 0 / -inf bias of a boolean mask (True: the key is read)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q (N, M, D) over k, v (N, S, D) with `bias` (broadcast to (N, 1, M, S), or
+    None) and scores scaled by `scale` -> out (N, M, D) and the logsumexp of each row (N, M)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[:, None], k[:, None], v[:, None], 0.0, False, attn_mask=bias, scale=scale)
+    return out[:, 0], lse[:, 0]
+
+
+def attend_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, bias: torch.Tensor | None, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of `attend` for d_out `do`, from each row's output and logsumexp
+    (those of all the row's keys when k, v are a part of them)."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do[:, None], q[:, None], k[:, None], v[:, None], out[:, None], lse[:, None], 0.0, False, attn_mask=bias,
+        scale=scale)
+    return dq[:, 0], dk[:, 0], dv[:, 0]
