@@ -90,6 +90,18 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(fast_sel, "TILE", 3)
 
 
+@pytest.fixture(params=["fused", "ops"])
+def cpu_path(request, monkeypatch) -> str:
+    """Both ways the fast path runs its chunks: on CPUs through ATen's fused kernels (`cpu_flash`),
+    and as separate ops, the path other devices take (forced here by saying the kernels do not serve
+    this device)."""
+    from nsa_titan.models.attention import cpu_flash
+
+    if request.param == "ops":
+        monkeypatch.setattr(cpu_flash, "fused", lambda x: False)
+    return request.param
+
+
 def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """The same training, written plainly: no FSDP, no process group, one process."""
     cfg, _ = load_config(args, world_size=1)

@@ -106,7 +106,7 @@ def test_packed_equals_separate_documents(impl, dtype, tol, seed):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_fast_packed_equals_separate_across_many_chunks_and_tiles(small_chunks, dtype, tol):
+def test_fast_packed_equals_separate_across_many_chunks_and_tiles(small_chunks, cpu_path, dtype, tol):
     rng = random.Random(7)
     B, T = 2, 203
     layouts = [[5, 70, 16, 112], layout(T, rng)]  # a document ending on a block boundary at 91

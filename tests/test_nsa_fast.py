@@ -93,7 +93,7 @@ def test_fast_equals_reference_on_raw_branch_inputs_in_fp64(T):
 
 
 @pytest.mark.parametrize("T", [70, 200])
-def test_fast_is_causal(T):
+def test_fast_is_causal(cpu_path, T):
     _, fast = module_pair(12, 2, 16, SPEC, torch.float64)
     rope = rope_tables(16, T, 10000.0).double()
     x = torch.randn(1, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -108,13 +108,31 @@ def test_fast_is_causal(T):
 
 @pytest.mark.parametrize("T", [90, 203])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, FP32_TOL)])
-def test_fast_equals_reference_across_many_chunks_and_tiles(small_chunks, T, dtype, tol):
+def test_fast_equals_reference_across_many_chunks_and_tiles(small_chunks, cpu_path, T, dtype, tol):
     args = random_inputs(2, T, 12, 2, 16, SPEC, dtype=dtype, seed=T + 1)
     grad_out = torch.randn(args[0].shape, dtype=dtype, generator=torch.Generator().manual_seed(0))
     (fast, grads_fast), (ref, grads_ref) = fast_and_reference(args, grad_out)
     assert float((fast - ref).norm() / ref.norm()) < tol
     for name, gf, gr in zip(NAMES, grads_fast, grads_ref):
         assert float((gf - gr).norm() / gr.norm()) < tol, name
+
+
+def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
+    """On CPUs the win forward, the sel forward's three parts and every backward call ATen's fused
+    kernels (the cmp forward computes its probabilities itself: it picks the sel blocks from them)."""
+    from nsa_titan.models.attention import cpu_flash
+
+    calls = {"attend": 0, "attend_backward": 0}
+    for name in calls:
+        def counted(*args, _fn=getattr(cpu_flash, name), _name=name):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(cpu_flash, name, counted)
+    args = random_inputs(1, 300, 12, 2, 16, SPEC, seed=3)  # cmp: 2 chunks of 256, win: 5 of 64, sel: 1
+    for a in args:
+        a.requires_grad_(True)
+    nsa_fast(*args, SPEC).sum().backward()
+    assert calls == {"attend": 5 + 3, "attend_backward": 2 + 5 + 3}  # sel: tiles, loc, ini
 
 
 def test_fast_backward_does_not_keep_per_chunk_scores(small_chunks):
@@ -244,7 +262,7 @@ def random_parts_inputs(T: int, with_docs: bool, dtype: torch.dtype = torch.floa
 
 @pytest.mark.parametrize("with_docs", [False, True])
 @pytest.mark.parametrize("T,cuts", [(160, [64, 96]), (203, [16, 112, 160])])
-def test_queries_in_parts_equal_the_whole(small_chunks, with_docs, T, cuts):
+def test_queries_in_parts_equal_the_whole(small_chunks, cpu_path, with_docs, T, cuts):
     """Context parallelism's contract: each part of the queries (starting at a multiple of l'),
     against the keys of the whole sequence, gives the whole run's rows, and the parts' key
     gradients add up to the whole run's."""
