@@ -26,6 +26,12 @@ def bias_of(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def bias_rows(mask: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The bias of a mask broadcast to `shape` (..., M, r, S) as the fused kernels' (N, 1, M * r, S):
+    the rows (query, head) of N independent problems."""
+    return bias_of(mask, dtype).expand(shape).reshape(-1, 1, shape[-3] * shape[-2], shape[-1])
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q (N, M, D) over k, v (N, S, D) with `bias` (broadcast to (N, 1, M, S), or

@@ -136,11 +136,10 @@ class _SelChunk:
         per_query = max(0, idx.shape[-1] - N_FORCED_LOCAL - N_FORCED_INITIAL)
         NT = _tile_bound(t0, t0 + C, B, idx.shape[1], per_query, spec, start is not None, bounds)
         self.rows, bg, kpos = _tiles(s[:, None, :C, None] + idx * L, scored, t0, NT)
-        NT, R = self.rows.shape
         first = (bg * kbp.shape[1] + PAD_BLOCKS) * L + kpos  # (NT,): row of the block's first key
         self.key_rows = (first[:, None] + torch.arange(L, device=dev)).flatten()  # (NT * L,)
-        self.qt = _with_dummy(qs).index_select(0, self.rows.flatten()).view(NT, R * r, D)
-        self.kt = kbp.view(-1, D).index_select(0, self.key_rows).view(NT, L, D)
+        self.qt = self.tile_rows(qs)  # (NT, R * r, D)
+        self.kt = self.tile_keys(kbp)  # (NT, L, D)
         # loc: query block b against the keys of blocks j0 + b - nloc + 1 .. j0 + b, those from the
         # first key of block jt - 1 (of t's document, not before it) to t.
         self.q_loc = _pad_blocks(qs, self.nb, L).view(BG * self.nb, L * r, D)
@@ -172,10 +171,9 @@ class _SelChunk:
     def biases(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The masks of the loc and ini parts as the fused kernels' biases, (BG * nb, 1, L * r, nloc * L)
         and (BG * nb, 1, L * r, L)."""
-        B, G, L, r = self.B, self.BG // self.B, self.L, self.r
-        loc = cpu_flash.bias_of(self.ok[:, None, :, :, None], dtype).expand(B, G, -1, -1, r, -1)
-        ini = cpu_flash.bias_of(self.late, dtype).expand(B, G, -1, -1, r, L)
-        return loc.reshape(-1, 1, L * r, self.nloc * L), ini.reshape(-1, 1, L * r, L)
+        rows = (self.B, self.BG // self.B, self.nb, self.L, self.r)
+        return (cpu_flash.bias_rows(self.ok[:, None, :, :, None], (*rows, self.nloc * self.L), dtype),
+                cpu_flash.bias_rows(self.late, (*rows, self.L), dtype))
 
     def local_keys(self, xbp: torch.Tensor) -> torch.Tensor:
         """(BG * nb, nloc * L, D): for query block b, blocks j0 + b - nloc + 1 .. j0 + b of xbp."""
@@ -195,10 +193,20 @@ class _SelChunk:
         else:
             dxbp.view(-1, dxbp.shape[-1]).index_add_(0, self.ini_rows, d_ini.view(-1, dxbp.shape[-1]))
 
+    def tile_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(BG, C, r, ...) -> (NT, R * r, ...): the rows of each tile's lanes (dummy lanes: zeros)."""
+        NT, R = self.rows.shape
+        return _with_dummy(x).index_select(0, self.rows.flatten()).view(NT, R * x.shape[2], *x.shape[3:])
+
+    def tile_keys(self, xbp: torch.Tensor) -> torch.Tensor:
+        """(NT, L, D): the block of each tile, from the key-block layout xbp (BG, 2 + Ns, L, D)."""
+        D = xbp.shape[-1]
+        return xbp.view(-1, D).index_select(0, self.key_rows).view(self.rows.shape[0], self.L, D)
+
     def per_lane(self, x: torch.Tensor) -> torch.Tensor:
         """Row statistics (BG, C, r) -> (NT, R, r, 1) for the tiles' lanes (dummy lanes: 0)."""
         NT, R = self.rows.shape
-        return _with_dummy(x).index_select(0, self.rows.flatten()).view(NT, R, self.r, 1)
+        return self.tile_rows(x).view(NT, R, self.r, 1)
 
     def per_loc(self, x: torch.Tensor) -> torch.Tensor:
         """(BG, C, r, ...) -> (BG, nb, L, r, ...) zero-padded, the loc layout."""
@@ -240,7 +248,7 @@ def _each_chunk(qs: torch.Tensor, kbp: torch.Tensor, idx: torch.Tensor, valid: t
 def _forward_fused(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk through the fused kernels (CPUs), a part at a time, merged by their logsumexps:
     out (BG, C, r, D) and logsumexp (BG, C, r)."""
-    BG, C, r, D, L = ch.BG, ch.C, ch.r, ch.D, ch.L
+    BG, C, r, D = ch.BG, ch.C, ch.r, ch.D
     NT, lanes = ch.rows.shape[0], ch.rows.flatten()
     bias_loc, bias_ini = ch.biases(vbp.dtype)
     o_loc, m_loc = cpu_flash.attend(ch.q_loc, ch.k_loc, ch.local_keys(vbp), bias_loc, 1.0)
@@ -249,8 +257,7 @@ def _forward_fused(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torc
     m_loc, m_ini = (x.view(BG, -1, r)[:, :C] for x in (m_loc, m_ini))  # no keys: logsumexp -inf
     m = torch.maximum(m_loc, m_ini)  # finite: key t is always read
     if NT:
-        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
-        o_t, m_t = cpu_flash.attend(ch.qt, ch.kt, vt, None, 1.0)  # (NT, R * r, D), (NT, R * r)
+        o_t, m_t = cpu_flash.attend(ch.qt, ch.kt, ch.tile_keys(vbp), None, 1.0)  # (NT, R * r, D), (NT, R * r)
         m_t = m_t.view(-1, r)
         big = m_t.new_full((BG * C + 1, r), float("-inf")).scatter_reduce_(0, lanes[:, None].expand(-1, r), m_t, "amax")
         m = torch.maximum(m, big[:-1].view(BG, C, r))
@@ -258,7 +265,7 @@ def _forward_fused(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torc
     total = w_loc + w_ini
     o = o_loc.view(BG, -1, r, D)[:, :C] * w_loc[..., None] + o_ini.view(BG, -1, r, D)[:, :C] * w_ini[..., None]
     if NT:
-        w_t = m_t.sub_(_with_dummy(m).index_select(0, lanes)).exp_()  # (NT * R, r)
+        w_t = m_t.sub_(ch.tile_rows(m).view(-1, r)).exp_()  # (NT * R, r)
         total += total.new_zeros(BG * C + 1, r).index_add_(0, lanes, w_t)[:-1].view(BG, C, r)
         o_t = o_t.view(-1, r, D).mul_(w_t[..., None])
         o += o.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o_t)[:-1].view(BG, C, r, D)
@@ -281,7 +288,7 @@ def _forward_ops(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torch.
     total = torch.zeros(BG * C + 1, r, dtype=m.dtype, device=m.device).index_add_(0, lanes, e_t.sum(-1).view(-1, r))
     total = total[:-1].view(BG, C, r) + e_loc.sum(-1).view(BG, -1, r)[:, :C]
     total += e_ini.sum(-1).view(BG, -1, r)[:, :C]
-    vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+    vt = ch.tile_keys(vbp)
     o = (e_t.view(NT, TILE * r, L) @ vt).view(-1, r, D)
     o = vbp.new_zeros(BG * C + 1, r, D).index_add_(0, lanes, o)[:-1].view(BG, C, r, D)
     o += (e_loc.view(BG * nb, -1, ch.nloc * L) @ ch.local_keys(vbp)).view(BG, -1, r, D)[:, :C]
@@ -314,14 +321,13 @@ def _backward_fused(ch: _SelChunk, do: torch.Tensor, out: torch.Tensor, ls: torc
     """One chunk's gradients through the fused kernels (CPUs), a part at a time from the rows' whole
     output `out` (BG, C, r, D) and logsumexp `ls` (BG, C, r): dk, dv added into dkbp, dvbp; returns
     the gradient (BG, C, r, D) of the scaled queries."""
-    BG, C, r, D, L, nb = ch.BG, ch.C, ch.r, ch.D, ch.L, ch.nb
+    BG, C, r, D, nb = ch.BG, ch.C, ch.r, ch.D, ch.nb
     NT, lanes = ch.rows.shape[0], ch.rows.flatten()
     dqc = do.new_zeros(BG * C + 1, r, D)
     if NT:  # tiles: each one block's keys for R queries (dummy lanes: zero rows, zero d_out)
-        do_t, out_t = (_with_dummy(x).index_select(0, lanes).view(NT, TILE * r, D) for x in (do, out))
-        vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
         lse_t = ch.per_lane(ls).view(NT, TILE * r)
-        dq, dk, dv = cpu_flash.attend_backward(do_t, ch.qt, ch.kt, vt, out_t, lse_t, None, 1.0)
+        dq, dk, dv = cpu_flash.attend_backward(ch.tile_rows(do), ch.qt, ch.kt, ch.tile_keys(vbp), ch.tile_rows(out),
+                                               lse_t, None, 1.0)
         dkbp.view(-1, D).index_add_(0, ch.key_rows, dk.view(-1, D))
         dvbp.view(-1, D).index_add_(0, ch.key_rows, dv.view(-1, D))
         dqc.index_add_(0, lanes, dq.reshape(-1, r, D))
@@ -348,8 +354,7 @@ def _backward_ops(ch: _SelChunk, do: torch.Tensor, ls: torch.Tensor, dl: torch.T
     ch.scores()
     # tiles
     p = ch.s_t.sub_(ch.per_lane(ls)).exp_()  # (NT, R, r, L)
-    dot = _with_dummy(do).index_select(0, lanes).view(NT, TILE * r, D)
-    vt = vbp.view(-1, D).index_select(0, ch.key_rows).view(NT, L, D)
+    dot, vt = ch.tile_rows(do), ch.tile_keys(vbp)
     dvbp.view(-1, D).index_add_(0, ch.key_rows, (p.view(NT, TILE * r, L).transpose(1, 2) @ dot).view(-1, D))
     ds = (dot @ vt.transpose(1, 2)).view_as(p).sub_(ch.per_lane(dl)).mul_(p).view(NT, TILE * r, L)
     dkbp.view(-1, D).index_add_(0, ch.key_rows, (ds.transpose(1, 2) @ ch.qt).view(-1, D))

@@ -86,10 +86,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _bias(mask: torch.Tensor, B: int, G: int, r: int, dtype: torch.dtype) -> torch.Tensor:
     """A chunk's mask ((C, 1, S), or (B, 1, C, 1, S) with documents) as the fused kernels' bias over
     the rows of `_rows`: (C * r, S), or (B * G, 1, C * r, S)."""
-    bias = cpu_flash.bias_of(mask, dtype)
-    if mask.dim() == 3:
-        return bias.expand(-1, r, -1).reshape(-1, mask.shape[-1])
-    return bias.expand(B, G, -1, r, -1).reshape(B * G, 1, -1, mask.shape[-1])
+    if mask.dim() == 3:  # the same for every (batch, group): broadcast
+        return cpu_flash.bias_of(mask, dtype).expand(-1, r, -1).reshape(-1, mask.shape[-1])
+    return cpu_flash.bias_rows(mask, (B, G, mask.shape[2], r, mask.shape[-1]), dtype)
 
 
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
