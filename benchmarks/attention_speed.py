@@ -165,7 +165,7 @@ def main() -> None:
                     continue
                 r = results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
                 ratio = r["seconds"] / next(iter(results.values()))["seconds"]
-                print(f"| {T} | {allocator} | {variant} | {r['seconds']:.2f} | {ratio:.2f}x | {r['peak_gib']:.2f} |",
+                print(f"| {T} | {allocator} | {variant} | {r['seconds']:.4g} | {ratio:.2f}x | {r['peak_gib']:.2f} |",
                       flush=True)
 
 

@@ -18,6 +18,7 @@ processes, `--max-restarts`) and adds three things:
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -150,8 +151,19 @@ def first_failure(e: ChildFailedError) -> tuple[int, str]:
     return code(failure), f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
 
 
+def parse_launcher_args(argv: list[str] | None) -> Any:
+    """torchrun's options. `--shutdown-timeout` (default 120 s) is read here and set on them: torchrun
+    has that option only from torch 2.12 on, and then takes it from there."""
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=120)
+    mine, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(rest)
+    args.shutdown_timeout = mine.shutdown_timeout
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_launcher_args(argv)
     args.signals_to_handle = TORCHRUN_SIGNALS
     return run_command("nsa_titan", lambda: _launch(args))
 

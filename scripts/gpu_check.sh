@@ -3,6 +3,8 @@
 # against flash-attn's causal attention, and M7C training throughput and MFU on one GPU; a markdown
 # report at the end (default outputs/gpu_check/report.md). Without CUDA it says so and exits 0.
 #   scripts/gpu_check.sh [REPORT]
+#   PARTS="tests attention" scripts/gpu_check.sh REPORT   # some of the parts: tests, attention, train
+#                                                        # (each appends to REPORT; e.g. to fit time limits)
 # Each part runs even when an earlier one fails; the exit code is 1 if any part failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -12,6 +14,8 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   echo "gpu_check: no CUDA device on this machine (or torch is not installed): nothing to check"
   exit 0
 fi
+parts="${PARTS:-tests attention train}"
+want() { [[ " $parts " == *" $1 "* ]]; }
 failed=0
 section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; echo "gpu_check: $1"; }
 run() {  # run a command into the report; remember a failure
@@ -21,7 +25,7 @@ run() {  # run a command into the report; remember a failure
   [[ $rc -eq 0 ]] || failed=1
 }
 
-{
+[[ -s "$report" && "$parts" != "tests attention train" ]] || {
   echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
   echo '```'
@@ -31,21 +35,31 @@ run() {  # run a command into the report; remember a failure
   python3 -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed (pip install -e .[gpu])"
   echo '```'
 } >"$report"
+echo "gpu_check: parts: $parts" | tee -a "$report"
 
-section "GPU tests (tests/test_gpu.py: Triton sel and flash-attn window on CUDA, kernel choice, NCCL FSDP, bf16 + compile + AC)"
-run python3 -m pytest -q -rs tests/test_gpu.py
+if want tests; then
+  section "GPU tests (tests/test_gpu.py: Triton sel and flash-attn window on CUDA, kernel choice, NCCL FSDP, bf16 + compile + AC)"
+  run python3 -m pytest -q -rs --durations 5 tests/test_gpu.py
+fi
 
-section "Attention, bf16, forward + backward, M7C shape: fast NSA vs causal SDPA vs flash-attn causal"
-run python3 benchmarks/attention_speed.py --T 8192 16384 32768 65536 --repeats 3 --allocators default \
-  --variants fast-core dense-core flash-core fast dense
+if want attention; then
+  section "Attention, bf16, forward + backward, M7C shape: fast NSA vs causal SDPA (flash kernel) vs flash-attn causal"
+  run python3 benchmarks/attention_speed.py --T 8192 16384 32768 65536 --repeats 10 --allocators default \
+    --variants fast-core dense-core flash-core fast dense
+fi
 
-for seq in 2048 8192; do
-  section "M7C training throughput and MFU on one GPU, seq $seq (bf16, AC full, compile)"
-  run python3 benchmarks/train_throughput.py --config train_configs/m7c.toml --steps 20 \
-    --variants nsa-compiled-ac dense-compiled -- --training.seq_len "$seq" \
-    --training.local_batch_size "$((16384 / seq))" --data.path data/python_docs --data.name= \
-    --checkpoint.enable false
-done
+if want train; then
+  # seq 2048 and 8192 as m7c.toml ships (document masking on: dense SDPA then takes a T x T mask), and
+  # 8192 as plain causal attention (dense on its flash kernel)
+  for run in "2048 true" "8192 true" "8192 false"; do
+    read -r seq docs <<<"$run"
+    section "M7C training throughput and MFU on one GPU, seq $seq, document masking $docs (bf16, AC full, compile)"
+    run python3 benchmarks/train_throughput.py --config train_configs/m7c.toml --steps 20 \
+      --variants nsa-compiled-ac dense-compiled -- --training.seq_len "$seq" \
+      --training.local_batch_size "$((16384 / seq))" --training.document_masking "$docs" \
+      --data.path data/python_docs --data.name= --checkpoint.enable false
+  done
+fi
 
 echo "gpu_check: report in $report$([[ $failed -eq 0 ]] || echo ' (some parts failed: see the report)')"
 exit $failed

@@ -92,13 +92,13 @@ def small_chunks(monkeypatch):
 
 @pytest.fixture(params=["fused", "ops"])
 def cpu_path(request, monkeypatch) -> str:
-    """Both ways the fast path runs its chunks: on CPUs through ATen's fused kernels (`cpu_flash`),
+    """Both ways the fast path runs its chunks: on CPUs through ATen's fused kernels (`fused_attention`),
     and as separate ops, the path other devices take (forced here by saying the kernels do not serve
     this device)."""
-    from nsa_titan.models.attention import cpu_flash
+    from nsa_titan.models.attention import fused_attention
 
     if request.param == "ops":
-        monkeypatch.setattr(cpu_flash, "fused", lambda x: False)
+        monkeypatch.setattr(fused_attention, "fused", lambda x: False)
     return request.param
 
 

@@ -28,9 +28,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, float]:
-    """Relative errors of nsa_fast with `kernels` in `dtype` against the fp32 reference on CUDA."""
+    """Relative errors of nsa_fast with `kernels` in `dtype` against the fp32 reference on CUDA, on
+    the same inputs (rounded to `dtype`: else the two pick other sel blocks where scores nearly tie)."""
     B, T, H, G, D = shape
-    args = [a.cuda() for a in random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)]
+    args = [a.to(dtype).float().cuda() for a in random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)]
     full = [a.clone().requires_grad_(True) for a in args]
     ref = nsa_reference(*full, SPEC)
     grad_out = torch.randn_like(ref)
@@ -42,12 +43,24 @@ def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ..
     return {"out": rel(out, ref), **{n: rel(g, r) for n, g, r in zip(names, grads, ref_grads)}}
 
 
-@pytest.mark.skipif(not kernel_choice.triton_sel.AVAILABLE, reason="triton is not installed")
+@pytest.mark.parametrize("sel", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=["B{}-T{}-H{}-G{}-D{}".format(*s) for s in SHAPES])
-def test_triton_sel_on_cuda_equals_the_reference(dtype, shape):
-    errors = against_reference(Kernels(sel="triton"), dtype, shape)
+def test_gpu_kernels_equal_the_reference(sel, dtype, shape):
+    """sel by the Triton kernels, or by PyTorch tiles through the fused CUDA kernel; cmp and win
+    chunks through the fused CUDA kernel either way."""
+    if sel == "triton" and not kernel_choice.triton_sel.AVAILABLE:
+        pytest.skip("triton is not installed")
+    errors = against_reference(Kernels(sel=sel), dtype, shape)
     assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["B{}-T{}-H{}-G{}-D{}".format(*s) for s in SHAPES])
+def test_fused_cuda_kernels_equal_the_reference_in_fp32(shape):
+    """In fp32 (the PyTorch kernels: every chunk and tile through the fused CUDA kernel), as close
+    to the fp32 reference as the CPU's fused kernels are (tests/test_nsa_fast.py)."""
+    errors = against_reference(Kernels(), torch.float32, shape)
+    assert max(errors.values()) < 2e-4, errors
 
 
 @pytest.mark.skipif(kernel_choice.flash_attn_func is None, reason="flash-attn is not installed")

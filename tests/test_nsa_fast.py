@@ -120,14 +120,14 @@ def test_fast_equals_reference_across_many_chunks_and_tiles(small_chunks, cpu_pa
 def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
     """On CPUs the win forward, the sel forward's three parts and every backward call ATen's fused
     kernels (the cmp forward computes its probabilities itself: it picks the sel blocks from them)."""
-    from nsa_titan.models.attention import cpu_flash
+    from nsa_titan.models.attention import fused_attention
 
     calls = {"attend": 0, "attend_backward": 0}
     for name in calls:
-        def counted(*args, _fn=getattr(cpu_flash, name), _name=name):
+        def counted(*args, _fn=getattr(fused_attention, name), _name=name):
             calls[_name] += 1
             return _fn(*args)
-        monkeypatch.setattr(cpu_flash, name, counted)
+        monkeypatch.setattr(fused_attention, name, counted)
     args = random_inputs(1, 300, 12, 2, 16, SPEC, seed=3)  # cmp: 2 chunks of 256, win: 5 of 64, sel: 1
     for a in args:
         a.requires_grad_(True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels as kernel_choice
-from . import ops, triton_sel
+from . import ops
 from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, mix_branches
 from .documents import Documents
 from .kernels import Kernels
@@ -39,7 +39,6 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
     if kernels is None:
         kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D)
-    start = None if docs is None else docs.start[:, q0:q0 + Tq]
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
@@ -49,8 +48,8 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     qg = q.to(acc).view(B, Tq, G, H // G, D).transpose(1, 2).contiguous()
     o_cmp, idx, valid = ops.shared(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T, q0, docs)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
-        o_sel = triton_sel.SelectedTriton.apply(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype),
-                                                idx, valid, spec, start, q0).to(acc)
+        o_sel = ops.selected_triton(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype), idx, valid,
+                                    spec, q0, docs).to(acc)
     else:
         o_sel = ops.selected(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, q0, docs)
     if kernels.win == "flash":

@@ -11,7 +11,7 @@ query. Tile counts have a static bound (`_tile_bound`: each query's own number o
 host bounds of its documents): no host sync, no data-dependent shapes.
 
 On CPUs each part (tiles, loc, ini) is one call of ATen's fused flash-attention kernel
-(`cpu_flash.py`); the forward merges the parts by their logsumexps, the backward hands each part
+(`fused_attention.py`); the forward merges the parts by their logsumexps, the backward hands each part
 the rows' whole output and logsumexp. Elsewhere the same steps run as separate ops, with the row
 maxima of all parts first and one exp per score.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_flash
+from . import fused_attention
 from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
 from .documents import ChunkBounds
 
@@ -172,8 +172,8 @@ class _SelChunk:
         """The masks of the loc and ini parts as the fused kernels' biases, (BG * nb, 1, L * r, nloc * L)
         and (BG * nb, 1, L * r, L)."""
         rows = (self.B, self.BG // self.B, self.nb, self.L, self.r)
-        return (cpu_flash.bias_rows(self.ok[:, None, :, :, None], (*rows, self.nloc * self.L), dtype),
-                cpu_flash.bias_rows(self.late, (*rows, self.L), dtype))
+        return (fused_attention.bias_rows(self.ok[:, None, :, :, None], (*rows, self.nloc * self.L), dtype),
+                fused_attention.bias_rows(self.late, (*rows, self.L), dtype))
 
     def local_keys(self, xbp: torch.Tensor) -> torch.Tensor:
         """(BG * nb, nloc * L, D): for query block b, blocks j0 + b - nloc + 1 .. j0 + b of xbp."""
@@ -251,13 +251,13 @@ def _forward_fused(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torc
     BG, C, r, D = ch.BG, ch.C, ch.r, ch.D
     NT, lanes = ch.rows.shape[0], ch.rows.flatten()
     bias_loc, bias_ini = ch.biases(vbp.dtype)
-    o_loc, m_loc = cpu_flash.attend(ch.q_loc, ch.k_loc, ch.local_keys(vbp), bias_loc, 1.0)
-    o_ini, m_ini = cpu_flash.attend(ch.q_loc, ch.k_ini, ch.initial_keys(vbp), bias_ini, 1.0)
+    o_loc, m_loc = fused_attention.attend(ch.q_loc, ch.k_loc, ch.local_keys(vbp), bias_loc, 1.0)
+    o_ini, m_ini = fused_attention.attend(ch.q_loc, ch.k_ini, ch.initial_keys(vbp), bias_ini, 1.0)
     m_ini = m_ini.masked_fill(~ch.late.expand(ch.B, BG // ch.B, -1, -1, r, -1).reshape(m_ini.shape), float("-inf"))
     m_loc, m_ini = (x.view(BG, -1, r)[:, :C] for x in (m_loc, m_ini))  # no keys: logsumexp -inf
     m = torch.maximum(m_loc, m_ini)  # finite: key t is always read
     if NT:
-        o_t, m_t = cpu_flash.attend(ch.qt, ch.kt, ch.tile_keys(vbp), None, 1.0)  # (NT, R * r, D), (NT, R * r)
+        o_t, m_t = fused_attention.attend(ch.qt, ch.kt, ch.tile_keys(vbp), None, 1.0)  # (NT, R * r, D), (NT, R * r)
         m_t = m_t.view(-1, r)
         big = m_t.new_full((BG * C + 1, r), float("-inf")).scatter_reduce_(0, lanes[:, None].expand(-1, r), m_t, "amax")
         m = torch.maximum(m, big[:-1].view(BG, C, r))
@@ -308,7 +308,7 @@ def selected_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: t
     kbp, vbp = _key_blocks(ks, spec.l_sel), _key_blocks(vs, spec.l_sel)
     qs = q.reshape(B * G, Tq, r, D) * D**-0.5
     out, lse = torch.empty_like(q), q.new_empty(B, G, Tq, r)
-    forward = _forward_fused if cpu_flash.fused(q) else _forward_ops
+    forward = _forward_fused if fused_attention.fused(q) else _forward_ops
     for t0, t1, ch in _each_chunk(qs, kbp, idx, valid, spec, start, q0, bounds, ks.shape[2]):
         o, ls = forward(ch, vbp)
         out[:, :, t0:t1] = o.view(B, G, -1, r, D)
@@ -326,7 +326,7 @@ def _backward_fused(ch: _SelChunk, do: torch.Tensor, out: torch.Tensor, ls: torc
     dqc = do.new_zeros(BG * C + 1, r, D)
     if NT:  # tiles: each one block's keys for R queries (dummy lanes: zero rows, zero d_out)
         lse_t = ch.per_lane(ls).view(NT, TILE * r)
-        dq, dk, dv = cpu_flash.attend_backward(ch.tile_rows(do), ch.qt, ch.kt, ch.tile_keys(vbp), ch.tile_rows(out),
+        dq, dk, dv = fused_attention.attend_backward(ch.tile_rows(do), ch.qt, ch.kt, ch.tile_keys(vbp), ch.tile_rows(out),
                                                lse_t, None, 1.0)
         dkbp.view(-1, D).index_add_(0, ch.key_rows, dk.view(-1, D))
         dvbp.view(-1, D).index_add_(0, ch.key_rows, dv.view(-1, D))
@@ -336,11 +336,11 @@ def _backward_fused(ch: _SelChunk, do: torch.Tensor, out: torch.Tensor, ls: torc
     bias_loc, bias_ini = ch.biases(do.dtype)
     do_b, out_b = (ch.per_loc(x).reshape(BG * nb, -1, D) for x in (do, out))
     ls_b = ch.per_loc(ls).reshape(BG * nb, -1)
-    dq, dk, dv = cpu_flash.attend_backward(do_b, ch.q_loc, ch.k_loc, ch.local_keys(vbp), out_b, ls_b, bias_loc, 1.0)
+    dq, dk, dv = fused_attention.attend_backward(do_b, ch.q_loc, ch.k_loc, ch.local_keys(vbp), out_b, ls_b, bias_loc, 1.0)
     ch.scatter_local(dkbp, dk)
     ch.scatter_local(dvbp, dv)
     dqc += dq.view(BG, -1, r, D)[:, :C]
-    dq, dk, dv = cpu_flash.attend_backward(do_b, ch.q_loc, ch.k_ini, ch.initial_keys(vbp), out_b, ls_b, bias_ini, 1.0)
+    dq, dk, dv = fused_attention.attend_backward(do_b, ch.q_loc, ch.k_ini, ch.initial_keys(vbp), out_b, ls_b, bias_ini, 1.0)
     ch.scatter_initial(dkbp, dk)
     ch.scatter_initial(dvbp, dv)
     return dqc + dq.view(BG, -1, r, D)[:, :C]
@@ -390,7 +390,7 @@ def selected_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs
     qs = q.reshape(B * G, Tq, r, D) * D**-0.5
     d_out, out = d_out.reshape(B * G, Tq, r, D), out.reshape(B * G, Tq, r, D)
     lse = lse.reshape(B * G, Tq, r)
-    fused = cpu_flash.fused(q)
+    fused = fused_attention.fused(q)
     delta = None if fused else (d_out * out).sum(-1)  # (BG, Tq, r): sum over keys of p * dp
     dq = torch.empty_like(qs)
     for t0, t1, ch in _each_chunk(qs, kbp, idx, valid, spec, start, q0, bounds, ks.shape[2]):

@@ -111,32 +111,40 @@ def _launch_args(q: torch.Tensor, ks: torch.Tensor, idx: torch.Tensor, spec: NSA
                 R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), D=D, L=spec.l_sel, N=idx.shape[-1])
 
 
-class SelectedTriton(torch.autograd.Function):
-    """Same contract as fast_sel.selected_forward: q (B, G, Tq, r, D), the queries at q0 .. q0 + Tq - 1; ks, vs
-    (B, G, T, D) of the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq) or None ->
-    (B, G, Tq, r, D). Head dim and l' must be powers of two >= 16."""
+def _prepared(idx: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, B: int, Tq: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' int32 block indices (-1: not a candidate) and document starts (0: none)."""
+    idx32 = torch.where(valid, idx, -1).to(torch.int32).contiguous()
+    start32 = (torch.zeros(B, Tq, device=idx.device) if start is None else start).to(torch.int32).contiguous()
+    return idx32, start32
 
-    @staticmethod
-    def forward(ctx, q, ks, vs, idx, valid, spec: NSASpec, start: torch.Tensor | None, q0: int):
-        q, ks, vs = q.contiguous(), ks.contiguous(), vs.contiguous()
-        B, G, Tq, r, D = q.shape
-        idx32 = torch.where(valid, idx, -1).to(torch.int32).contiguous()
-        start32 = (torch.zeros(B, Tq, device=q.device) if start is None else start).to(torch.int32).contiguous()
-        out = torch.empty_like(q)
-        lse = torch.empty(B, G, Tq, r, dtype=torch.float32, device=q.device)
-        _sel_fwd[(Tq, B * G)](q, ks, vs, idx32, start32, out, lse, **_launch_args(q, ks, idx32, spec, q0))
-        ctx.save_for_backward(q, ks, vs, idx32, start32, out, lse)
-        ctx.spec, ctx.q0 = spec, q0
-        return out
 
-    @staticmethod
-    def backward(ctx, d_out):
-        q, ks, vs, idx32, start32, out, lse = ctx.saved_tensors
-        d_out = d_out.contiguous()
-        delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
-        dq = torch.empty_like(q)
-        dk = torch.zeros(ks.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros_like(dk)
-        _sel_bwd[(q.shape[2], q.shape[0] * q.shape[1])](q, ks, vs, idx32, start32, d_out, lse, delta, dq, dk, dv,
-                                                        **_launch_args(q, ks, idx32, ctx.spec, ctx.q0))
-        return dq, dk.to(ks.dtype), dv.to(vs.dtype), None, None, None, None, None
+def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                spec: NSASpec, start: torch.Tensor | None, q0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as fast_sel.selected_forward: q (B, G, Tq, r, D), the queries at q0 .. q0 + Tq - 1;
+    ks, vs (B, G, T, D) of the whole sequence; idx, valid (B, G, Tq, n'); start (B, Tq) or None ->
+    out (B, G, Tq, r, D) and the fp32 logsumexp of each (query, head) (B, G, Tq, r). Head dim and l'
+    must be powers of two >= 16. `ops.selected_triton` is its custom op (one node under compile)."""
+    q, ks, vs = q.contiguous(), ks.contiguous(), vs.contiguous()
+    B, G, Tq, r, D = q.shape
+    idx32, start32 = _prepared(idx, valid, start, B, Tq)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, G, Tq, r, dtype=torch.float32, device=q.device)
+    _sel_fwd[(Tq, B * G)](q, ks, vs, idx32, start32, out, lse, **_launch_args(q, ks, idx32, spec, q0))
+    return out, lse
+
+
+def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
+                 valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, spec: NSASpec,
+                 start: torch.Tensor | None, q0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dks, dvs) of `sel_forward`'s `out` (with its logsumexp `lse`) for `d_out`."""
+    q, ks, vs, d_out = q.contiguous(), ks.contiguous(), vs.contiguous(), d_out.contiguous()
+    B, G, Tq = q.shape[:3]
+    idx32, start32 = _prepared(idx, valid, start, B, Tq)
+    delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(ks.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    _sel_bwd[(Tq, B * G)](q, ks, vs, idx32, start32, d_out, lse.contiguous(), delta, dq, dk, dv,
+                          **_launch_args(q, ks, idx32, spec, q0))
+    return dq, dk.to(ks.dtype), dv.to(vs.dtype)
