@@ -24,7 +24,7 @@ SHAPES = [(1, 1000, 12, 2, 64), (2, 2048, 16, 1, 64), (1, 4097, 4, 4, 128)]  # (
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
 
 
 def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, float]:

@@ -135,6 +135,31 @@ def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
     assert calls == {"attend": 5 + 3, "attend_backward": 2 + 5 + 3}  # sel: tiles, loc, ini
 
 
+@pytest.mark.parametrize("kind", ["cmp", "win"])
+def test_cmp_and_win_take_bf16_chunks_as_on_cuda(small_chunks, kind):
+    """On CUDA nsa_fast hands the cmp and win chunks to the fused kernel in bf16 / fp16 (tensor
+    cores). The same plumbing on the CPU's fused kernel: the same sel blocks as fp32 on the same
+    values (their scores are fp32), an fp32 logsumexp, and dk, dv summed over chunks in fp32."""
+    from nsa_titan.models.attention import ops
+
+    g = torch.Generator().manual_seed(0)
+    B, G, T, r, D = 1, 2, 150, 3, 32
+    S = SPEC.num_cmp_blocks(T) if kind == "cmp" else T
+    xs = [torch.randn(*shape, generator=g).bfloat16() for shape in ((B, G, T, r, D), (B, G, S, D), (B, G, S, D))]
+    weight = torch.randn(B, G, T, r, D, generator=g)
+    runs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        ins = [x.to(dtype).requires_grad_(True) for x in xs]
+        out, idx, _ = ops.shared(*ins, kind, SPEC, T, 0, None)
+        runs[dtype] = out.detach(), idx, torch.autograd.grad((out.float() * weight).sum(), ins)
+    (o16, i16, g16), (o32, i32, g32) = runs[torch.bfloat16], runs[torch.float32]
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    assert o16.dtype == torch.bfloat16 and rel(o16, o32) < 1e-2
+    assert all(d.dtype == torch.bfloat16 and rel(d, d32) < 2e-2 for d, d32 in zip(g16, g32))
+    if kind == "cmp":
+        assert torch.equal(i16, i32)
+
+
 def test_fast_backward_does_not_keep_per_chunk_scores(small_chunks):
     """Activation memory saved for backward is O(T): each chunk's scores are recomputed."""
     saved = []

@@ -46,3 +46,24 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert {"train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "train/memory_gib", "train/data_wait",
             "validation/loss", "validation/perplexity"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 4, 6]
+
+
+def test_launcher_reads_its_shutdown_timeout_itself(monkeypatch):
+    """torchrun has `--shutdown-timeout` only from torch 2.12 on (2.11's rejects it, as on the first
+    GPU machine): the launcher takes it off the options it hands torchrun, and the trainer's own
+    options pass through untouched."""
+    from nsa_titan import launch
+
+    torchrun_parse = launch.parse_args
+
+    def older_torchrun(argv):
+        assert not any(a.startswith("--shutdown") for a in argv), "torchrun < 2.12 would reject this"
+        return torchrun_parse(argv)
+
+    monkeypatch.setattr(launch, "parse_args", older_torchrun)
+    args = launch.parse_launcher_args(["--nproc_per_node", "2", "--shutdown-timeout", "7", "--standalone", "-m",
+                                       "nsa_titan.train", "--training.steps", "3", "--job.description", "x"])
+    assert args.shutdown_timeout == 7 and str(args.nproc_per_node) == "2" and args.standalone
+    assert args.module and args.training_script == "nsa_titan.train"
+    assert args.training_script_args == ["--training.steps", "3", "--job.description", "x"]
+    assert launch.parse_launcher_args(["--standalone", "-m", "nsa_titan.train"]).shutdown_timeout == 120

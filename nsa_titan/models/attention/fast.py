@@ -44,18 +44,25 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
         return x.to(dtype).transpose(1, 2).contiguous()
 
-    # (B, G, T, r, D): the r = H/G query heads of a group side by side.
-    qg = q.to(acc).view(B, Tq, G, H // G, D).transpose(1, 2).contiguous()
-    o_cmp, idx, valid = ops.shared(qg, grouped(k_cmp, acc), grouped(v_cmp, acc), "cmp", spec, T, q0, docs)
+    def heads(dtype: torch.dtype) -> torch.Tensor:
+        """The queries as (B, G, Tq, r, D): the r = H/G query heads of a group side by side."""
+        return q.to(dtype).view(B, Tq, G, H // G, D).transpose(1, 2).contiguous()
+
+    # cmp and win: fp32 on CPUs, as the reference rounds; on CUDA the fused kernel takes bf16 / fp16
+    # as they are (tensor cores), and the cmp scores that pick the sel blocks are still fp32.
+    low = q.dtype if q.device.type == "cuda" else acc
+    qs = heads(low)
+    o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
-        o_sel = ops.selected_triton(qg.to(q.dtype), grouped(k_sel, q.dtype), grouped(v_sel, q.dtype), idx, valid,
-                                    spec, q0, docs).to(acc)
+        o_sel = ops.selected_triton(qs if low == q.dtype else heads(q.dtype), grouped(k_sel, q.dtype),
+                                    grouped(v_sel, q.dtype), idx, valid, spec, q0, docs)
     else:
-        o_sel = ops.selected(qg, grouped(k_sel, acc), grouped(v_sel, acc), idx, valid, spec, q0, docs)
+        o_sel = ops.selected(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx, valid,
+                             spec, q0, docs)
     if kernels.win == "flash":
-        o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0).to(acc)
+        o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0)
     else:
-        o_win, _, _ = ops.shared(qg, grouped(k_win, acc), grouped(v_win, acc), "win", spec, T, q0, docs)
+        o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs)
     g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
-    out = mix_branches(g, o_cmp, o_sel, o_win)  # (B, G, Tq, r, D)
+    out = mix_branches(g, o_cmp.to(acc), o_sel.to(acc), o_win.to(acc))  # (B, G, Tq, r, D)
     return out.transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)

@@ -122,7 +122,8 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     bounds, or None. Returns out (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r),
     and, for cmp, the chosen sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
-    out, lse, idx, valid = torch.zeros_like(q), q.new_zeros(B, G, Tq, r), [], []
+    acc = torch.promote_types(q.dtype, torch.float32)  # the cmp scores' dtype (q: bf16 / fp16 on CUDA)
+    out, lse, idx, valid = torch.zeros_like(q), q.new_zeros(B, G, Tq, r, dtype=acc), [], []
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds, q.device):
         lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
@@ -131,8 +132,8 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
         elif kind == "win" and fused_attention.fused(q):
             out[:, :, a:b], lse[:, :, a:b] = _fused_forward(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], mask)
         else:
-            p, lse[:, :, a:b] = _probs(q[:, :, a:b], k[:, :, lo:hi], mask)  # (B, G, C, r, hi - lo)
-            out[:, :, a:b] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi]).view(B, G, -1, r, D)
+            p, lse[:, :, a:b] = _probs(q[:, :, a:b].to(acc), k[:, :, lo:hi].to(acc), mask)  # (B, G, C, r, hi - lo)
+            out[:, :, a:b] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi].to(acc)).view(B, G, -1, r, D)
         if kind == "cmp":
             chosen = choose_blocks(p.sum(3), spec, t0, T, docs, slot0=lo)
             idx.append(chosen[0])
@@ -147,7 +148,8 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                     bounds: ChunkBounds | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
     B, G, Tq, r, D = q.shape
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    acc = torch.promote_types(q.dtype, torch.float32)  # dk, dv sum over chunks: in fp32 for bf16 / fp16 inputs
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds, q.device):
         lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
         if hi == lo:
@@ -169,4 +171,4 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(D**-0.5).view(B, G, -1, hi - lo)
         dq[:, :, a:b] = (ds @ k[:, :, lo:hi]).view(B, G, -1, r, D)
         dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q[:, :, a:b].reshape(B, G, -1, D)
-    return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -58,7 +58,8 @@ def _shared_op(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: list[int], T: i
 def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot, bounds):
     B, G, Tq = q.shape[:3]
     n = min(spec[3], NSASpec(*spec).num_sel_blocks(T)) if kind == "cmp" else 0
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:4]),
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            q.new_empty(q.shape[:4], dtype=torch.promote_types(q.dtype, torch.float32)),
             q.new_empty(B, G, Tq, n, dtype=torch.long), q.new_empty(B, G, Tq, n, dtype=torch.bool))
 
 
