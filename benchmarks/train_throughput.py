@@ -34,6 +34,8 @@ VARIANTS = {
     "nsa-compiled-ac": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
     "dense-eager": ["--model.attention", "dense", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
     "dense-compiled": ["--model.attention", "dense", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
+    "dense-compiled-ac": ["--model.attention", "dense", "--compile.enable", "true", "--activation_checkpoint.mode",
+                          "full"],
 }
 
 

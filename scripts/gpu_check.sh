@@ -33,6 +33,9 @@ run() {  # run a command into the report; remember a failure
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
   python3 -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "triton: not installed"
   python3 -c 'import flash_attn; print("flash-attn", flash_attn.__version__)' 2>/dev/null || echo "flash-attn: not installed (pip install -e .[gpu])"
+  for m in torchdata datasets tomli sentencepiece tensorboard pytest; do
+    python3 -c "import $m" 2>/dev/null || echo "$m: not installed (scripts/install.sh --test): the parts that need it fail"
+  done
   echo '```'
 } >"$report"
 echo "gpu_check: parts: $parts" | tee -a "$report"
@@ -53,9 +56,9 @@ if want train; then
   # 8192 as plain causal attention (dense on its flash kernel)
   for run in "2048 true" "8192 true" "8192 false"; do
     read -r seq docs <<<"$run"
-    section "M7C training throughput and MFU on one GPU, seq $seq, document masking $docs (bf16, AC full, compile)"
+    section "M7C training throughput and MFU on one GPU, seq $seq, document masking $docs (bf16, compile; AC full as m7c.toml, and dense without)"
     run python3 benchmarks/train_throughput.py --config train_configs/m7c.toml --steps 20 \
-      --variants nsa-compiled-ac dense-compiled -- --training.seq_len "$seq" \
+      --variants nsa-compiled-ac dense-compiled-ac dense-compiled -- --training.seq_len "$seq" \
       --training.local_batch_size "$((16384 / seq))" --training.document_masking "$docs" \
       --data.path data/python_docs --data.name= --checkpoint.enable false
   done

@@ -96,6 +96,18 @@ def test_the_ops_pass_opcheck(with_docs):
         torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start, fields[4]))
 
 
+def test_the_shared_op_passes_opcheck_with_bf16_chunks():
+    """cmp and win as CUDA runs them, on bf16 chunks: the fake implementation's logsumexp is fp32
+    (the real one's) there too."""
+    T = 70
+    args = random_inputs(2, T, 4, 2, 16, SPEC, dtype=torch.bfloat16, seed=2)
+    q = args[0].view(2, T, 2, 2, 16).transpose(1, 2).contiguous().requires_grad_(True)  # (B, G, T, r, D)
+    kc, vc, k, v = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in args[1:5])
+    spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
+    for keys in ((kc, vc, "cmp"), (k, v, "win")):
+        torch.library.opcheck(ops._shared_op, (q, *keys, spec, T, 0, *(None,) * 5))
+
+
 @pytest.mark.slow
 def test_inductor_compiled_block_equals_eager():
     """The ops through inductor, as `apply_compile` runs them (its generated code checks each op's

@@ -83,6 +83,27 @@ def run_cases() -> dict:
             "triton", torch.device("cpu"), torch.float32, SPEC, 16))
         report["parts"].append({"docs": with_docs, "out": rel(parts.detach(), whole.detach()),
                                 "grads": {n: rel(a, b) for n, a, b in zip(NAMES, got, expected)}})
+    # The custom op (one node under compile): schema, fake implementation, registered backward.
+    from nsa_titan.models.attention import Documents, ops
+    q = torch.randn(2, 2, 70, 2, 16).requires_grad_(True)  # (B, G, T, r, D)
+    ks, vs = (torch.randn(2, 2, 70, 16).requires_grad_(True) for _ in range(2))
+    kc = torch.randn(2, 2, 70 // SPEC.d, 16)
+    docs = Documents.of(torch.stack([torch.arange(70) // 30, torch.arange(70) // 50]), SPEC)
+    report["opcheck"] = []
+    for q0, with_docs, dtype in ((0, False, torch.float32), (32, True, torch.float32), (0, False, torch.float16)):
+        part = q[:, :, q0:].detach().to(dtype).requires_grad_(True)
+        ks, vs = (x.detach().to(dtype).requires_grad_(True) for x in (ks, vs))
+        d = docs if with_docs else None
+        _, _, idx, valid = ops._shared_op(part.detach().float(), kc, kc, "cmp", [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w],
+                                          70, q0, *((None,) * 5 if d is None else
+                                                    (d.start, d.end, d.cmp_start, d.first_slot, None)))
+        start = None if d is None else d.start[:, q0:]
+        try:
+            torch.library.opcheck(ops._selected_triton_op, (part, ks, vs, idx, valid, [SPEC.l, SPEC.d, SPEC.l_sel,
+                                                                                         SPEC.n, SPEC.w], q0, start))
+            report["opcheck"].append("ok")
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            report["opcheck"].append(f"{type(e).__name__}: {e}"[:500])
     # Causality: changing the inputs at position s leaves every earlier output unchanged.
     with torch.no_grad():
         args = random_inputs(1, 50, 12, 2, 16, SPEC, dtype=torch.float32, seed=3)
@@ -125,6 +146,13 @@ def test_triton_sel_in_half_precision_tracks_the_fp32_reference(report):
     assert half["dtype"] == "torch.float16" and half["out"] < 5e-3
     for name, err in half["grads"].items():
         assert err < 5e-3, (name, err)
+
+
+def test_triton_sel_op_passes_opcheck(report):
+    """The Triton sel kernels as a custom op (so compiled blocks keep them as one node, as on the
+    first GPU run): schema, fake implementation (an fp32 logsumexp for fp16 queries too),
+    registered backward; a part of the queries with documents included."""
+    assert report["opcheck"] == ["ok", "ok", "ok"], report["opcheck"]
 
 
 def test_triton_sel_packed_documents_equal_separate_runs(report):
