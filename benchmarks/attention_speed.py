@@ -16,6 +16,9 @@ layer *module* on x (1, T, 768), projections included:
              the attention function alone (nsa_fast / nsa_reference / causal SDPA / flash-attn's
              causal attention, GPUs only) on random q, k, v, compressed blocks and gates of those
              shapes: no projections
+  fast-torch-core
+             nsa_fast with every branch in PyTorch (`kernels = "torch"`: on GPUs the block-centric
+             sel tiles instead of the Triton sel kernels)
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
 one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import MALLOC_TUNING  # noqa: E402
-from nsa_titan.models.attention import NSASpec, dense_causal, nsa_fast, nsa_reference  # noqa: E402
+from nsa_titan.models.attention import Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
@@ -68,6 +71,8 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
         from flash_attn import flash_attn_func
 
         return inputs, lambda x: flash_attn_func(*inputs, causal=True)
+    if impl == "fast-torch":  # every branch in PyTorch (on GPUs: the block-centric sel tiles, no Triton)
+        return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels())
     return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)
 
 

@@ -48,7 +48,7 @@ fi
 if want attention; then
   section "Attention, bf16, forward + backward, M7C shape: fast NSA vs causal SDPA (flash kernel) vs flash-attn causal"
   run python3 benchmarks/attention_speed.py --T 8192 16384 32768 65536 --repeats 10 --allocators default \
-    --variants fast-core dense-core flash-core fast dense
+    --variants fast-core fast-torch-core dense-core flash-core fast dense
 fi
 
 if want train; then
