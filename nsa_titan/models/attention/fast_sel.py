@@ -10,10 +10,10 @@ paper's group-centric sharing); what gets gathered is R query rows per block, no
 query. Tile counts have a static bound (`_tile_bound`: each query's own number of choices, or the
 host bounds of its documents): no host sync, no data-dependent shapes.
 
-On CPUs each part (tiles, loc, ini) is one call of ATen's fused flash-attention kernel
-(`fused_attention.py`); the forward merges the parts by their logsumexps, the backward hands each part
-the rows' whole output and logsumexp. Elsewhere the same steps run as separate ops, with the row
-maxima of all parts first and one exp per score.
+On CPUs and CUDA devices each part (tiles, loc, ini) is one call of ATen's fused attention kernel
+(`fused_attention.py`); the forward merges the parts by their logsumexps, the backward hands each
+part the rows' whole output and logsumexp. Elsewhere the same steps run as separate ops, with the
+row maxima of all parts first and one exp per score.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def _forward_fused(ch: _SelChunk, vbp: torch.Tensor) -> tuple[torch.Tensor, torc
     m_loc, m_ini = (x.view(BG, -1, r)[:, :C] for x in (m_loc, m_ini))  # no keys: logsumexp -inf
     m = torch.maximum(m_loc, m_ini)  # finite: key t is always read
     if NT:
-        o_t, m_t = fused_attention.attend(ch.qt, ch.kt, ch.tile_keys(vbp), None, 1.0)  # (NT, R * r, D), (NT, R * r)
+        o_t, m_t = fused_attention.attend(ch.qt, ch.kt, ch.tile_keys(vbp), None, 1.0)  # (NT, R*r, D), (NT, R*r)
         m_t = m_t.view(-1, r)
         big = m_t.new_full((BG * C + 1, r), float("-inf")).scatter_reduce_(0, lanes[:, None].expand(-1, r), m_t, "amax")
         m = torch.maximum(m, big[:-1].view(BG, C, r))
@@ -326,8 +326,8 @@ def _backward_fused(ch: _SelChunk, do: torch.Tensor, out: torch.Tensor, ls: torc
     dqc = do.new_zeros(BG * C + 1, r, D)
     if NT:  # tiles: each one block's keys for R queries (dummy lanes: zero rows, zero d_out)
         lse_t = ch.per_lane(ls).view(NT, TILE * r)
-        dq, dk, dv = fused_attention.attend_backward(ch.tile_rows(do), ch.qt, ch.kt, ch.tile_keys(vbp), ch.tile_rows(out),
-                                               lse_t, None, 1.0)
+        dq, dk, dv = fused_attention.attend_backward(ch.tile_rows(do), ch.qt, ch.kt, ch.tile_keys(vbp),
+                                                     ch.tile_rows(out), lse_t, None, 1.0)
         dkbp.view(-1, D).index_add_(0, ch.key_rows, dk.view(-1, D))
         dvbp.view(-1, D).index_add_(0, ch.key_rows, dv.view(-1, D))
         dqc.index_add_(0, lanes, dq.reshape(-1, r, D))
@@ -336,11 +336,13 @@ def _backward_fused(ch: _SelChunk, do: torch.Tensor, out: torch.Tensor, ls: torc
     bias_loc, bias_ini = ch.biases(do.dtype)
     do_b, out_b = (ch.per_loc(x).reshape(BG * nb, -1, D) for x in (do, out))
     ls_b = ch.per_loc(ls).reshape(BG * nb, -1)
-    dq, dk, dv = fused_attention.attend_backward(do_b, ch.q_loc, ch.k_loc, ch.local_keys(vbp), out_b, ls_b, bias_loc, 1.0)
+    dq, dk, dv = fused_attention.attend_backward(do_b, ch.q_loc, ch.k_loc, ch.local_keys(vbp), out_b, ls_b,
+                                                 bias_loc, 1.0)
     ch.scatter_local(dkbp, dk)
     ch.scatter_local(dvbp, dv)
     dqc += dq.view(BG, -1, r, D)[:, :C]
-    dq, dk, dv = fused_attention.attend_backward(do_b, ch.q_loc, ch.k_ini, ch.initial_keys(vbp), out_b, ls_b, bias_ini, 1.0)
+    dq, dk, dv = fused_attention.attend_backward(do_b, ch.q_loc, ch.k_ini, ch.initial_keys(vbp), out_b, ls_b,
+                                                 bias_ini, 1.0)
     ch.scatter_initial(dkbp, dk)
     ch.scatter_initial(dvbp, dv)
     return dqc + dq.view(BG, -1, r, D)[:, :C]

@@ -5,9 +5,10 @@ covering its C windows (win); with documents and host bounds, only the chunk's d
 The r query heads of a KV group are stacked, so a chunk is two matmuls per group. The cmp forward
 computes each chunk's probabilities, since it picks the chunk's sel blocks from them. Flash-style:
 the forward keeps its inputs, output and logsumexp, the backward recomputes each chunk's
-probabilities once. On CPUs the win forward and both backwards are ATen's fused flash-attention
-kernel per chunk (scores, softmax and products tile by tile in cache, one pass), with the chunk's
-mask as a 0 / -inf bias; elsewhere they are the same steps as separate ops.
+probabilities once. On CPUs and CUDA devices the win forward and both backwards are ATen's fused
+attention kernel per chunk (`fused_attention.py`: scores, softmax and products tile by tile in
+cache, one pass), with the chunk's mask as a 0 / -inf bias; elsewhere they are the same steps as
+separate ops. On CUDA the chunks come in bf16 / fp16 (the cmp scores are computed in fp32).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _fused_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     forward's output and logsumexp."""
     B, G, C, r, D = q.shape
     dq, dk, dv = fused_attention.attend_backward(_rows(do), _rows(q), _rows(k), _rows(v), _rows(out),
-                                           lse.reshape(B * G, -1), _bias(mask, B, G, r, q.dtype), D**-0.5)
+                                                 lse.reshape(B * G, -1), _bias(mask, B, G, r, q.dtype), D**-0.5)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 

@@ -3,8 +3,8 @@
   cmp  PyTorch chunks (`fast_shared.py`)
   sel  PyTorch block-centric tiles (`fast_sel.py`), or Triton kernels (`triton_sel.py`) on CUDA
   win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16 (`window_flash`)
-On CPUs the PyTorch kernels run their chunks and tiles through ATen's fused flash-attention
-kernel (`fused_attention.py`), not a separate choice: it is what PyTorch runs there.
+On CPUs and CUDA devices the PyTorch kernels run their chunks and tiles through ATen's fused
+attention kernels (`fused_attention.py`), not a separate choice: they are what SDPA runs there.
 
 `auto` takes each fast kernel where it can run, else PyTorch; asking for one that cannot run is
 a ConfigError that says why. Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks).
