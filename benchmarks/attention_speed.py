@@ -30,6 +30,7 @@ query attends to, dense causal vs NSA, averaged over the sequence and at its las
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -138,9 +139,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
-    try:
-        import native_sparse_attention_pytorch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("native_sparse_attention_pytorch") is None:
         args.variants = [v for v in args.variants if v != "peer"]
         print("peer not installed (pip install native-sparse-attention-pytorch): skipped")
     print("| T | keys/query dense (mean, last) | keys/query NSA (mean, last) | dense/NSA keys (mean) |")
