@@ -175,6 +175,11 @@ def _table(docs: Documents | None) -> OptTensor:
     return None if docs is None or docs.bounds is None else docs.bounds.table
 
 
+def _query_starts(docs: Documents | None, q0: int, Tq: int) -> OptTensor:
+    """The document start of each of the queries q0 .. q0 + Tq - 1 (B, Tq), or None."""
+    return None if docs is None else docs.start[:, q0:q0 + Tq]
+
+
 def shared(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: NSASpec, T: int, q0: int, docs: Documents | None
            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """cmp or win attention (`fast_shared.shared_forward`), with the documents' host bounds when
@@ -188,12 +193,12 @@ def selected(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec
              docs: Documents | None) -> Tensor:
     """sel attention (`fast_sel.selected_forward`) of the queries at q0 .. q0 + Tq - 1, with the
     documents' host bounds when they have them."""
-    start = None if docs is None else docs.start[:, q0:q0 + q.shape[2]]
+    start = _query_starts(docs, q0, q.shape[2])
     return _selected_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start, _table(docs))[0]
 
 
 def selected_triton(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: NSASpec, q0: int,
                     docs: Documents | None) -> Tensor:
     """sel attention by the Triton kernels (`triton_sel.sel_forward`), as one custom op."""
-    start = None if docs is None else docs.start[:, q0:q0 + q.shape[2]]
+    start = _query_starts(docs, q0, q.shape[2])
     return _selected_triton_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start)[0]
