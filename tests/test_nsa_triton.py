@@ -176,5 +176,32 @@ def test_triton_sel_is_causal(report):
         assert at_changed, s
 
 
+def test_sel_backward_reverse_index_lists_each_blocks_readers():
+    """The block-centric backward's reverse index (plain tensor ops, checked without Triton): for each
+    (batch x group, first key of a block), exactly the query rows that chose it, in row order; a
+    block starts at its query's document start + j * l'. And no kernel adds with atomics."""
+    from nsa_titan.models.attention import triton_sel
+
+    B, G, Tq, N, L, Tk = 2, 3, 40, 4, 8, 50
+    gen = torch.Generator().manual_seed(0)
+    start = torch.stack([torch.arange(Tq) // 17 * 17, torch.zeros(Tq, dtype=torch.long)])  # (B, Tq)
+    idx = torch.stack([torch.randperm(5, generator=gen)[:N] for _ in range(B * G * Tq)]).view(B, G, Tq, N)
+    t = torch.arange(Tq)[None, None, :, None]
+    valid = (torch.rand(B, G, Tq, N, generator=gen) < 0.7) & (start[:, None, :, None] + idx * L <= t)  # causal
+    idx32, start32 = triton_sel._prepared(idx, valid, start, B, Tq)
+    offsets, readers = triton_sel._readers(idx32, start32, L, Tk)
+    expected: dict[tuple[int, int], list[int]] = {}
+    for b, g, row, i in torch.nonzero(valid).tolist():
+        expected.setdefault((b * G + g, int(start[b, row]) + int(idx[b, g, row, i]) * L), []).append(row)
+    got = {}
+    for key in range(B * G * Tk):
+        lo, hi = offsets[key].item(), offsets[key + 1].item()
+        if hi > lo:
+            got[divmod(key, Tk)] = readers[lo:hi].tolist()
+    assert got == expected
+    assert offsets[-1] == valid.sum()
+    assert "tl.atomic_" not in Path(triton_sel.__file__).read_text()
+
+
 if __name__ == "__main__":
     print(json.dumps(run_cases()))

@@ -2,10 +2,11 @@
 
 One program per (query t, batch b, KV group g): it loads the query rows of all r heads of the
 group once (padded to at least 16 rows for tl.dot), walks the n chosen blocks of l' keys with an
-online softmax, and writes the r outputs and their logsumexps. The backward program recomputes
-each block's probabilities from the logsumexp, accumulates dQ in registers and adds dK, dV into
-fp32 buffers with atomics (several queries choose the same block). The loop is over n blocks,
-never over T; memory is the inputs and outputs.
+online softmax, and writes the r outputs and their logsumexps. The backward recomputes the
+probabilities from the logsumexp in two kernels, neither with atomics: dQ one program per
+query (its n blocks, as the forward), and dK, dV block-centric, one program per key block over the
+queries that chose it (a reverse index: the chosen blocks sorted by block), written once. Each
+loop is over n blocks or a block's readers, never over T; memory is the inputs and outputs.
 
 Used by `nsa_fast` when `kernels.py` chooses it (CUDA, Triton installed, head dim and l' powers of
 two >= 16); checked on CPU against the PyTorch path under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
@@ -73,9 +74,10 @@ if AVAILABLE:
         tl.store(LSE + bg * Tq * slse_t + tq * slse_t + rr, m + tl.log(total), mask=rr < R)
 
     @triton.jit
-    def _sel_bwd(Q, K, V, IDX, START, DO, LSE, DELTA, DQ, DK, DV, scale,
-                 sq_t, sk_t, si_t, slse_t, Tq, Tk, q0, G,
-                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
+    def _sel_bwd_dq(Q, K, V, IDX, START, DO, LSE, DELTA, DQ, scale,
+                    sq_t, sk_t, si_t, slse_t, Tq, Tk, q0, G,
+                    R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
+        """dQ of one query row's r heads: its n blocks' probabilities again, from the logsumexp."""
         tq = tl.program_id(0)
         t = q0 + tq
         bg = tl.program_id(1)
@@ -92,17 +94,56 @@ if AVAILABLE:
         delta = tl.load(DELTA + stat_off, mask=rr < R, other=0.0)
         dq = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
-            k, v, ok, kv_off = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
+            k, v, ok, _ = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
             sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             p = tl.where(ok[None, :], tl.exp(sc - lse[:, None]), 0.0)  # (BLOCK_R, L)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-            ds = p * (dp - delta[:, None]) * scale
-            dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)  # (L, D)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
-            tl.atomic_add(DK + kv_off, dk, mask=ok[:, None])
-            tl.atomic_add(DV + kv_off, dv, mask=ok[:, None])
+            dq += tl.dot((p * (dp - delta[:, None]) * scale).to(k.dtype), k).to(tl.float32)
         tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=rows)
+
+    @triton.jit
+    def _sel_bwd_dkv(Q, K, V, DO, LSE, DELTA, OFFSETS, READERS, DK, DV, scale,
+                     sq_t, sk_t, slse_t, Tq, Tk, q0,
+                     R: tl.constexpr, RP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
+        """dK, dV of the block of L keys starting at position p0: one program per (p0, b * G + g)
+        walks the queries that chose it (READERS[OFFSETS[i] : OFFSETS[i + 1]], i = bg * Tk + p0),
+        BQ of them (BQ * RP rows of heads) at a time, and writes the block once: no atomics."""
+        p0 = tl.program_id(0)
+        bg = tl.program_id(1)
+        first = tl.load(OFFSETS + bg * Tk + p0)
+        last = tl.load(OFFSETS + bg * Tk + p0 + 1)
+        dd = tl.arange(0, D)
+        pos = p0 + tl.arange(0, L)
+        kv_off = bg * Tk * sk_t + pos[:, None] * sk_t + dd[None, :]
+        k = tl.load(K + kv_off, mask=pos[:, None] < Tk, other=0.0)
+        v = tl.load(V + kv_off, mask=pos[:, None] < Tk, other=0.0)
+        mm = tl.arange(0, BQ * RP)  # row m: the (m // RP)-th reader's head m % RP
+        head = mm % RP
+        dk = tl.zeros([L, D], tl.float32)
+        dv = tl.zeros([L, D], tl.float32)
+        t_max = -1
+        for e0 in range(first, last, BQ):
+            e = e0 + mm // RP
+            live = (e < last) & (head < R)
+            tq = tl.load(READERS + e, mask=e < last, other=0)
+            t = q0 + tq
+            q_off = bg * Tq * sq_t + tq[:, None] * sq_t + head[:, None] * D + dd[None, :]
+            q = tl.load(Q + q_off, mask=live[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=live[:, None], other=0.0)
+            stat_off = bg * Tq * slse_t + tq * slse_t + head
+            lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
+            delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
+            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (BQ * RP, L)
+            ok = pos[None, :] <= t[:, None]  # the reader's causal part of the block
+            p = tl.where(ok, tl.exp(sc - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+            ds = p * (dp - delta[:, None]) * scale
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+            t_max = tl.maximum(t_max, tl.max(tl.where(e < last, t, -1), 0))
+        written = pos[:, None] <= t_max  # the keys some reader read (blocks of other documents follow)
+        tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=written)
+        tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=written)
 
 
 def _launch_args(q: torch.Tensor, ks: torch.Tensor, idx: torch.Tensor, spec: NSASpec, q0: int) -> dict:
@@ -134,17 +175,37 @@ def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.
     return out, lse
 
 
+def _readers(idx32: torch.Tensor, start32: torch.Tensor, L: int, Tk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reverse index of the chosen blocks: for each (b * G + g, first key position p0) of a block,
+    the query rows that chose it, READERS[OFFSETS[i] : OFFSETS[i + 1]] with i = bg * Tk + p0, in
+    row order. A block starts at p0 = (its query's document start) + j * L. Tensor ops only (no
+    host sync, no atomics): a stable sort of one key per chosen block, and the offsets by search."""
+    B, G, Tq, N = idx32.shape
+    p0 = start32[:, None, :, None].long() + idx32.long() * L  # (B, G, Tq, N)
+    bg = torch.arange(B * G, device=idx32.device).view(B, G, 1, 1)
+    key = torch.where(idx32 >= 0, bg * Tk + p0, B * G * Tk).flatten()  # not a candidate: past the end
+    key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(key, torch.arange(B * G * Tk + 1, device=key.device), out_int32=True)
+    return offsets, (order // N % Tq).to(torch.int32)
+
+
 def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
                  valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, spec: NSASpec,
                  start: torch.Tensor | None, q0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients (dq, dks, dvs) of `sel_forward`'s `out` (with its logsumexp `lse`) for `d_out`."""
-    q, ks, vs, d_out = q.contiguous(), ks.contiguous(), vs.contiguous(), d_out.contiguous()
-    B, G, Tq = q.shape[:3]
+    """The gradients (dq, dks, dvs) of `sel_forward`'s `out` (with its logsumexp `lse`) for `d_out`:
+    dq query by query, dks and dvs block by block through the reverse index (`_readers`)."""
+    q, ks, vs, d_out, lse = q.contiguous(), ks.contiguous(), vs.contiguous(), d_out.contiguous(), lse.contiguous()
+    B, G, Tq, r, D = q.shape
+    Tk = ks.shape[2]
     idx32, start32 = _prepared(idx, valid, start, B, Tq)
     delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
+    args = _launch_args(q, ks, idx32, spec, q0)
     dq = torch.empty_like(q)
-    dk = torch.zeros(ks.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros_like(dk)
-    _sel_bwd[(Tq, B * G)](q, ks, vs, idx32, start32, d_out, lse.contiguous(), delta, dq, dk, dv,
-                          **_launch_args(q, ks, idx32, spec, q0))
-    return dq, dk.to(ks.dtype), dv.to(vs.dtype)
+    _sel_bwd_dq[(Tq, B * G)](q, ks, vs, idx32, start32, d_out, lse, delta, dq, **args)
+    offsets, readers = _readers(idx32, start32, spec.l_sel, Tk)
+    dks, dvs = torch.zeros_like(ks), torch.zeros_like(vs)  # keys no query chose: 0
+    rp = triton.next_power_of_2(r)
+    _sel_bwd_dkv[(Tk, B * G)](q, ks, vs, d_out, lse, delta, offsets, readers, dks, dvs, args["scale"],
+                              args["sq_t"], args["sk_t"], args["slse_t"], Tq, Tk, q0,
+                              R=r, RP=rp, BQ=max(1, 64 // rp), D=D, L=spec.l_sel)
+    return dq, dks, dvs
