@@ -89,9 +89,9 @@ def test_the_ops_pass_opcheck(with_docs):
         x.requires_grad_(True)
     for q0 in (0, 32):
         part = q[:, :, q0:].detach().requires_grad_(True)
-        torch.library.opcheck(ops._shared_op, (part, kc, vc, "cmp", spec, T, q0, *fields))
-        torch.library.opcheck(ops._shared_op, (part, k, v, "win", spec, T, q0, *fields))
-        _, _, idx, valid = ops._shared_op(part, kc, vc, "cmp", spec, T, q0, *fields)
+        torch.library.opcheck(ops._shared_op, (part, kc, vc, "cmp", spec, T, q0, *fields, "torch"))
+        torch.library.opcheck(ops._shared_op, (part, k, v, "win", spec, T, q0, *fields, "torch"))
+        _, _, idx, valid = ops._shared_op(part, kc, vc, "cmp", spec, T, q0, *fields, "torch")
         start = None if fields[0] is None else fields[0][:, q0:]
         torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start, fields[4]))
 
@@ -105,7 +105,7 @@ def test_the_shared_op_passes_opcheck_with_bf16_chunks():
     kc, vc, k, v = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in args[1:5])
     spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
     for keys in ((kc, vc, "cmp"), (k, v, "win")):
-        torch.library.opcheck(ops._shared_op, (q, *keys, spec, T, 0, *(None,) * 5))
+        torch.library.opcheck(ops._shared_op, (q, *keys, spec, T, 0, *(None,) * 5, "torch"))
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""GPU-only checks (skipped without CUDA; `scripts/gpu_check.sh` runs them): the Triton sel kernels
+"""GPU-only checks (skipped without CUDA; `scripts/gpu_check.sh` runs them): the Triton kernels
 and the flash-attn window on a real device against the PyTorch paths, the kernel choice there,
 2-rank NCCL FSDP training, and bf16 + compile + activation checkpointing training."""
 
@@ -43,15 +43,14 @@ def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ..
     return {"out": rel(out, ref), **{n: rel(g, r) for n, g, r in zip(names, grads, ref_grads)}}
 
 
-@pytest.mark.parametrize("sel", ["triton", "torch"])
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=["B{}-T{}-H{}-G{}-D{}".format(*s) for s in SHAPES])
-def test_gpu_kernels_equal_the_reference(sel, dtype, shape):
-    """sel by the Triton kernels, or by PyTorch tiles through the fused CUDA kernel; cmp and win
-    chunks through the fused CUDA kernel either way."""
-    if sel == "triton" and not kernel_choice.triton_sel.AVAILABLE:
+def test_gpu_kernels_equal_the_reference(kernel, dtype, shape):
+    """Every branch by the Triton kernels, or by chunks and tiles through the fused CUDA kernel."""
+    if kernel == "triton" and not kernel_choice.triton_sel.AVAILABLE:
         pytest.skip("triton is not installed")
-    errors = against_reference(Kernels(sel=sel), dtype, shape)
+    errors = against_reference(Kernels(kernel, kernel, kernel), dtype, shape)
     assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
 
 
@@ -70,16 +69,18 @@ def test_flash_window_on_cuda_equals_the_reference(dtype):
     assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
 
 
-@pytest.mark.parametrize("win", ["flash", "torch"])
+@pytest.mark.parametrize("win", ["flash", "triton", "torch"])
 def test_gpu_kernels_with_documents_equal_separate_runs(win):
-    """Document masking on CUDA in bf16 with the kernels `auto` takes (Triton sel; flash-attn varlen
-    window, or the PyTorch window): a packed batch against its documents run one by one."""
+    """Document masking on CUDA in bf16 with the kernels `auto` takes (Triton cmp and sel; flash-attn varlen
+    window, the Triton window or the PyTorch window): a packed batch against its documents run one by one."""
     from test_documents import build, packed_and_separate
 
     if win == "flash" and kernel_choice.flash_attn_func is None:
         pytest.skip("flash-attn is not installed")
+    if win == "triton" and not kernel_choice.triton_sel.AVAILABLE:
+        pytest.skip("triton is not installed")
     kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
-    model = build(torch.bfloat16, Kernels(sel=kernels.sel, win=win), attn_impl="fast", head_dim=64,
+    model = build(torch.bfloat16, Kernels(cmp=kernels.cmp, sel=kernels.sel, win=win), attn_impl="fast", head_dim=64,
                   cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_top_n=16, window_size=512).cuda()
     layouts = [[700, 20, 1300, 28], [2048]]
     tokens = torch.randint(0, 61, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
@@ -113,8 +114,9 @@ def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
 
 def test_auto_takes_the_gpu_kernels_that_are_installed():
     k = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
-    assert k.sel == ("triton" if kernel_choice.triton_sel.AVAILABLE else "torch")
-    assert k.win == ("flash" if kernel_choice.flash_attn_func is not None else "torch")
+    triton = "triton" if kernel_choice.triton_sel.AVAILABLE else "torch"
+    assert (k.cmp, k.sel) == (triton, triton)
+    assert k.win == ("flash" if kernel_choice.flash_attn_func is not None else triton)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

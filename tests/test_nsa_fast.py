@@ -235,7 +235,9 @@ def test_kernel_choice_is_explicit_and_says_why_a_kernel_cannot_run(monkeypatch)
         with pytest.raises(ConfigError, match="kernels = 'triton' cannot run: the Triton kernels run on CUDA"):
             choose_kernels("triton", CPU, torch.float32, SPEC, 64)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert choose_kernels("triton", CPU, torch.float32, SPEC, 64) == Kernels(sel="triton")
+        assert choose_kernels("triton", CPU, torch.float32, SPEC, 64) == Kernels("triton", "triton", "triton")
+        with pytest.raises(ConfigError, match="take float32, float16 or bfloat16, and the compute dtype is torch.float64"):
+            choose_kernels("triton", CPU, torch.float64, SPEC, 64)
         with pytest.raises(ConfigError, match="powers of two >= 16 \\(they are 24 and 16\\)"):
             choose_kernels("triton", CPU, torch.float32, SPEC, 24)
         assert choose_kernels("auto", CPU, torch.float32, SPEC, 24) == Kernels()  # auto falls back

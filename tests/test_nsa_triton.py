@@ -44,7 +44,8 @@ def run_cases() -> dict:
         args = random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)
         for a in args:
             a.requires_grad_(True)
-        used = choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, D).sel
+        chosen = choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, D)
+        used = f"{chosen.cmp} {chosen.sel} {chosen.win}"
         ref = nsa_reference(*args, SPEC)
         grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
         grads_ref = torch.autograd.grad((ref * grad_out).sum(), args)
@@ -94,16 +95,53 @@ def run_cases() -> dict:
         part = q[:, :, q0:].detach().to(dtype).requires_grad_(True)
         ks, vs = (x.detach().to(dtype).requires_grad_(True) for x in (ks, vs))
         d = docs if with_docs else None
-        _, _, idx, valid = ops._shared_op(part.detach().float(), kc, kc, "cmp", [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w],
-                                          70, q0, *((None,) * 5 if d is None else
-                                                    (d.start, d.end, d.cmp_start, d.first_slot, None)))
+        fields = (None,) * 5 if d is None else (d.start, d.end, d.cmp_start, d.first_slot, None)
+        spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
+        kcd = kc.to(dtype).requires_grad_(True)
+        _, _, idx, valid = ops._shared_op(part.detach().float(), kc, kc, "cmp", spec, 70, q0, *fields, "torch")
         start = None if d is None else d.start[:, q0:]
         try:
-            torch.library.opcheck(ops._selected_triton_op, (part, ks, vs, idx, valid, [SPEC.l, SPEC.d, SPEC.l_sel,
-                                                                                         SPEC.n, SPEC.w], q0, start))
+            torch.library.opcheck(ops._selected_triton_op, (part, ks, vs, idx, valid, spec, q0, start))
+            torch.library.opcheck(ops._shared_op, (part, kcd, kcd, "cmp", spec, 70, q0, *fields, "triton"))
+            torch.library.opcheck(ops._shared_op, (part, ks, vs, "win", spec, 70, q0, *fields, "triton"))
             report["opcheck"].append("ok")
         except Exception as e:  # noqa: BLE001 (reported to the test)
             report["opcheck"].append(f"{type(e).__name__}: {e}"[:500])
+    # The Triton cmp and win kernels against the PyTorch chunks, op by op: output, logsumexp, the
+    # chosen blocks and every gradient, over several chunks and key tiles, with and without documents;
+    # and a chunk's cmp scores against the PyTorch probabilities summed over the group's heads.
+    from nsa_titan.models.attention import fast_shared, triton_shared
+    fast_shared.CHUNK_CMP, triton_shared.BLOCK_N, triton_shared.ROWS, T = 48, 16, 16, 150  # many tiles
+    docs = Documents.of(torch.stack([torch.arange(T) // 70, torch.arange(T) // 40]), SPEC)
+    report["shared"] = []
+    for kind, with_docs, q0, dtype in (("cmp", False, 0, torch.float32), ("cmp", True, 0, torch.float32),
+                                       ("cmp", True, 0, torch.float16), ("cmp", True, 64, torch.float32),
+                                       ("win", False, 0, torch.float32), ("win", True, 0, torch.float32),
+                                       ("win", True, 64, torch.float16)):
+        gen = torch.Generator().manual_seed(len(report["shared"]))
+        S = T // SPEC.d if kind == "cmp" else T
+        q = torch.randn(2, 2, T - q0, 3, 16, generator=gen).to(dtype)  # (B, G, Tq, r, D)
+        k, v = (torch.randn(2, 2, S, 16, generator=gen).to(dtype) for _ in range(2))
+        d_out = torch.randn(q.shape, generator=gen).to(dtype)
+        d = docs if with_docs else None
+        got, want = (fast_shared.shared_forward(q, k, v, kind, SPEC, T, q0, d, d and d.bounds, kernel)
+                     for kernel in ("triton", "torch"))
+        grads = [fast_shared.shared_backward(d_out, q, k, v, *fwd[:2], kind, SPEC, q0, d, d and d.bounds, kernel)
+                 for kernel, fwd in (("triton", got), ("torch", want))]
+        case = {"kind": kind, "docs": with_docs, "q0": q0, "dtype": str(dtype),
+                "out": rel(got[0].float(), want[0].float()), "lse": rel(got[1], want[1]),
+                "blocks": kind == "win" or bool(torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])),
+                "grads": [rel(a.float(), b.float()) for a, b in zip(*grads)]}
+        if kind == "cmp" and q0 == 0:
+            a, b = 96, 144  # the third chunk
+            lo, hi, mask = fast_shared._key_range("cmp", SPEC, a, b, S, q.device, d, d.bounds.cmp_slots([(a, b)])[0]
+                                                  if d else None)
+            p, _ = fast_shared._probs(q[:, :, a:b].float(), k[:, :, lo:hi].float(), mask)
+            scores = triton_shared.forward(q, k, v, torch.zeros_like(q), torch.zeros(q.shape[:4]), kind, a, b, 0,
+                                           SPEC, d)
+            case.update(lo=lo, scores=rel(scores[..., lo:hi], p.sum(3)),
+                        outside=float(scores[..., :lo].abs().sum() + scores[..., hi:].abs().sum()))
+        report["shared"].append(case)
     # Causality: changing the inputs at position s leaves every earlier output unchanged.
     with torch.no_grad():
         args = random_inputs(1, 50, 12, 2, 16, SPEC, dtype=torch.float32, seed=3)
@@ -130,7 +168,23 @@ def report() -> dict:
 
 
 def test_triton_kernels_are_what_runs_under_the_interpreter(report):
-    assert [c["used"] for c in report["cases"]] == ["triton"] * len(CASES)
+    assert [c["used"] for c in report["cases"]] == ["triton triton triton"] * len(CASES)  # cmp, sel, win
+
+
+def test_triton_cmp_and_win_kernels_equal_the_pytorch_chunks(report):
+    """The cmp and win kernels: the same output, logsumexp, chosen sel blocks and gradients as the
+    PyTorch chunks (with and without documents, a part of the queries, fp32 and fp16), and a chunk's
+    cmp scores equal to the PyTorch probabilities summed over the group's heads, 0 for slots the
+    chunk cannot see (the probabilities themselves are never written)."""
+    cases = report["shared"]
+    assert [(c["kind"], c["docs"], c["q0"]) for c in cases] == [
+        ("cmp", False, 0), ("cmp", True, 0), ("cmp", True, 0), ("cmp", True, 64), ("win", False, 0), ("win", True, 0),
+        ("win", True, 64)]
+    assert cases[1]["lo"] > 0
+    for c in cases:
+        tol = 1e-6 if c["dtype"] == "torch.float32" else 2e-3
+        assert c["blocks"] and c["out"] < tol and c["lse"] < tol and max(c["grads"]) < max(tol, 2e-6), c
+        assert "scores" not in c or (c["scores"] < 1e-6 and c["outside"] == 0), c
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=["B{}-T{}-H{}-G{}-D{}".format(*c) for c in CASES])

@@ -9,8 +9,8 @@ chunk by chunk: memory is linear in T and no T x T tensor exists.
   sel (`fast_sel.py`): the forced blocks as dense products, the blocks chosen by score as
       block-centric tiles.
 The loops are over chunks, never over tokens, and inside the ops: under torch.compile each branch
-is one node, so the graph does not grow with T. `kernels.py` chooses where sel runs as Triton
-kernels (`triton_sel.py`) and win through flash-attn instead.
+is one node, so the graph does not grow with T. `kernels.py` chooses where the branches run as Triton
+kernels instead (`triton_shared.py` for cmp and win, `triton_sel.py`), and win through flash-attn.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     # as they are (tensor cores), and the cmp scores that pick the sel blocks are still fp32.
     low = q.dtype if q.device.type == "cuda" else acc
     qs = heads(low)
-    o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs)
+    o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs, kernels.cmp)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
         o_sel = ops.selected_triton(qs if low == q.dtype else heads(q.dtype), grouped(k_sel, q.dtype),
                                     grouped(v_sel, q.dtype), idx, valid, spec, q0, docs)
@@ -62,7 +62,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     if kernels.win == "flash":
         o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0)
     else:
-        o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs)
+        o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs, kernels.win)
     g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
     out = mix_branches(g, o_cmp.to(acc), o_sel.to(acc), o_win.to(acc))  # (B, G, Tq, r, D)
     return out.transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)

@@ -8,14 +8,16 @@ the forward keeps its inputs, output and logsumexp, the backward recomputes each
 probabilities once. On CPUs and CUDA devices the win forward and both backwards are ATen's fused
 attention kernel per chunk (`fused_attention.py`: scores, softmax and products tile by tile in
 cache, one pass), with the chunk's mask as a 0 / -inf bias; elsewhere they are the same steps as
-separate ops. On CUDA the chunks come in bf16 / fp16 (the cmp scores are computed in fp32).
+separate ops. On CUDA the chunks come in bf16 / fp16 (the cmp scores are computed in fp32); there
+the branches can run as Triton kernels instead (`triton_shared.py`: win in one launch each way, the
+cmp forward one launch per chunk, for its chunk's scores).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import fused_attention
+from . import fused_attention, triton_shared
 from .common import NSASpec, choose_blocks
 from .documents import ChunkBounds, Documents
 
@@ -115,28 +117,39 @@ def _fused_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, spec: NSASpec, T: int, q0: int,
-                   docs: Documents | None, bounds: ChunkBounds | None
+                   docs: Documents | None, bounds: ChunkBounds | None, kernel: str = "torch"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """cmp or win attention (`kind`). q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1
     of a sequence of T tokens (all of them unless context parallelism splits it); k, v (B, G, S, D)
     of the whole sequence; docs: the `Documents` of the whole sequence, or None; bounds: their host
-    bounds, or None. Returns out (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r),
-    and, for cmp, the chosen sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
+    bounds, or None; kernel: `triton` runs the branch through `triton_shared` (CUDA). Returns out
+    (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r), and, for cmp, the chosen
+    sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # the cmp scores' dtype (q: bf16 / fp16 on CUDA)
     out, lse, idx, valid = torch.zeros_like(q), q.new_zeros(B, G, Tq, r, dtype=acc), [], []
+    if kernel == "triton" and kind == "win":
+        triton_shared.forward(q, k, v, out, lse, kind, 0, Tq, q0, spec, docs)
+        return out, lse, None, None
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds, q.device):
-        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
+        if kernel == "triton":  # the group's scores over every slot (B, G, C, S), no probabilities written
+            chosen = choose_blocks(triton_shared.forward(q, k, v, out, lse, kind, a, b, q0, spec, docs), spec, t0, T,
+                                   docs)
+            idx.append(chosen[0])
+            valid.append(chosen[1])
+            continue
+        lo, hi, mask = _key_range(kind, spec, t0, t1, k.shape[2], q.device, docs, cut)
         if hi == lo:  # no complete cmp block yet: no key, output 0
-            p = q.new_zeros(B, G, t1 - t0, r, 0)
+            scores = q.new_zeros(B, G, t1 - t0, 0, dtype=acc)
         elif kind == "win" and fused_attention.fused(q):
             out[:, :, a:b], lse[:, :, a:b] = _fused_forward(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], mask)
         else:
             p, lse[:, :, a:b] = _probs(q[:, :, a:b].to(acc), k[:, :, lo:hi].to(acc), mask)  # (B, G, C, r, hi - lo)
             out[:, :, a:b] = (p.view(B, G, -1, hi - lo) @ v[:, :, lo:hi].to(acc)).view(B, G, -1, r, D)
+            scores = p.sum(3)
         if kind == "cmp":
-            chosen = choose_blocks(p.sum(3), spec, t0, T, docs, slot0=lo)
+            chosen = choose_blocks(scores, spec, t0, T, docs, slot0=lo)
             idx.append(chosen[0])
             valid.append(chosen[1])
     if kind != "cmp":
@@ -146,8 +159,10 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
 
 def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, kind: str, spec: NSASpec, q0: int, docs: Documents | None,
-                    bounds: ChunkBounds | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    bounds: ChunkBounds | None, kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
+    if kernel == "triton":
+        return triton_shared.backward(d_out, q, k, v, out, lse, kind, q0, spec, docs)
     B, G, Tq, r, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # dk, dv sum over chunks: in fp32 for bf16 / fp16 inputs
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)

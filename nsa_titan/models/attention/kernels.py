@@ -1,8 +1,9 @@
 """Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
 
-  cmp  PyTorch chunks (`fast_shared.py`)
+  cmp  PyTorch chunks (`fast_shared.py`), or Triton kernels (`triton_shared.py`) on CUDA
   sel  PyTorch block-centric tiles (`fast_sel.py`), or Triton kernels (`triton_sel.py`) on CUDA
-  win  PyTorch chunks, or flash-attn's sliding window on CUDA in fp16 / bf16 (`window_flash`)
+  win  PyTorch chunks, Triton kernels (`triton_shared.py`), or flash-attn's sliding window on CUDA in
+       fp16 / bf16 (`window_flash`)
 On CPUs and CUDA devices the PyTorch kernels run their chunks and tiles through ATen's fused
 attention kernels (`fused_attention.py`), not a separate choice: they are what SDPA runs there.
 
@@ -32,7 +33,7 @@ NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn"}
 
 @dataclass(frozen=True)
 class Kernels:
-    """The kernel of each branch: `torch`, `triton` (sel) or `flash` (win)."""
+    """The kernel of each branch: `torch`, `triton` or (win) `flash`."""
 
     cmp: str = "torch"
     sel: str = "torch"
@@ -42,13 +43,15 @@ class Kernels:
         return ", ".join(f"{b} {NAMES[getattr(self, b)]}" for b in ("cmp", "sel", "win"))
 
 
-def triton_problem(device: torch.device, head_dim: int, spec: NSASpec) -> str | None:
-    """Why the Triton sel kernels cannot run here, or None."""
+def triton_problem(device: torch.device, head_dim: int, spec: NSASpec, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernels (cmp forward, sel) cannot run here, or None."""
     if not triton_sel.AVAILABLE:
         return "Triton is not installed (pip install triton)"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return (f"the Triton kernels run on CUDA devices and this run is on {device.type} (TRITON_INTERPRET=1 "
                 f"runs them interpreted, for checks)")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the Triton kernels take float32, float16 or bfloat16, and the compute dtype is {dtype}"
     if not all(x >= 16 and x & (x - 1) == 0 for x in (head_dim, spec.l_sel)):
         return (f"tl.dot needs head_dim and sel_block_size to be powers of two >= 16 (they are {head_dim} and "
                 f"{spec.l_sel})")
@@ -69,13 +72,13 @@ def flash_problem(device: torch.device, dtype: torch.dtype) -> str | None:
 def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: NSASpec, head_dim: int) -> Kernels:
     """The kernels for `[model] kernels = choice` on `device` with compute `dtype`; a ConfigError if a
     kernel asked for by name cannot run."""
-    sel_problem, win_problem = triton_problem(device, head_dim, spec), flash_problem(device, dtype)
-    for name, problem in (("triton", sel_problem), ("flash", win_problem)):
+    tri_problem, win_problem = triton_problem(device, head_dim, spec, dtype), flash_problem(device, dtype)
+    for name, problem in (("triton", tri_problem), ("flash", win_problem)):
         if choice == name and problem:
             raise ConfigError(f"[model] kernels = '{name}' cannot run: {problem}; use kernels = 'auto' (the fastest "
                               f"that runs) or 'torch'")
-    return Kernels(sel="triton" if choice in ("auto", "triton") and not sel_problem else "torch",
-                   win="flash" if choice in ("auto", "flash") and not win_problem else "torch")
+    triton = "triton" if choice in ("auto", "triton") and not tri_problem else "torch"
+    return Kernels(cmp=triton, sel=triton, win="flash" if choice in ("auto", "flash") and not win_problem else triton)
 
 
 def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,

@@ -45,17 +45,17 @@ def _no_blocks(q: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("nsa_titan::shared", mutates_args=())
 def _shared_op(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: list[int], T: int, q0: int, start: OptTensor,
-               end: OptTensor, cmp_start: OptTensor, first_slot: OptTensor, bounds: OptTensor
+               end: OptTensor, cmp_start: OptTensor, first_slot: OptTensor, bounds: OptTensor, kernel: str
                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out, lse, idx, valid = shared_forward(q, k, v, kind, NSASpec(*spec), T, q0,
-                                          _docs(start, end, cmp_start, first_slot), _bounds(bounds))
+                                          _docs(start, end, cmp_start, first_slot), _bounds(bounds), kernel)
     if idx is None:  # win: no blocks chosen (an op returns tensors)
         idx, valid = _no_blocks(q)
     return _contiguous((out, lse, idx, valid))
 
 
 @_shared_op.register_fake
-def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot, bounds):
+def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot, bounds, kernel):
     B, G, Tq = q.shape[:3]
     n = min(spec[3], NSASpec(*spec).num_sel_blocks(T)) if kind == "cmp" else 0
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -66,25 +66,25 @@ def _(q, k, v, kind, spec, T, q0, start, end, cmp_start, first_slot, bounds):
 @torch.library.custom_op("nsa_titan::shared_backward", mutates_args=())
 def _shared_backward_op(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, kind: str,
                         spec: list[int], q0: int, start: OptTensor, end: OptTensor, cmp_start: OptTensor,
-                        first_slot: OptTensor, bounds: OptTensor) -> tuple[Tensor, Tensor, Tensor]:
+                        first_slot: OptTensor, bounds: OptTensor, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     return _contiguous(shared_backward(d_out.contiguous(), q, k, v, out, lse, kind, NSASpec(*spec), q0,
-                                       _docs(start, end, cmp_start, first_slot), _bounds(bounds)))
+                                       _docs(start, end, cmp_start, first_slot), _bounds(bounds), kernel))
 
 
 @_shared_backward_op.register_fake
-def _(d_out, q, k, v, out, lse, kind, spec, q0, start, end, cmp_start, first_slot, bounds):
+def _(d_out, q, k, v, out, lse, kind, spec, q0, start, end, cmp_start, first_slot, bounds, kernel):
     return _contiguous((torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
 
 def _shared_setup(ctx, inputs, output) -> None:
-    q, k, v, kind, spec, T, q0, *tensors = inputs
+    q, k, v, kind, spec, T, q0, *tensors, kernel = inputs
     ctx.save_for_backward(q, k, v, *output[:2], *tensors)
-    ctx.kind, ctx.spec, ctx.q0 = kind, spec, q0
+    ctx.kind, ctx.spec, ctx.q0, ctx.kernel = kind, spec, q0, kernel
 
 
 def _shared_grad(ctx, d_out, _d_lse, _d_idx, _d_valid):
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    return *_shared_backward_op(d_out, q, k, v, out, lse, ctx.kind, ctx.spec, ctx.q0, *tensors), *(None,) * 9
+    return *_shared_backward_op(d_out, q, k, v, out, lse, ctx.kind, ctx.spec, ctx.q0, *tensors, ctx.kernel), *(None,) * 10
 
 
 _shared_op.register_autograd(_shared_grad, setup_context=_shared_setup)
@@ -180,12 +180,12 @@ def _query_starts(docs: Documents | None, q0: int, Tq: int) -> OptTensor:
     return None if docs is None else docs.start[:, q0:q0 + Tq]
 
 
-def shared(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: NSASpec, T: int, q0: int, docs: Documents | None
-           ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def shared(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: NSASpec, T: int, q0: int, docs: Documents | None,
+           kernel: str = "torch") -> tuple[Tensor, Tensor | None, Tensor | None]:
     """cmp or win attention (`fast_shared.shared_forward`), with the documents' host bounds when
-    they have them; idx and valid are None for win."""
+    they have them; `kernel` (torch, triton) runs the branch. idx and valid are None for win."""
     fields = (None,) * 4 if docs is None else (docs.start, docs.end, docs.cmp_start, docs.first_slot)
-    out, _, idx, valid = _shared_op(q, k, v, kind, _spec_list(spec), T, q0, *fields, _table(docs))
+    out, _, idx, valid = _shared_op(q, k, v, kind, _spec_list(spec), T, q0, *fields, _table(docs), kernel)
     return (out, idx, valid) if kind == "cmp" else (out, None, None)
 
 

@@ -1,0 +1,232 @@
+"""The cmp and win branches as Triton kernels (GPU): forward with the sel block scores, backward.
+
+Both branches are softmax attention of every query over a run of keys; only which keys a query
+sees differs. Key j of k, v (B, G, S, D) is seen by the query at position t (document start s):
+  cmp  the compressed block starting at c_j (j * d, or with documents `Documents.cmp_start`):
+       c_j + l - 1 <= t, and with documents c_j >= s;
+  win  the key at position j: t - w < j <= t, and with documents j >= s.
+The r query heads of a group are rows of one tile: a program holds BM queries as BM * RP rows (r
+padded to a power of two), read once, and walks only the key tiles its queries can see (causal
+per tile, not per chunk).
+  forward   flash attention (online softmax) -> the output and the logsumexp of each row; for
+            cmp a second pass turns each tile's scores into probabilities through the logsumexp
+            and sums them over the group's heads: the importance scores the group shares (the
+            paper's Eq. 10) per compressed block, (B, G, C, S) for a chunk of C queries. The
+            per-head probabilities are never written. `choose_blocks` pools them into sel blocks
+            and picks the top n, the same code as the PyTorch path's.
+  backward  the probabilities again from the logsumexp, in two kernels without atomics: dQ one
+            program per tile of queries, dK and dV one program per tile of keys over the queries
+            that can see it.
+Used by `fast_shared` when `kernels.py` chooses them (CUDA, the conditions of the Triton sel
+kernels); checked on CPU against the reference under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import NSASpec
+from .documents import Documents
+from .triton_sel import AVAILABLE
+
+BLOCK_N = 64
+"""Keys per tile (a power of two >= 16)."""
+ROWS = 64
+"""Rows (queries x padded heads) per tile."""
+
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _keys(K, V, bg, n0, S, BN: tl.constexpr, D: tl.constexpr):
+        """Keys and values (BN, D) j = n0 .. n0 + BN - 1 (0 past S)."""
+        j = n0 + tl.arange(0, BN)
+        kv_off = bg * S * D + j[:, None] * D + tl.arange(0, D)[None, :]
+        return tl.load(K + kv_off, mask=j[:, None] < S, other=0.0), tl.load(V + kv_off, mask=j[:, None] < S, other=0.0)
+
+    @triton.jit
+    def _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN: tl.constexpr, DOCS: tl.constexpr,
+              BN: tl.constexpr):
+        """Which of the keys n0 .. n0 + BN - 1 each row (position t, document start s; `live`: a
+        real row) sees: (rows, BN)."""
+        j = n0 + tl.arange(0, BN)
+        if WIN:
+            seen = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - w)
+            if DOCS:
+                seen = seen & (j[None, :] >= s[:, None])
+        elif DOCS:
+            c = tl.load(CSTART + b * s_cstart + j, mask=j < S, other=0)
+            seen = (c[None, :] >= s[:, None]) & (c[None, :] + l - 1 <= t[:, None])
+        else:
+            seen = j[None, :] * d + l - 1 <= t[:, None]
+        return seen & (j < S)[None, :] & live[:, None]
+
+    @triton.jit
+    def _queries(Q, QSTART, b, bg, row, head, Tq, q0, s_qstart, R: tl.constexpr, DOCS: tl.constexpr,
+                 D: tl.constexpr):
+        """The rows (query row < Tq, head < R) of q: whether each is real, its position, its
+        document start, the offsets of its (B, G, Tq, r, D) entries and the loaded tile."""
+        live = (row < Tq) & (head < R)
+        t = q0 + row
+        if DOCS:
+            s = tl.load(QSTART + b * s_qstart + t, mask=row < Tq, other=0)
+        else:
+            s = t * 0
+        off = bg * Tq * R * D + row[:, None] * (R * D) + head[:, None] * D + tl.arange(0, D)[None, :]
+        return live, t, s, off, tl.load(Q + off, mask=live[:, None], other=0.0)
+
+    @triton.jit
+    def _row_grads(DO, LSE, DELTA, bg, row, head, off, live, Tq, R: tl.constexpr):
+        """The rows' d_out tile, logsumexp and delta = d_out . out."""
+        stat = bg * Tq * R + row * R + head
+        return (tl.load(DO + off, mask=live[:, None], other=0.0), tl.load(LSE + stat, mask=live, other=0.0),
+                tl.load(DELTA + stat, mask=live, other=0.0))
+
+    @triton.jit
+    def _span(t_first, t_last, S, d, w, WIN: tl.constexpr):
+        """The keys [lo, hi) that queries t_first .. t_last may see (the cmp slots visible to t are
+        among the first (t + 1) // d, documents.py)."""
+        if WIN:
+            return tl.maximum(t_first - w + 1, 0), tl.minimum(S, t_last + 1)
+        return 0, tl.minimum(S, (t_last + 1) // d)
+
+    @triton.jit
+    def _fwd(Q, K, V, CSTART, QSTART, O, LSE, P, scale, Tq, S, a, C, q0, s_cstart, s_qstart, G, d, l, w,
+             WIN: tl.constexpr, DOCS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr, D: tl.constexpr):
+        """Rows a .. a + C - 1 of q: out, lse; for cmp the group's scores of those rows (B, G, C, S)."""
+        bg = tl.program_id(1)  # b * G + g: q, o (B, G, Tq, r, D), lse (B, G, Tq, r), k, v (B, G, S, D)
+        b = bg // G
+        mm = tl.arange(0, BM * RP)  # row mm: head mm % RP of query row a + first + mm // RP
+        first = tl.program_id(0) * BM
+        row = tl.where(first + mm // RP < C, a + first + mm // RP, Tq)  # Tq: past the chunk, not a row
+        live, t, s, q_off, q = _queries(Q, QSTART, b, bg, row, mm % RP, Tq, q0, s_qstart, R, DOCS, D)
+        n_lo, n_hi = _span(q0 + a + first, q0 + a + tl.minimum(C, first + BM) - 1, S, d, w, WIN)
+        m = tl.full([BM * RP], float("-inf"), tl.float32)
+        total = tl.zeros([BM * RP], tl.float32)
+        acc = tl.zeros([BM * RP, D], tl.float32)
+        for n0 in range(n_lo, n_hi, BN):
+            k, v = _keys(K, V, bg, n0, S, BN, D)
+            seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
+            sc = tl.where(seen, tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(sc - m_safe[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m = m_new
+        has = total > 0  # a row that sees no key: output 0, logsumexp 0
+        lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), 0.0)
+        tl.store(O + q_off, (acc / tl.where(has, total, 1.0)[:, None]).to(O.dtype.element_ty), mask=live[:, None])
+        tl.store(LSE + bg * Tq * R + row * R + mm % RP, lse, mask=live)
+        if not WIN:  # the group's scores: the probabilities again, summed over the heads
+            prow = first + tl.arange(0, BM)
+            for n0 in range(n_lo, n_hi, BN):  # past n_hi the scores stay 0
+                k, v = _keys(K, V, bg, n0, S, BN, D)
+                seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+                p = tl.where(seen, tl.exp(sc - lse[:, None]), 0.0)
+                j = n0 + tl.arange(0, BN)
+                tl.store(P + bg * C * S + prow[:, None] * S + j[None, :], tl.sum(tl.reshape(p, (BM, RP, BN)), 1),
+                         mask=(prow[:, None] < C) & (j[None, :] < S))
+
+    @triton.jit
+    def _grads(q, do, k, v, seen, lse, delta, scale):
+        """A tile's probabilities from the logsumexp and the scores' gradient: p, ds (rows, BN)."""
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+        p = tl.where(seen, tl.exp(sc - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        return p, p * (dp - delta[:, None]) * scale
+
+    @triton.jit
+    def _bwd_dq(Q, K, V, CSTART, QSTART, DO, LSE, DELTA, DQ, scale, Tq, S, q0, s_cstart, s_qstart, G, d, l, w,
+                WIN: tl.constexpr, DOCS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, D: tl.constexpr):
+        bg = tl.program_id(1)
+        b = bg // G
+        mm = tl.arange(0, BM * RP)
+        row = tl.program_id(0) * BM + mm // RP
+        live, t, s, q_off, q = _queries(Q, QSTART, b, bg, row, mm % RP, Tq, q0, s_qstart, R, DOCS, D)
+        do, lse, delta = _row_grads(DO, LSE, DELTA, bg, row, mm % RP, q_off, live, Tq, R)
+        first = q0 + tl.program_id(0) * BM
+        n_lo, n_hi = _span(first, tl.minimum(q0 + Tq, first + BM) - 1, S, d, w, WIN)
+        dq = tl.zeros([BM * RP, D], tl.float32)
+        for n0 in range(n_lo, n_hi, BN):
+            k, v = _keys(K, V, bg, n0, S, BN, D)
+            seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
+            p, ds = _grads(q, do, k, v, seen, lse, delta, scale)
+            dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
+        tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _bwd_dkv(Q, K, V, CSTART, QSTART, DO, LSE, DELTA, DK, DV, scale, Tq, S, q0, s_cstart, s_qstart, G, d, l, w,
+                 WIN: tl.constexpr, DOCS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, D: tl.constexpr):
+        bg = tl.program_id(1)
+        b = bg // G
+        n0 = tl.program_id(0) * BN
+        # the queries that may see keys n0 .. n0 + BN - 1 (cmp slots are in position order)
+        if WIN:
+            t_lo, t_hi = n0, n0 + BN + w - 1
+        elif DOCS:
+            t_lo, t_hi = tl.load(CSTART + b * s_cstart + n0) + l - 1, q0 + Tq
+        else:
+            t_lo, t_hi = n0 * d + l - 1, q0 + Tq
+        r_lo, r_hi = tl.maximum(t_lo - q0, 0), tl.minimum(t_hi - q0, Tq)
+        mm = tl.arange(0, BM * RP)
+        k, v = _keys(K, V, bg, n0, S, BN, D)  # read once
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        for m0 in range(r_lo, r_hi, BM):
+            row = m0 + mm // RP
+            live, t, s, q_off, q = _queries(Q, QSTART, b, bg, row, mm % RP, Tq, q0, s_qstart, R, DOCS, D)
+            do, lse, delta = _row_grads(DO, LSE, DELTA, bg, row, mm % RP, q_off, live, Tq, R)
+            seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
+            p, ds = _grads(q, do, k, v, seen, lse, delta, scale)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+        j = n0 + tl.arange(0, BN)
+        out = bg * S * D + j[:, None] * D + tl.arange(0, D)[None, :]
+        tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=j[:, None] < S)
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=j[:, None] < S)
+
+
+def _geometry(q: torch.Tensor, k: torch.Tensor, kind: str, spec: NSASpec, docs: Documents | None) -> dict:
+    """The launch arguments every kernel shares."""
+    r = q.shape[3]
+    rp = triton.next_power_of_2(r)
+    cstart, qstart = (k, q) if docs is None else (docs.cmp_start, docs.start)  # unread without documents
+    return dict(CSTART=cstart, QSTART=qstart, scale=q.shape[-1] ** -0.5, Tq=q.shape[2], S=k.shape[2],
+                s_cstart=cstart.stride(0), s_qstart=qstart.stride(0), G=q.shape[1], d=spec.d, l=spec.l, w=spec.w,
+                WIN=kind == "win", DOCS=docs is not None, R=r, RP=rp, BM=max(1, ROWS // rp), BN=BLOCK_N,
+                D=q.shape[-1])
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kind: str,
+            a: int, b: int, q0: int, spec: NSASpec, docs: Documents | None) -> torch.Tensor | None:
+    """cmp or win attention of the rows a .. b - 1 of q (B, G, Tq, r, D), the queries at positions
+    q0 + a .., against k, v (B, G, S, D). Writes those rows of out (q's shape and dtype) and of the
+    fp32 logsumexp lse (B, G, Tq, r); returns, for cmp, the group's scores per compressed block
+    (B, G, b - a, S) in fp32 (None for win). All contiguous; head dim a power of two >= 16."""
+    B, G = q.shape[:2]
+    geo = _geometry(q, k, kind, spec, docs)
+    scores = None if kind == "win" else torch.zeros(B, G, b - a, k.shape[2], dtype=torch.float32, device=q.device)
+    _fwd[(triton.cdiv(b - a, geo["BM"]), B * G)](q, k, v, O=out, LSE=lse, P=scores if scores is not None else lse,
+                                                 a=a, C=b - a, q0=q0, **geo)
+    return scores
+
+
+def backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, kind: str, q0: int, spec: NSASpec, docs: Documents | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of `forward`'s out (all rows) with its logsumexp."""
+    B, G = q.shape[:2]
+    geo = _geometry(q, k, kind, spec, docs)
+    delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _bwd_dq[(triton.cdiv(q.shape[2], geo["BM"]), B * G)](q, k, v, DO=d_out, LSE=lse, DELTA=delta, DQ=dq, q0=q0, **geo)
+    _bwd_dkv[(triton.cdiv(k.shape[2], BLOCK_N), B * G)](q, k, v, DO=d_out, LSE=lse, DELTA=delta, DK=dk, DV=dv, q0=q0,
+                                                        **geo)
+    return dq, dk, dv
