@@ -30,6 +30,16 @@ AVAILABLE = triton is not None
 if AVAILABLE:
 
     @triton.jit
+    def online_step(m, total, acc, sc, v):
+        """One tile of an online softmax: the scores sc (rows, keys; -inf where not read) and values v
+        (keys, D) folded into the rows' running max m, sum total and output acc (fp32)."""
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        return m_new, total * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+
+    @triton.jit
     def _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L: tl.constexpr):
         """Keys and values (L, D) of the i-th chosen block of query row tq (position t), counted
         from its document's start s, zero where it may not read; the readable mask (L,) and the
@@ -61,14 +71,7 @@ if AVAILABLE:
         for i in range(N):
             k, v, ok, kv_off = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
             sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(sc - m_safe[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m = m_new
+            m, total, acc = online_step(m, total, acc, tl.where(ok[None, :], sc, float("-inf")), v)
         o = acc / total[:, None]
         tl.store(O + q_off, o.to(O.dtype.element_ty), mask=rr[:, None] < R)
         tl.store(LSE + bg * Tq * slse_t + tq * slse_t + rr, m + tl.log(total), mask=rr < R)

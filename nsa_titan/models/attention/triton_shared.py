@@ -38,6 +38,8 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
+    from .triton_sel import online_step
+
     @triton.jit
     def _keys(K, V, bg, n0, S, BN: tl.constexpr, D: tl.constexpr):
         """Keys and values (BN, D) j = n0 .. n0 + BN - 1 (0 past S)."""
@@ -110,13 +112,7 @@ if AVAILABLE:
             k, v = _keys(K, V, bg, n0, S, BN, D)
             seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
             sc = tl.where(seen, tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(sc - m_safe[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m = m_new
+            m, total, acc = online_step(m, total, acc, sc, v)
         has = total > 0  # a row that sees no key: output 0, logsumexp 0
         lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), 0.0)
         tl.store(O + q_off, (acc / tl.where(has, total, 1.0)[:, None]).to(O.dtype.element_ty), mask=live[:, None])
