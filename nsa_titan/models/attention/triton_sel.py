@@ -26,6 +26,10 @@ from .common import NSASpec
 
 AVAILABLE = triton is not None
 """Whether the kernels can be used (Triton importable)."""
+DKV_ROWS, DKV_WARPS = 32, 8
+"""The block-centric backward's rows (readers x padded heads) per step and warps: at M7C's shape
+(r = 6, head dim 64, l' = 64) in bf16 it compiles for sm_90 without spilling registers (64 rows
+or 4 warps spill; tests/test_triton_compile.py)."""
 
 if AVAILABLE:
 
@@ -210,5 +214,5 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     rp = triton.next_power_of_2(r)
     _sel_bwd_dkv[(Tk, B * G)](q, ks, vs, d_out, lse, delta, offsets, readers, dks, dvs, args["scale"],
                               args["sq_t"], args["sk_t"], args["slse_t"], Tq, Tk, q0,
-                              R=r, RP=rp, BQ=max(1, 64 // rp), D=D, L=spec.l_sel)
+                              R=r, RP=rp, BQ=max(1, DKV_ROWS // rp), D=D, L=spec.l_sel, num_warps=DKV_WARPS)
     return dq, dks, dvs
