@@ -5,14 +5,16 @@ says whether they build for a GPU (the first GPU run found a kernel that ran int
 not compile) and how they use its registers. Each kernel is launched by its wrapper as nsa_fast
 launches it at M7C's shape (r = 6, head dim 64, the paper's blocks), with the launch recorded
 instead of run, then compiled by Triton and ptxas (both in the triton wheel) to a cubin for an
-A100 (sm_80) and an H100 (sm_90). cuobjdump, also in the wheel, reports each kernel's registers
-and stack: in bf16 and fp16 on sm_90 no kernel spills.
+A100 (sm_80) and an H100 (sm_90). The PTX shows no atomics and tensor-core products; cuobjdump,
+also in the wheel, reports each kernel's registers and stack: in bf16 and fp16 on sm_90 no kernel
+spills.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -106,9 +108,11 @@ def compiled() -> list[dict]:
                 pytest.skip("the kernels were defined under TRITON_INTERPRET=1")
             for arch in archs:
                 kernel = compile_for(fn, bound, arch)
+                ptx = kernel.asm["ptx"]
                 rows.append({"kernel": fn.__name__, "variant": {k: bound[k] for k in ("WIN", "DOCS") if k in bound},
                              "dtype": TYPES[dtype], "arch": arch, "cubin": len(kernel.asm["cubin"]),
-                             "use": resources(kernel.asm["cubin"])})
+                             "use": resources(kernel.asm["cubin"]), "atomics": len(re.findall(r"\b(?:atom|red)\.", ptx)),
+                             "tensor_cores": len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)", ptx))})
     return rows
 
 
@@ -120,6 +124,13 @@ def test_every_kernel_compiles_for_a100_and_h100(compiled):
     for r in compiled:
         assert r["cubin"] > 0, r
     assert {(r["dtype"], r["arch"]) for r in compiled} == {("bf16", 80), ("bf16", 90), ("fp16", 90), ("fp32", 90)}
+
+
+def test_no_kernel_uses_atomics_and_every_one_uses_tensor_cores(compiled):
+    """The backwards write each gradient once (no atomic adds in the PTX), and in half precision
+    every kernel's products are tensor-core instructions (mma, or wgmma on the H100)."""
+    assert [r for r in compiled if r["atomics"]] == []
+    assert [r for r in compiled if r["dtype"] != "fp32" and not r["tensor_cores"]] == []
 
 
 def test_no_kernel_spills_registers_on_h100_in_half_precision(compiled):
