@@ -44,7 +44,7 @@ class Kernels:
 
 
 def triton_problem(device: torch.device, head_dim: int, spec: NSASpec, dtype: torch.dtype) -> str | None:
-    """Why the Triton kernels (cmp forward, sel) cannot run here, or None."""
+    """Why the Triton kernels (every branch) cannot run here, or None."""
     if not triton_sel.AVAILABLE:
         return "Triton is not installed (pip install triton)"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
