@@ -44,6 +44,16 @@ if AVAILABLE:
         return m_new, total * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
 
     @triton.jit
+    def tile_grads(q, do, k, v, seen, lse, delta, scale, PRECISION: tl.constexpr):
+        """A tile's probabilities again from the rows' logsumexp, and the gradient of its scores:
+        p, ds (rows, keys), 0 where `seen` is False. PRECISION: tl.dot's input_precision of the
+        scores (None: Triton's default)."""
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        p = tl.where(seen, tl.exp(sc - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        return p, p * (dp - delta[:, None]) * scale
+
+    @triton.jit
     def _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L: tl.constexpr):
         """Keys and values (L, D) of the i-th chosen block of query row tq (position t), counted
         from its document's start s, zero where it may not read; the readable mask (L,) and the
@@ -102,10 +112,8 @@ if AVAILABLE:
         dq = tl.zeros([BLOCK_R, D], tl.float32)
         for i in range(N):
             k, v, ok, _ = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
-            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            p = tl.where(ok[None, :], tl.exp(sc - lse[:, None]), 0.0)  # (BLOCK_R, L)
-            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-            dq += tl.dot((p * (dp - delta[:, None]) * scale).to(k.dtype), k).to(tl.float32)
+            _, ds = tile_grads(q, do, k, v, ok[None, :], lse, delta, scale, None)  # (BLOCK_R, L)
+            dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
         tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=rows)
 
     @triton.jit
@@ -140,11 +148,8 @@ if AVAILABLE:
             stat_off = bg * Tq * slse_t + tq * slse_t + head
             lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
             delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
-            sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (BQ * RP, L)
             ok = pos[None, :] <= t[:, None]  # the reader's causal part of the block
-            p = tl.where(ok, tl.exp(sc - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-            ds = p * (dp - delta[:, None]) * scale
+            p, ds = tile_grads(q, do, k, v, ok, lse, delta, scale, None)  # (BQ * RP, L)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
             t_max = tl.maximum(t_max, tl.max(tl.where(e < last, t, -1), 0))

@@ -41,7 +41,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .triton_sel import online_step
+    from .triton_sel import online_step, tile_grads
 
     @triton.jit
     def _keys(K, V, bg, n0, S, BN: tl.constexpr, D: tl.constexpr):
@@ -132,14 +132,6 @@ if AVAILABLE:
                          mask=(prow[:, None] < C) & (j[None, :] < S))
 
     @triton.jit
-    def _grads(q, do, k, v, seen, lse, delta, scale):
-        """A tile's probabilities from the logsumexp and the scores' gradient: p, ds (rows, BN)."""
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-        p = tl.where(seen, tl.exp(sc - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        return p, p * (dp - delta[:, None]) * scale
-
-    @triton.jit
     def _bwd_dq(Q, K, V, CSTART, QSTART, DO, LSE, DELTA, DQ, scale, Tq, S, q0, s_cstart, s_qstart, G, d, l, w,
                 WIN: tl.constexpr, DOCS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, D: tl.constexpr):
@@ -155,7 +147,7 @@ if AVAILABLE:
         for n0 in range(n_lo, n_hi, BN):
             k, v = _keys(K, V, bg, n0, S, BN, D)
             seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
-            p, ds = _grads(q, do, k, v, seen, lse, delta, scale)
+            _, ds = tile_grads(q, do, k, v, seen, lse, delta, scale, "ieee")
             dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
         tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
 
@@ -183,7 +175,7 @@ if AVAILABLE:
             live, t, s, q_off, q = _queries(Q, QSTART, b, bg, row, mm % RP, Tq, q0, s_qstart, R, DOCS, D)
             do, lse, delta = _row_grads(DO, LSE, DELTA, bg, row, mm % RP, q_off, live, Tq, R)
             seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
-            p, ds = _grads(q, do, k, v, seen, lse, delta, scale)
+            p, ds = tile_grads(q, do, k, v, seen, lse, delta, scale, "ieee")
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
         j = n0 + tl.arange(0, BN)
