@@ -17,8 +17,8 @@ layer *module* on x (1, T, 768), projections included:
              causal attention, GPUs only) on random q, k, v, compressed blocks and gates of those
              shapes: no projections
   fast-torch-core
-             nsa_fast with every branch in PyTorch (`kernels = "torch"`: on GPUs the block-centric
-             sel tiles instead of the Triton sel kernels)
+             nsa_fast with every branch in PyTorch (`kernels = "torch"`: on CPUs the PyTorch sel
+             tiles and win chunks instead of NSA's C++ kernels, on GPUs instead of the Triton kernels)
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
 one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,

@@ -114,7 +114,8 @@ class Trainer:
 
             # Model: built on meta, wrapped, then materialised and initialised.
             cp = cfg.parallelism.context_parallel_degree
-            kernels = (choose_kernels(m.kernels, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m), m.head_dim)
+            kernels = (choose_kernels(m.kernels, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m), m.head_dim,
+                                      m.n_heads // m.n_kv_groups)
                        if m.attention == "nsa" and m.attn_impl == "fast" else None)
             multiple = cp_multiple(m, cp)
             with torch.device("meta"):  # under cp the sequence is padded to a multiple of 2 x cp chunks

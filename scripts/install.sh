@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what is missing: torch (the CPU build on a machine without NVIDIA GPUs), then this
-# package and its dependencies. `--test` adds the test tools. Safe to run again. Prints each step.
+# package and its dependencies, then build NSA's C++ sel kernel for CPUs (cached; if it cannot be
+# built, CPU runs keep the PyTorch kernel). `--test` adds the test tools. Safe to run again.
 #   TORCH_SPEC   torch requirement to install (default: torch==2.13.0 on CPU, torch>=2.7 on GPU)
 #   PIP_ARGS     extra pip arguments (e.g. --index-url https://download.pytorch.org/whl/cpu)
 set -euo pipefail
@@ -15,14 +16,20 @@ else
   torch_spec="${TORCH_SPEC:-torch==2.13.0}"  # resolves to the CPU build on our CPU machines
 fi
 if python3 -c 'import torch' >/dev/null 2>&1; then
-  say "[1/2] torch $(python3 -c 'import torch; print(torch.__version__)') is installed"
+  say "[1/3] torch $(python3 -c 'import torch; print(torch.__version__)') is installed"
 else
-  say "[1/2] installing ${torch_spec} (a large download: a few minutes on a fresh machine)"
+  say "[1/3] installing ${torch_spec} (a large download: a few minutes on a fresh machine)"
   python3 -m pip install --progress-bar on ${PIP_ARGS:-} "${torch_spec}" | grep -v -E "^(Requirement already|  )" || true
 fi
-say "[2/2] installing nsa_titan${extras} and its dependencies"
+say "[2/3] installing nsa_titan${extras} and its dependencies"
 python3 -m pip install --progress-bar on ${PIP_ARGS:-} -e "${here}${extras}" \
   | grep -v -E "^(Requirement already satisfied|  )" || true
 python3 -c "import nsa_titan, torch, torchdata, datasets, sentencepiece, tensorboard${extras:+, pytest}" \
   || { say "the install did not complete (see pip's messages above)"; exit 1; }
+say "[3/3] building NSA's C++ sel kernel for CPUs (about a minute the first time, then cached)"
+python3 -c "
+import torch
+from nsa_titan.models.attention import NSASpec, cpu_attention
+why = cpu_attention.problem(torch.device('cpu'), torch.float32, NSASpec(), 6, 64)
+print('nsa_titan install:', why + ': CPU runs keep the PyTorch sel kernel' if why else 'built')"
 say "done"

@@ -79,7 +79,7 @@ def test_gpu_kernels_with_documents_equal_separate_runs(win):
         pytest.skip("flash-attn is not installed")
     if win == "triton" and not kernel_choice.triton_sel.AVAILABLE:
         pytest.skip("triton is not installed")
-    kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
+    kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
     model = build(torch.bfloat16, Kernels(cmp=kernels.cmp, sel=kernels.sel, win=win), attn_impl="fast", head_dim=64,
                   cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_top_n=16, window_size=512).cuda()
     layouts = [[700, 20, 1300, 28], [2048]]
@@ -105,7 +105,7 @@ def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
         ids = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 2e-3, 1)
         docs = Documents.of(ids, SPEC).to(torch.device("cuda"))
         args[1:3] = [torch.randn(B, T // SPEC.d, G, D, device="cuda").half() for _ in range(2)]  # cmp slots
-    kernels = choose_kernels("auto", torch.device("cuda"), torch.float16, SPEC, D)
+    kernels = choose_kernels("auto", torch.device("cuda"), torch.float16, SPEC, D, 6)
     whole, parts, expected, got = whole_and_parts(args, docs, [640, 1536, 2304], kernels, SPEC)
     assert rel(parts, whole) < 5e-3
     for g, e in zip(got, expected):
@@ -113,7 +113,7 @@ def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
 
 
 def test_auto_takes_the_gpu_kernels_that_are_installed():
-    k = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64)
+    k = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
     triton = "triton" if kernel_choice.triton_sel.AVAILABLE else "torch"
     assert (k.cmp, k.sel) == (triton, triton)
     assert k.win == ("flash" if kernel_choice.flash_attn_func is not None else triton)

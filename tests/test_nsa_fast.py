@@ -118,8 +118,9 @@ def test_fast_equals_reference_across_many_chunks_and_tiles(small_chunks, cpu_pa
 
 
 def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
-    """On CPUs the win forward, the sel forward's three parts and every backward call ATen's fused
-    kernels (the cmp forward computes its probabilities itself: it picks the sel blocks from them)."""
+    """On CPUs the PyTorch kernels' win forward, sel forward's three parts and every backward call
+    ATen's fused kernels (the cmp forward computes its probabilities itself: it picks the sel
+    blocks from them)."""
     from nsa_titan.models.attention import fused_attention
 
     calls = {"attend": 0, "attend_backward": 0}
@@ -131,7 +132,7 @@ def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
     args = random_inputs(1, 300, 12, 2, 16, SPEC, seed=3)  # cmp: 2 chunks of 256, win: 5 of 64, sel: 1
     for a in args:
         a.requires_grad_(True)
-    nsa_fast(*args, SPEC).sum().backward()
+    nsa_fast(*args, SPEC, Kernels()).sum().backward()
     assert calls == {"attend": 5 + 3, "attend_backward": 2 + 5 + 3}  # sel: tiles, loc, ini
 
 
@@ -223,27 +224,26 @@ CPU = torch.device("cpu")
 
 def test_kernel_choice_is_explicit_and_says_why_a_kernel_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert choose_kernels("torch", CPU, torch.float32, SPEC, 64) == Kernels()
-    assert choose_kernels("auto", CPU, torch.bfloat16, SPEC, 64) == Kernels()  # on a CPU: PyTorch everywhere
-    assert choose_kernels("auto", CPU, torch.float32, SPEC, 64).describe() == "cmp PyTorch, sel PyTorch, win PyTorch"
+    assert choose_kernels("torch", CPU, torch.float32, SPEC, 64, 6) == Kernels()
+    assert choose_kernels("auto", CPU, torch.bfloat16, SPEC, 64, 6) == Kernels(sel="cpp", win="cpp")  # test_cpu_attention.py
     with pytest.raises(ConfigError, match="kernels = 'flash' cannot run: flash-attn (is not installed|runs on CUDA)"):
-        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64)
+        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64, 6)
     monkeypatch.setattr(kernels_module, "flash_attn_func", lambda *a, **k: None)  # "installed"
     with pytest.raises(ConfigError, match="flash-attn runs on CUDA devices and this run is on cpu"):
-        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64)
+        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64, 6)
     if kernels_module.triton_sel.AVAILABLE:
         with pytest.raises(ConfigError, match="kernels = 'triton' cannot run: the Triton kernels run on CUDA"):
-            choose_kernels("triton", CPU, torch.float32, SPEC, 64)
+            choose_kernels("triton", CPU, torch.float32, SPEC, 64, 6)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert choose_kernels("triton", CPU, torch.float32, SPEC, 64) == Kernels("triton", "triton", "triton")
+        assert choose_kernels("triton", CPU, torch.float32, SPEC, 64, 6) == Kernels("triton", "triton", "triton")
         with pytest.raises(ConfigError, match="take float32, float16 or bfloat16, and the compute dtype is torch.float64"):
-            choose_kernels("triton", CPU, torch.float64, SPEC, 64)
+            choose_kernels("triton", CPU, torch.float64, SPEC, 64, 6)
         with pytest.raises(ConfigError, match="powers of two >= 16 \\(they are 24 and 16\\)"):
-            choose_kernels("triton", CPU, torch.float32, SPEC, 24)
-        assert choose_kernels("auto", CPU, torch.float32, SPEC, 24) == Kernels()  # auto falls back
+            choose_kernels("triton", CPU, torch.float32, SPEC, 24, 6)
+        assert choose_kernels("auto", CPU, torch.float32, SPEC, 24, 6) == Kernels()  # auto falls back (C++: D 24)
     else:
         with pytest.raises(ConfigError, match="Triton is not installed"):
-            choose_kernels("triton", CPU, torch.float32, SPEC, 64)
+            choose_kernels("triton", CPU, torch.float32, SPEC, 64, 6)
 
 
 def test_the_module_runs_the_kernels_it_was_given(monkeypatch):

@@ -21,6 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from nsa_titan.models.attention import NSASpec, choose_kernels, nsa_fast, nsa_reference  # noqa: E402
+from nsa_titan.models.attention.common import block_readers  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,7 +45,7 @@ def run_cases() -> dict:
         args = random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)
         for a in args:
             a.requires_grad_(True)
-        chosen = choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, D)
+        chosen = choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, D, 6)
         used = f"{chosen.cmp} {chosen.sel} {chosen.win}"
         ref = nsa_reference(*args, SPEC)
         grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
@@ -73,7 +74,7 @@ def run_cases() -> dict:
     packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
     flat = lambda g: torch.cat([x.flatten() for x in g.values()])  # noqa: E731
     report["documents"] = {"used": model.layers["0"].attention.attn_fn.keywords["kernels"] is None and
-                           choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16).sel,
+                           choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16, 6).sel,
                            "out": rel(packed, separate), "grads": rel(flat(g_packed), flat(g_separate))}
     # Context parallelism: parts of the queries against the whole keys equal the whole run.
     from test_nsa_fast import random_parts_inputs, whole_and_parts
@@ -81,7 +82,7 @@ def run_cases() -> dict:
     for with_docs in (False, True):
         args, docs = random_parts_inputs(203, with_docs, torch.float32)
         whole, parts, expected, got = whole_and_parts(args, docs, [16, 48, 112, 160], choose_kernels(
-            "triton", torch.device("cpu"), torch.float32, SPEC, 16))
+            "triton", torch.device("cpu"), torch.float32, SPEC, 16, 6))
         report["parts"].append({"docs": with_docs, "out": rel(parts.detach(), whole.detach()),
                                 "grads": {n: rel(a, b) for n, a, b in zip(NAMES, got, expected)}})
     # The custom op (one node under compile): schema, fake implementation, registered backward.
@@ -101,7 +102,7 @@ def run_cases() -> dict:
         _, _, idx, valid = ops._shared_op(part.detach().float(), kc, kc, "cmp", spec, 70, q0, *fields, "torch")
         start = None if d is None else d.start[:, q0:]
         try:
-            torch.library.opcheck(ops._selected_triton_op, (part, ks, vs, idx, valid, spec, q0, start))
+            torch.library.opcheck(ops._selected_kernel_op, (part, ks, vs, idx, valid, spec, q0, start, "triton"))
             torch.library.opcheck(ops._shared_op, (part, kcd, kcd, "cmp", spec, 70, q0, *fields, "triton"))
             torch.library.opcheck(ops._shared_op, (part, ks, vs, "win", spec, 70, q0, *fields, "triton"))
             report["opcheck"].append("ok")
@@ -243,7 +244,7 @@ def test_sel_backward_reverse_index_lists_each_blocks_readers():
     t = torch.arange(Tq)[None, None, :, None]
     valid = (torch.rand(B, G, Tq, N, generator=gen) < 0.7) & (start[:, None, :, None] + idx * L <= t)  # causal
     idx32, start32 = triton_sel._prepared(idx, valid, start, B, Tq)
-    offsets, readers = triton_sel._readers(idx32, start32, L, Tk)
+    offsets, readers = block_readers(idx32, start32, L, Tk)
     expected: dict[tuple[int, int], list[int]] = {}
     for b, g, row, i in torch.nonzero(valid).tolist():
         expected.setdefault((b * G + g, int(start[b, row]) + int(idx[b, g, row, i]) * L), []).append(row)

@@ -37,10 +37,11 @@ class Model:
     attn_impl: Literal["fast", "reference"] = "fast"
     """NSA implementation: `fast`, sparse (cost grows with the keys attended, memory linear in
     T); `reference`, the exact definition with dense per-branch masks (O(T^2) memory), the yardstick."""
-    kernels: Literal["auto", "torch", "triton", "flash"] = "auto"
-    """Kernels of the fast path: `torch`, PyTorch for every branch; `triton`, the sel branch as Triton
-    kernels; `flash`, the win branch through flash-attn; `auto`, each where it can run (CUDA, the
-    dtype, installed), else PyTorch. The startup log names the kernel of each branch."""
+    kernels: Literal["auto", "torch", "triton", "flash", "cpp"] = "auto"
+    """Kernels of the fast path: `torch`, PyTorch for every branch; `triton`, every branch as Triton
+    kernels (CUDA); `flash`, the win branch through flash-attn (CUDA); `cpp`, the sel branch by NSA's
+    C++ kernel (CPUs, built at first use); `auto`, each where it can run (the device, the dtype,
+    installed or built), else PyTorch. The startup log names the kernel of each branch."""
     dim: int = 256
     """Model width (M7C: 768)."""
     n_layers: int = 4

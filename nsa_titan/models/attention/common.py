@@ -174,3 +174,17 @@ def mix_branches(g: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_wi
     """The gated sum g_cmp * o_cmp + g_sel * o_sel + g_win * o_win; g (..., 3) in the branch order,
     each output (..., D)."""
     return g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
+
+
+def block_readers(idx32: torch.Tensor, start32: torch.Tensor, L: int, Tk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reverse index of the chosen blocks: for each (b * G + g, first key position p0) of a block,
+    the query rows that chose it, READERS[OFFSETS[i] : OFFSETS[i + 1]] with i = bg * Tk + p0, in
+    row order. A block starts at p0 = (its query's document start) + j * L. Tensor ops only (no
+    host sync, no atomics): a stable sort of one key per chosen block, and the offsets by search."""
+    B, G, Tq, N = idx32.shape
+    p0 = start32[:, None, :, None].long() + idx32.long() * L  # (B, G, Tq, N)
+    bg = torch.arange(B * G, device=idx32.device).view(B, G, 1, 1)
+    key = torch.where(idx32 >= 0, bg * Tk + p0, B * G * Tk).flatten()  # not a candidate: past the end
+    key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(key, torch.arange(B * G * Tk + 1, device=key.device), out_int32=True)
+    return offsets, (order // N % Tq).to(torch.int32)

@@ -38,7 +38,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     if spec.n < N_FORCED_INITIAL + N_FORCED_LOCAL:
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
     if kernels is None:
-        kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D)
+        kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D, H // G)
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
@@ -54,8 +54,11 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     qs = heads(low)
     o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs, kernels.cmp)
     if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
-        o_sel = ops.selected_triton(qs if low == q.dtype else heads(q.dtype), grouped(k_sel, q.dtype),
-                                    grouped(v_sel, q.dtype), idx, valid, spec, q0, docs)
+        o_sel = ops.selected_kernel(qs if low == q.dtype else heads(q.dtype), grouped(k_sel, q.dtype),
+                                    grouped(v_sel, q.dtype), idx, valid, spec, q0, docs, "triton")
+    elif kernels.sel == "cpp":
+        o_sel = ops.selected_kernel(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx,
+                                    valid, spec, q0, docs, "cpp")
     else:
         o_sel = ops.selected(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx, valid,
                              spec, q0, docs)

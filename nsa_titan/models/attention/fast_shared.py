@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_attention, triton_shared
+from . import cpu_attention, fused_attention, triton_shared
 from .common import NSASpec, choose_blocks
 from .documents import ChunkBounds, Documents
 
@@ -122,7 +122,8 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     """cmp or win attention (`kind`). q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1
     of a sequence of T tokens (all of them unless context parallelism splits it); k, v (B, G, S, D)
     of the whole sequence; docs: the `Documents` of the whole sequence, or None; bounds: their host
-    bounds, or None; kernel: `triton` runs the branch through `triton_shared` (CUDA). Returns out
+    bounds, or None; kernel: `triton` runs the branch through `triton_shared` (CUDA), `cpp` (win)
+    through `cpu_attention` (CPUs). Returns out
     (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r), and, for cmp, the chosen
     sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
@@ -130,6 +131,9 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     out, lse, idx, valid = torch.zeros_like(q), q.new_zeros(B, G, Tq, r, dtype=acc), [], []
     if kernel == "triton" and kind == "win":
         triton_shared.forward(q, k, v, out, lse, kind, 0, Tq, q0, spec, docs)
+        return out, lse, None, None
+    if kernel == "cpp":  # win on CPUs by NSA's C++ kernel
+        out, lse = cpu_attention.window_forward(q, k, v, spec, None if docs is None else docs.start[:, q0:q0 + Tq], q0)
         return out, lse, None, None
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds, q.device):
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
@@ -163,6 +167,9 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
     if kernel == "triton":
         return triton_shared.backward(d_out, q, k, v, out, lse, kind, q0, spec, docs)
+    if kernel == "cpp":
+        start = None if docs is None else docs.start[:, q0:q0 + q.shape[2]]
+        return cpu_attention.window_backward(d_out, q, k, v, out, lse, spec, start, q0)
     B, G, Tq, r, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # dk, dv sum over chunks: in fp32 for bf16 / fp16 inputs
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)

@@ -1,14 +1,16 @@
 """Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
 
   cmp  PyTorch chunks (`fast_shared.py`), or Triton kernels (`triton_shared.py`) on CUDA
-  sel  PyTorch block-centric tiles (`fast_sel.py`), or Triton kernels (`triton_sel.py`) on CUDA
+  sel  PyTorch block-centric tiles (`fast_sel.py`), Triton kernels (`triton_sel.py`) on CUDA, or NSA's
+       C++ kernel (`cpu_attention.py`) on CPUs
   win  PyTorch chunks, Triton kernels (`triton_shared.py`), or flash-attn's sliding window on CUDA in
-       fp16 / bf16 (`window_flash`)
+       fp16 / bf16 (`window_flash`), or NSA's C++ kernel (`cpu_attention.py`) on CPUs
 On CPUs and CUDA devices the PyTorch kernels run their chunks and tiles through ATen's fused
 attention kernels (`fused_attention.py`), not a separate choice: they are what SDPA runs there.
 
 `auto` takes each fast kernel where it can run, else PyTorch; asking for one that cannot run is
-a ConfigError that says why. Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks).
+a ConfigError that says why. Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks),
+and there takes the place of the C++ kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import ConfigError
-from . import triton_sel
+from . import cpu_attention, triton_sel
 from .common import NSASpec
 from .documents import Documents, varlen_boundaries
 
@@ -28,12 +30,12 @@ try:
 except ImportError:  # optional GPU extra
     flash_attn_func = flash_attn_varlen_func = None
 
-NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn"}
+NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn", "cpp": "C++"}
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The kernel of each branch: `torch`, `triton` or (win) `flash`."""
+    """The kernel of each branch: `torch`, `triton`, (sel, win) `cpp` or (win) `flash`."""
 
     cmp: str = "torch"
     sel: str = "torch"
@@ -69,16 +71,19 @@ def flash_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: NSASpec, head_dim: int) -> Kernels:
+def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: NSASpec, head_dim: int,
+                   heads_per_group: int) -> Kernels:
     """The kernels for `[model] kernels = choice` on `device` with compute `dtype`; a ConfigError if a
     kernel asked for by name cannot run."""
     tri_problem, win_problem = triton_problem(device, head_dim, spec, dtype), flash_problem(device, dtype)
-    for name, problem in (("triton", tri_problem), ("flash", win_problem)):
+    cpp_problem = cpu_attention.problem(device, dtype, spec, heads_per_group, head_dim) if choice in ("auto", "cpp") else None
+    for name, problem in (("triton", tri_problem), ("flash", win_problem), ("cpp", cpp_problem)):
         if choice == name and problem:
             raise ConfigError(f"[model] kernels = '{name}' cannot run: {problem}; use kernels = 'auto' (the fastest "
                               f"that runs) or 'torch'")
     triton = "triton" if choice in ("auto", "triton") and not tri_problem else "torch"
-    return Kernels(cmp=triton, sel=triton, win="flash" if choice in ("auto", "flash") and not win_problem else triton)
+    cpp = "cpp" if choice in ("auto", "cpp") and triton == "torch" and not cpp_problem else triton
+    return Kernels(cmp=triton, sel=cpp, win="flash" if choice in ("auto", "flash") and not win_problem else cpp)
 
 
 def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,

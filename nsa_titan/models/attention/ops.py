@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_sel
+from . import cpu_attention, triton_sel
 from .common import NSASpec
 from .documents import ChunkBounds, Documents
 from .fast_sel import selected_backward, selected_forward
@@ -129,42 +129,48 @@ def _selected_grad(ctx, d_out, _d_lse):
 _selected_op.register_autograd(_selected_grad, setup_context=_selected_setup)
 
 
-@torch.library.custom_op("nsa_titan::selected_triton", mutates_args=())
-def _selected_triton_op(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: list[int], q0: int,
-                        start: OptTensor) -> tuple[Tensor, Tensor]:
-    return _contiguous(triton_sel.sel_forward(q, ks, vs, idx, valid, NSASpec(*spec), start, q0))
+SEL_KERNELS = {"triton": triton_sel, "cpp": cpu_attention}
+"""The modules of the sel kernels that are not PyTorch tiles: `sel_forward`, `sel_backward` each."""
 
 
-@_selected_triton_op.register_fake
-def _(q, ks, vs, idx, valid, spec, q0, start):
+@torch.library.custom_op("nsa_titan::selected_kernel", mutates_args=())
+def _selected_kernel_op(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: list[int], q0: int,
+                        start: OptTensor, kernel: str) -> tuple[Tensor, Tensor]:
+    return _contiguous(SEL_KERNELS[kernel].sel_forward(q, ks, vs, idx, valid, NSASpec(*spec), start, q0))
+
+
+@_selected_kernel_op.register_fake
+def _(q, ks, vs, idx, valid, spec, q0, start, kernel):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:4], dtype=torch.float32)
 
 
-@torch.library.custom_op("nsa_titan::selected_triton_backward", mutates_args=())
-def _selected_triton_backward_op(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor,
-                                 out: Tensor, lse: Tensor, spec: list[int], q0: int, start: OptTensor
+@torch.library.custom_op("nsa_titan::selected_kernel_backward", mutates_args=())
+def _selected_kernel_backward_op(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor,
+                                 out: Tensor, lse: Tensor, spec: list[int], q0: int, start: OptTensor, kernel: str
                                  ) -> tuple[Tensor, Tensor, Tensor]:
-    return _contiguous(triton_sel.sel_backward(d_out, q, ks, vs, idx, valid, out, lse, NSASpec(*spec), start, q0))
+    return _contiguous(SEL_KERNELS[kernel].sel_backward(d_out, q, ks, vs, idx, valid, out, lse, NSASpec(*spec), start,
+                                                        q0))
 
 
-@_selected_triton_backward_op.register_fake
-def _(d_out, q, ks, vs, idx, valid, out, lse, spec, q0, start):
+@_selected_kernel_backward_op.register_fake
+def _(d_out, q, ks, vs, idx, valid, out, lse, spec, q0, start, kernel):
     return _contiguous((torch.empty_like(q), torch.empty_like(ks), torch.empty_like(vs)))
 
 
-def _selected_triton_setup(ctx, inputs, output) -> None:
-    q, ks, vs, idx, valid, spec, q0, start = inputs
+def _selected_kernel_setup(ctx, inputs, output) -> None:
+    q, ks, vs, idx, valid, spec, q0, start, kernel = inputs
     ctx.save_for_backward(q, ks, vs, idx, valid, *output, start)
-    ctx.spec, ctx.q0 = spec, q0
+    ctx.spec, ctx.q0, ctx.kernel = spec, q0, kernel
 
 
-def _selected_triton_grad(ctx, d_out, _d_lse):
+def _selected_kernel_grad(ctx, d_out, _d_lse):
     q, ks, vs, idx, valid, out, lse, start = ctx.saved_tensors
-    dq, dks, dvs = _selected_triton_backward_op(d_out, q, ks, vs, idx, valid, out, lse, ctx.spec, ctx.q0, start)
-    return dq, dks, dvs, None, None, None, None, None
+    dq, dks, dvs = _selected_kernel_backward_op(d_out, q, ks, vs, idx, valid, out, lse, ctx.spec, ctx.q0, start,
+                                                ctx.kernel)
+    return dq, dks, dvs, None, None, None, None, None, None
 
 
-_selected_triton_op.register_autograd(_selected_triton_grad, setup_context=_selected_triton_setup)
+_selected_kernel_op.register_autograd(_selected_kernel_grad, setup_context=_selected_kernel_setup)
 
 
 def _spec_list(spec: NSASpec) -> list[int]:
@@ -197,8 +203,9 @@ def selected(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec
     return _selected_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start, _table(docs))[0]
 
 
-def selected_triton(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: NSASpec, q0: int,
-                    docs: Documents | None) -> Tensor:
-    """sel attention by the Triton kernels (`triton_sel.sel_forward`), as one custom op."""
+def selected_kernel(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: NSASpec, q0: int,
+                    docs: Documents | None, kernel: str) -> Tensor:
+    """sel attention by the Triton kernels (`triton_sel`, CUDA) or the C++ kernel (`cpu_attention`, CPUs), as
+    one custom op; `kernel`: triton or cpp."""
     start = _query_starts(docs, q0, q.shape[2])
-    return _selected_triton_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start)[0]
+    return _selected_kernel_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start, kernel)[0]

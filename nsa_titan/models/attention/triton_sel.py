@@ -22,7 +22,7 @@ try:
 except ImportError:  # optional: CPU machines run the PyTorch path
     triton = None
 
-from .common import NSASpec
+from .common import NSASpec, block_readers
 
 AVAILABLE = triton is not None
 """Whether the kernels can be used (Triton importable)."""
@@ -187,25 +187,11 @@ def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.
     return out, lse
 
 
-def _readers(idx32: torch.Tensor, start32: torch.Tensor, L: int, Tk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reverse index of the chosen blocks: for each (b * G + g, first key position p0) of a block,
-    the query rows that chose it, READERS[OFFSETS[i] : OFFSETS[i + 1]] with i = bg * Tk + p0, in
-    row order. A block starts at p0 = (its query's document start) + j * L. Tensor ops only (no
-    host sync, no atomics): a stable sort of one key per chosen block, and the offsets by search."""
-    B, G, Tq, N = idx32.shape
-    p0 = start32[:, None, :, None].long() + idx32.long() * L  # (B, G, Tq, N)
-    bg = torch.arange(B * G, device=idx32.device).view(B, G, 1, 1)
-    key = torch.where(idx32 >= 0, bg * Tk + p0, B * G * Tk).flatten()  # not a candidate: past the end
-    key, order = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(key, torch.arange(B * G * Tk + 1, device=key.device), out_int32=True)
-    return offsets, (order // N % Tq).to(torch.int32)
-
-
 def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
                  valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, spec: NSASpec,
                  start: torch.Tensor | None, q0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dks, dvs) of `sel_forward`'s `out` (with its logsumexp `lse`) for `d_out`:
-    dq query by query, dks and dvs block by block through the reverse index (`_readers`)."""
+    dq query by query, dks and dvs block by block through the reverse index (`block_readers`)."""
     q, ks, vs, d_out, lse = q.contiguous(), ks.contiguous(), vs.contiguous(), d_out.contiguous(), lse.contiguous()
     B, G, Tq, r, D = q.shape
     Tk = ks.shape[2]
@@ -214,7 +200,7 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     args = _launch_args(q, ks, idx32, spec, q0)
     dq = torch.empty_like(q)
     _sel_bwd_dq[(Tq, B * G)](q, ks, vs, idx32, start32, d_out, lse, delta, dq, **args)
-    offsets, readers = _readers(idx32, start32, spec.l_sel, Tk)
+    offsets, readers = block_readers(idx32, start32, spec.l_sel, Tk)
     dks, dvs = torch.zeros_like(ks), torch.zeros_like(vs)  # keys no query chose: 0
     rp = triton.next_power_of_2(r)
     _sel_bwd_dkv[(Tk, B * G)](q, ks, vs, d_out, lse, delta, offsets, readers, dks, dvs, args["scale"],

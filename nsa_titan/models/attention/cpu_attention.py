@@ -1,0 +1,157 @@
+"""NSA's own attention kernels for CPUs (`csrc/cpu_attention.cpp`), for the sel and win branches, fp32.
+
+Both branches are, per (batch x group, query), softmax attention over a few runs of consecutive keys
+(sel: the chosen blocks of l'; win: the last w keys), the r query heads of the group side by side.
+The kernel reads each query's runs in one pass: scores, softmax and both products in a per-thread
+buffer, no gathered rows, no zero-filled tile buffers. The backward goes query by query, each
+thread adding into its own dk, dv; the sel backward of long sequences goes block by block instead,
+through the reverse index (`block_readers`), so that its working set does not grow with T.
+
+Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
+builds it; a cached build loads in a fraction of a second). Where it cannot be built or cannot take
+a problem, `problem()` says why and `kernels = auto` keeps the PyTorch kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from .common import NSASpec, block_readers
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+HEADS = (1, 2, 3, 4, 6, 8)
+HEAD_DIMS = (16, 32, 64, 128)
+ROWS_MAX_KEYS = 16384
+"""The sel backward goes query by query up to this many keys per (batch, group), block by block
+beyond (2-core AMD EPYC: 0.41 against 0.50 s at 8k, 3.35 against 2.74 s at 32k)."""
+
+
+def _machine() -> str:
+    """A tag of this CPU's instruction sets: a build for -march=native is only loaded where it was made."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+@functools.cache
+def _build() -> tuple[ModuleType | None, str | None]:
+    """The compiled kernels, or None and why not."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name=f"nsa_titan_cpu_attention_{_machine()}", sources=[str(SOURCE)],
+                      extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17"], verbose=False)
+        return module, None
+    except Exception as e:  # no compiler, no ninja, or it failed: the PyTorch kernels stay
+        return None, f"NSA's C++ kernels did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+
+
+def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_group: int, head_dim: int) -> str | None:
+    """Why NSA's C++ kernels cannot run this problem, or None."""
+    if device.type != "cpu":
+        return f"NSA's C++ kernels run on CPUs and this run is on {device.type}"
+    if torch.promote_types(dtype, torch.float32) != torch.float32:  # bf16 / fp16: sel and win in fp32 on CPUs
+        return f"NSA's C++ kernels compute in float32, and the compute dtype is {dtype}"
+    if heads_per_group not in HEADS or head_dim not in HEAD_DIMS or spec.l_sel % 16:
+        return (f"NSA's C++ kernels take {HEADS} query heads per KV group, head_dim in {HEAD_DIMS} and "
+                f"sel_block_size a multiple of 16 (they are {heads_per_group}, {head_dim} and {spec.l_sel})")
+    return _build()[1]
+
+
+def _keys(x: torch.Tensor, L: int) -> torch.Tensor:
+    """Keys or values (B, G, T, D) as rows (BG, P, D): P = T + L + 16, zero rows after T, so that a run
+    of L keys (read 16 at a time) never leaves them."""
+    return F.pad(x, (0, 0, 0, L + 16)).view(x.shape[0] * x.shape[1], -1, x.shape[-1])
+
+
+def _transposed(rows: torch.Tensor) -> torch.Tensor:
+    """(BG, P, D) -> (BG, D, P), contiguous: 16 consecutive keys of one dimension are one vector."""
+    return rows.transpose(1, 2).contiguous()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, G, Tq, ...) -> (B * G, Tq, ...), contiguous."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def _sel_runs(idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, start: torch.Tensor | None) -> torch.Tensor:
+    """(BG, Tq, n') int32: the first key of each chosen block (its document's start + j l'), -1 if none."""
+    first = idx * spec.l_sel if start is None else start[:, None, :, None] + idx * spec.l_sel
+    return _rows(torch.where(valid, first, -1).to(torch.int32))
+
+
+def _window_runs(B: int, G: int, Tq: int, spec: NSASpec, start: torch.Tensor | None, q0: int) -> torch.Tensor:
+    """(BG, Tq, 1) int32: the first key of each query's window, t - w + 1, not before its document."""
+    t = torch.arange(q0, q0 + Tq)[None, :]
+    first = (t - spec.w + 1).clamp(min=0) if start is None else torch.maximum(t - spec.w + 1, start)
+    return first.to(torch.int32).expand(B, Tq)[:, None, :, None].expand(B, G, Tq, 1).reshape(B * G, Tq, 1).contiguous()
+
+
+def _forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, runs: torch.Tensor, L: int, q0: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, G, Tq, r, D = q.shape
+    kt, v = _transposed(_keys(ks, L)), _keys(vs, L)
+    out, lse = _build()[0].runs_forward(_rows(q), kt, v, runs, L, q0, D**-0.5)
+    return out.view(q.shape), lse.view(B, G, Tq, r)
+
+
+def _backward_rows(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, runs: torch.Tensor, L: int, q0: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, D = ks.shape[2], q.shape[-1]
+    k = _keys(ks, L)
+    kt, vt = _transposed(k), _transposed(_keys(vs, L))
+    delta = (d_out * out).sum(-1)  # (B, G, Tq, r): the softmax's row term
+    dq, dk, dv = _build()[0].runs_backward_rows(_rows(q), k, kt, vt, runs, _rows(d_out), _rows(lse), _rows(delta), L,
+                                                q0, D**-0.5)
+    return dq.view(q.shape), dk[:, :T].view(ks.shape), dv[:, :T].view(vs.shape)
+
+
+def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
+                spec: NSASpec, start: torch.Tensor | None, q0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fast_sel.selected_forward`'s contract (no host bounds needed): out (B, G, Tq, r, D), logsumexp (B, G, Tq, r)."""
+    return _forward(q, ks, vs, _sel_runs(idx, valid, spec, start), spec.l_sel, q0)
+
+
+def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
+                 valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, spec: NSASpec, start: torch.Tensor | None,
+                 q0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dks, dvs) of `sel_forward`'s output: query by query up to ROWS_MAX_KEYS keys,
+    else block by block through the reverse index (which the Triton backward uses too)."""
+    B, G, Tq, r, D = q.shape
+    T, L = ks.shape[2], spec.l_sel
+    if T <= ROWS_MAX_KEYS:
+        return _backward_rows(d_out, q, ks, vs, out, lse, _sel_runs(idx, valid, spec, start), L, q0)
+    k = _keys(ks, L)
+    kt, vt = _transposed(k), _transposed(_keys(vs, L))
+    start32 = torch.zeros(B, Tq, dtype=torch.int32) if start is None else start.to(torch.int32)
+    offsets, readers = block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
+    delta = (d_out * out).sum(-1)
+    dq, dk, dv = _build()[0].runs_backward_blocks(_rows(q), k, kt, vt, offsets, readers, _rows(d_out), _rows(lse),
+                                                  _rows(delta), T, L, q0, D**-0.5)
+    return dq.view(q.shape), dk.view(ks.shape), dv.view(vs.shape)
+
+
+def window_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, start: torch.Tensor | None,
+                   q0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The win branch: q (B, G, Tq, r, D) at positions q0 .., k, v (B, G, T, D) of the whole sequence,
+    start (B, Tq): each query's document start or None -> out (B, G, Tq, r, D), logsumexp (B, G, Tq, r)."""
+    B, G, Tq = q.shape[:3]
+    return _forward(q, k, v, _window_runs(B, G, Tq, spec, start, q0), spec.w, q0)
+
+
+def window_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, spec: NSASpec, start: torch.Tensor | None, q0: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of `window_forward`'s output (query by query: a window's keys are in cache)."""
+    B, G, Tq = q.shape[:3]
+    return _backward_rows(d_out, q, k, v, out, lse, _window_runs(B, G, Tq, spec, start, q0), spec.w, q0)

@@ -1,0 +1,371 @@
+// NSA's attention kernels for CPUs: each (batch x KV group, query) attends to a few runs of consecutive
+// keys (sel: its chosen blocks of l'; win: the last w keys), the r query heads of the group side by
+// side (the paper's group-centric sharing). Scores, softmax and both products stay in a per-thread
+// buffer of r x (keys read) scores: no gathered rows, no zero-filled tile buffers, no merging of parts.
+// fp32; built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the machine it runs
+// on (-march=native).
+//
+// Layouts (BG = batch x groups; P rows of keys, the last ones zero, so vector loads never leave them):
+//   q (BG, Tq, r, D)   kt, vt (BG, D, P): keys / values transposed   k (BG, P, D)
+//   pos (BG, Tq, n) int32: the first key of each run, -1 for none; a run is L keys long, and query
+//   i, at position q0 + i, reads of each run the keys up to itself.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
+
+inline v16 load(const float* p) { v16 x; std::memcpy(&x, p, sizeof(x)); return x; }
+inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+inline v16 splat(float a) { return v16{} + a; }
+
+// e^x, Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 polynomial, 2^n into the exponent.
+inline v16 vexp(v16 x) {
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v16 f = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v16 p = splat(1.9875691500e-4f);
+  p = p * f + splat(1.3981999507e-3f);
+  p = p * f + splat(8.3334519073e-3f);
+  p = p * f + splat(4.1665795894e-2f);
+  p = p * f + splat(1.6666665459e-1f);
+  p = p * f + splat(5.0000001201e-1f);
+  p = p * f * f + f + splat(1.0f);
+  typedef int i16 __attribute__((vector_size(64)));
+  i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hmax(v16 x) { float m = x[0]; for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m; return m; }
+inline float hsum(v16 x) { float s = 0; for (int i = 0; i < 16; ++i) s += x[i]; return s; }
+
+// s[h][c .. c + 16 NV) = sum_d a[h][d] * bt[d][p .. p + 16 NV): R rows against 16 NV columns of a transposed matrix.
+template <int R, int NV>
+inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss) {
+  v16 acc[R][NV] = {};
+  for (int d = 0; d < D; ++d) {
+    v16 b[NV];
+    for (int i = 0; i < NV; ++i) b[i] = load(bt + d * P + p + 16 * i);
+    for (int h = 0; h < R; ++h) {
+      const v16 x = splat(a[h * D + d]);
+      for (int i = 0; i < NV; ++i) acc[h][i] += x * b[i];
+    }
+  }
+  for (int h = 0; h < R; ++h)
+    for (int i = 0; i < NV; ++i) store(s + h * ss + 16 * i, acc[h][i]);
+}
+
+// The columns [c, c + n16) of s (R rows, stride ss) against keys p .. : n16 a multiple of 16.
+template <int R>
+inline void scores(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n16) {
+  constexpr int NV = R <= 3 ? 8 : (R <= 6 ? 4 : 2);
+  int j = 0;
+  for (; j + 16 * NV <= n16; j += 16 * NV) rows_by_cols<R, NV>(a, D, bt, P, p + j, s + j, ss);
+  for (; j < n16; j += 16) rows_by_cols<R, 1>(a, D, bt, P, p + j, s + j, ss);
+}
+
+// acc[h] += sum over the block's keys j < n of c[h][j] * x[p + j] (x rows of D = 16 DV).
+template <int R, int DV>
+inline void weighted_rows(v16 (&acc)[R][DV], const float* c, int cs, const float* x, int64_t p, int n) {
+  for (int j = 0; j < n; ++j) {
+    v16 row[DV];
+    for (int i = 0; i < DV; ++i) row[i] = load(x + (p + j) * 16 * DV + 16 * i);
+    for (int h = 0; h < R; ++h) {
+      const v16 w = splat(c[h * cs + j]);
+      for (int i = 0; i < DV; ++i) acc[h][i] += w * row[i];
+    }
+  }
+}
+
+// dst[p + j] += sum_h c[h][j] * x[h] for the block's keys j < n (x: R rows of D = 16 DV).
+template <int R, int DV>
+inline void outer_add(float* dst, const float* c, int cs, const float* x, int64_t p, int n) {
+  for (int j = 0; j < n; ++j) {
+    float* d = dst + (p + j) * 16 * DV;
+    v16 acc[DV];
+    for (int i = 0; i < DV; ++i) acc[i] = load(d + 16 * i);
+    for (int h = 0; h < R; ++h) {
+      const v16 w = splat(c[h * cs + j]);
+      for (int i = 0; i < DV; ++i) acc[i] += w * load(x + h * 16 * DV + 16 * i);
+    }
+    for (int i = 0; i < DV; ++i) store(d + 16 * i, acc[i]);
+  }
+}
+
+struct Block { int64_t p; int col, n; };  // first key, first score column, keys read (<= t)
+
+// The chosen blocks of query t: their keys up to t, laid out in score columns of 16.
+inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out, int* nb) {
+  int col = 0, k = 0;
+  for (int c = 0; c < nsel; ++c) {
+    const int64_t p = pos[c];
+    if (p < 0 || p > t) continue;
+    const int n = static_cast<int>(std::min<int64_t>(L, t - p + 1));
+    out[k++] = {p, col, n};
+    col += (n + 15) / 16 * 16;
+  }
+  *nb = k;
+  return col;
+}
+
+template <int R, int DV>
+void forward_rows(const float* q, const float* kt, const float* v, const int32_t* pos, float* out, float* lse,
+                  int64_t BG, int64_t Tq, int nsel, int L, int64_t P, int64_t q0, float scale) {
+  constexpr int D = 16 * DV;
+  at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * L + 16 * R);
+    std::vector<Block> blocks(nsel);
+    float qs[R * D];
+    for (int64_t row = lo; row < hi; ++row) {
+      const int64_t bg = row / Tq, t = q0 + row % Tq;
+      int nb;
+      const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
+      float* s = sbuf.data();
+      for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
+      const float* ktb = kt + bg * D * P;
+      for (int b = 0; b < nb; ++b) {
+        scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, (blocks[b].n + 15) / 16 * 16);
+        for (int h = 0; h < R; ++h)  // keys after t (the current block): no score
+          for (int j = blocks[b].n; j < (blocks[b].n + 15) / 16 * 16; ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
+      }
+      float m[R], total[R];
+      for (int h = 0; h < R; ++h) {
+        v16 mx = splat(-INFINITY);
+        for (int c = 0; c < cols; c += 16) { v16 x = load(s + h * cols + c); mx = x > mx ? x : mx; }
+        m[h] = hmax(mx);
+        v16 sum = {};
+        for (int c = 0; c < cols; c += 16) {
+          v16 x = load(s + h * cols + c);
+          v16 e = vexp(x - splat(m[h]));
+          e = x == splat(-INFINITY) ? splat(0.0f) : e;
+          store(s + h * cols + c, e);
+          sum += e;
+        }
+        total[h] = hsum(sum);
+      }
+      v16 acc[R][DV] = {};
+      const float* vb = v + bg * P * D;
+      for (int b = 0; b < nb; ++b) weighted_rows<R, DV>(acc, s + blocks[b].col, cols, vb, blocks[b].p, blocks[b].n);
+      for (int h = 0; h < R; ++h) {
+        const v16 inv = splat(1.0f / total[h]);
+        for (int i = 0; i < DV; ++i) store(out + (row * R + h) * D + 16 * i, acc[h][i] * inv);
+        lse[row * R + h] = m[h] + std::log(total[h]);
+      }
+    }
+  });
+}
+
+// The backward query by query: each reader adds into its thread's own dk, dv (rows of the whole
+// sequence). Fewest passes; for short sequences, whose keys and gradients stay in cache.
+template <int R, int DV>
+void backward_rows(const float* q, const float* k, const float* kt, const float* vt, const int32_t* pos,
+                   const float* dout, const float* lse, const float* delta, float* dq, float* dk, float* dv,
+                   int64_t BG, int64_t Tq, int nsel, int L, int64_t P, int64_t q0, float scale) {
+  constexpr int D = 16 * DV;
+  const int threads = at::get_num_threads();
+  const int64_t per = (BG * Tq + threads - 1) / threads;
+  at::parallel_for(0, threads, 1, [&](int64_t tlo, int64_t thi) {
+    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * L + 16 * R), dbuf(sbuf.size());
+    std::vector<Block> blocks(nsel);
+    float qs[R * D];
+    for (int64_t th = tlo; th < thi; ++th) {  // each part of the rows adds into its own dk, dv
+      float* dkt = dk + th * BG * P * D;
+      float* dvt = dv + th * BG * P * D;
+      for (int64_t row = th * per; row < std::min(BG * Tq, (th + 1) * per); ++row) {
+        const int64_t bg = row / Tq, t = q0 + row % Tq;
+        int nb;
+        const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
+        float *s = sbuf.data(), *ds = dbuf.data();
+        const float* go = dout + row * R * D;
+        for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
+        const float *ktb = kt + bg * D * P, *vtb = vt + bg * D * P;
+        for (int b = 0; b < nb; ++b) {
+          const int n16 = (blocks[b].n + 15) / 16 * 16;
+          scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, n16);    // S = q k / sqrt(D)
+          scores<R>(go, D, vtb, P, blocks[b].p, ds + blocks[b].col, cols, n16);  // dP = dO v
+        }
+        for (int h = 0; h < R; ++h) {
+          const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
+          for (int b = 0; b < nb; ++b) {
+            for (int c = 0; c < blocks[b].n; c += 16) {
+              float* sp = s + h * cols + blocks[b].col + c;
+              float* dp = ds + h * cols + blocks[b].col + c;
+              v16 p = vexp(load(sp) - l);
+              if (blocks[b].n - c < 16)  // keys after t: p = 0
+                for (int j = blocks[b].n - c; j < 16; ++j) p[j] = 0.0f;
+              store(sp, p);
+              store(dp, p * (load(dp) - dl));  // dS = P (dP - delta)
+            }
+          }
+        }
+        v16 acc[R][DV] = {};
+        const float* kb = k + bg * P * D;
+        for (int b = 0; b < nb; ++b) {
+          weighted_rows<R, DV>(acc, ds + blocks[b].col, cols, kb, blocks[b].p, blocks[b].n);
+          outer_add<R, DV>(dvt + bg * P * D, s + blocks[b].col, cols, go, blocks[b].p, blocks[b].n);
+          outer_add<R, DV>(dkt + bg * P * D, ds + blocks[b].col, cols, qs, blocks[b].p, blocks[b].n);
+        }
+        for (int h = 0; h < R; ++h)
+          for (int i = 0; i < DV; ++i) store(dq + (row * R + h) * D + 16 * i, acc[h][i] * splat(scale));
+      }
+    }
+  });
+}
+
+// The backward block by block (the reverse index: each chosen block's readers), so that a block's keys,
+// values and their gradients stay in cache while its readers pass: per reader the scores and dP are
+// recomputed, dS = P (dP - delta) formed, dK and dV added into the block's tiles, and the reader's dq
+// row into the thread's own dq buffer. A block's tiles are written once, to the keys its readers can
+// see (up to the last reader), so the blocks of one (batch, group) never write the same row.
+template <int R, int DV>
+void backward_blocks(const float* q, const float* k, const float* kt, const float* vt, const int32_t* offsets,
+                     const int32_t* readers, const float* dout, const float* lse, const float* delta, float* dq,
+                     float* dk, float* dv, int64_t BG, int64_t Tq, int64_t Tk, int L, int64_t P, int64_t q0,
+                     float scale) {
+  constexpr int D = 16 * DV;
+  at::parallel_for(0, BG * Tk, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> ktile(D * L), vtile(D * L), dktile(L * D), dvtile(L * D), s(R * L), ds(R * L);
+    float qs[R * D];
+    float* dqt = dq + static_cast<int64_t>(at::get_thread_num()) * BG * Tq * R * D;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (offsets[i + 1] == offsets[i]) continue;
+      const int64_t bg = i / Tk, p0 = i % Tk;
+      for (int d = 0; d < D; ++d) {
+        std::memcpy(&ktile[d * L], kt + (bg * D + d) * P + p0, L * sizeof(float));
+        std::memcpy(&vtile[d * L], vt + (bg * D + d) * P + p0, L * sizeof(float));
+      }
+      std::fill(dktile.begin(), dktile.end(), 0.0f);
+      std::fill(dvtile.begin(), dvtile.end(), 0.0f);
+      int64_t last = p0;
+      for (int32_t e = offsets[i]; e < offsets[i + 1]; ++e) {
+        const int64_t row = bg * Tq + readers[e], t = q0 + readers[e];
+        const int n = static_cast<int>(std::min<int64_t>(L, t - p0 + 1)), n16 = (n + 15) / 16 * 16;
+        last = std::max(last, t);
+        const float* go = dout + row * R * D;
+        for (int j = 0; j < R * D; ++j) qs[j] = q[row * R * D + j] * scale;
+        scores<R>(qs, D, ktile.data(), L, 0, s.data(), L, n16);   // S = q k / sqrt(D)
+        scores<R>(go, D, vtile.data(), L, 0, ds.data(), L, n16);  // dP = dO v
+        for (int h = 0; h < R; ++h) {
+          const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
+          for (int c = 0; c < n; c += 16) {
+            v16 p = vexp(load(&s[h * L + c]) - l);
+            if (n - c < 16)  // keys after t: p = 0
+              for (int j = n - c; j < 16; ++j) p[j] = 0.0f;
+            store(&s[h * L + c], p);
+            store(&ds[h * L + c], p * (load(&ds[h * L + c]) - dl));  // dS = P (dP - delta)
+          }
+        }
+        v16 acc[R][DV] = {};
+        weighted_rows<R, DV>(acc, ds.data(), L, k + bg * P * D, p0, n);
+        float* dqr = dqt + row * R * D;
+        for (int h = 0; h < R; ++h)
+          for (int j = 0; j < DV; ++j) store(dqr + h * D + 16 * j, load(dqr + h * D + 16 * j) + acc[h][j] * splat(scale));
+        outer_add<R, DV>(dvtile.data(), s.data(), L, go, 0, n);
+        outer_add<R, DV>(dktile.data(), ds.data(), L, qs, 0, n);
+      }
+      const int64_t rows = std::min<int64_t>(L, last - p0 + 1);
+      std::memcpy(dk + (bg * Tk + p0) * D, dktile.data(), rows * D * sizeof(float));
+      std::memcpy(dv + (bg * Tk + p0) * D, dvtile.data(), rows * D * sizeof(float));
+    }
+  });
+}
+
+template <typename F>
+void dispatch(int r, int D, F&& f) {
+  auto by_d = [&](auto rr) {
+    switch (D) {
+      case 16: f(rr, std::integral_constant<int, 1>{}); return;
+      case 32: f(rr, std::integral_constant<int, 2>{}); return;
+      case 64: f(rr, std::integral_constant<int, 4>{}); return;
+      case 128: f(rr, std::integral_constant<int, 8>{}); return;
+    }
+    TORCH_CHECK(false, "cpu_attention: head_dim must be 16, 32, 64 or 128, got ", D);
+  };
+  switch (r) {
+    case 1: by_d(std::integral_constant<int, 1>{}); return;
+    case 2: by_d(std::integral_constant<int, 2>{}); return;
+    case 3: by_d(std::integral_constant<int, 3>{}); return;
+    case 4: by_d(std::integral_constant<int, 4>{}); return;
+    case 6: by_d(std::integral_constant<int, 6>{}); return;
+    case 8: by_d(std::integral_constant<int, 8>{}); return;
+  }
+  TORCH_CHECK(false, "cpu_attention: query heads per KV group must be 1, 2, 3, 4, 6 or 8, got ", r);
+}
+
+void check(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "cpu_attention: ", name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+std::vector<torch::Tensor> runs_forward(torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor pos,
+                                       int64_t L, int64_t q0, double scale) {
+  check(q, "q"); check(kt, "kt"); check(v, "v");
+  TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kInt32, "cpu_attention: pos must be contiguous int32");
+  const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = v.size(1);
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({BG, Tq, r}, q.options());
+  dispatch(r, D, [&](auto R, auto DV) {
+    forward_rows<decltype(R)::value, decltype(DV)::value>(
+        q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), pos.data_ptr<int32_t>(), out.data_ptr<float>(),
+        lse.data_ptr<float>(), BG, Tq, pos.size(2), L, P, q0, scale);
+  });
+  return {out, lse};
+}
+
+std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor vt,
+                                        torch::Tensor offsets, torch::Tensor readers, torch::Tensor dout,
+                                        torch::Tensor lse, torch::Tensor delta, int64_t Tk, int64_t L, int64_t q0,
+                                        double scale) {
+  for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}, {lse, "lse"},
+                         {delta, "delta"}}) check(x, name);
+  TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
+              readers.scalar_type() == torch::kInt32, "cpu_attention: offsets and readers must be contiguous int32");
+  const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = k.size(1);
+  TORCH_CHECK(offsets.numel() == BG * Tk + 1, "cpu_attention: offsets must have BG * Tk + 1 entries");
+  auto dq = torch::zeros({at::get_num_threads(), BG, Tq, r, D}, q.options());
+  auto dk = torch::zeros({BG, Tk, D}, q.options()), dv = torch::zeros({BG, Tk, D}, q.options());
+  dispatch(r, D, [&](auto R, auto DV) {
+    backward_blocks<decltype(R)::value, decltype(DV)::value>(
+        q.data_ptr<float>(), k.data_ptr<float>(), kt.data_ptr<float>(), vt.data_ptr<float>(),
+        offsets.data_ptr<int32_t>(), readers.data_ptr<int32_t>(), dout.data_ptr<float>(), lse.data_ptr<float>(),
+        delta.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), BG, Tq, Tk, L, P,
+        q0, scale);
+  });
+  return {dq.sum(0), dk, dv};
+}
+
+std::vector<torch::Tensor> runs_backward_rows(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor vt,
+                                             torch::Tensor pos, torch::Tensor dout, torch::Tensor lse,
+                                             torch::Tensor delta, int64_t L, int64_t q0, double scale) {
+  for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}, {lse, "lse"},
+                         {delta, "delta"}}) check(x, name);
+  TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kInt32, "cpu_attention: pos must be contiguous int32");
+  const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = k.size(1);
+  const int threads = at::get_num_threads();
+  auto dq = torch::empty_like(q);
+  auto dk = torch::zeros({threads, BG, P, D}, q.options()), dv = torch::zeros({threads, BG, P, D}, q.options());
+  dispatch(r, D, [&](auto R, auto DV) {
+    backward_rows<decltype(R)::value, decltype(DV)::value>(
+        q.data_ptr<float>(), k.data_ptr<float>(), kt.data_ptr<float>(), vt.data_ptr<float>(), pos.data_ptr<int32_t>(),
+        dout.data_ptr<float>(), lse.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
+        dk.data_ptr<float>(), dv.data_ptr<float>(), BG, Tq, pos.size(2), L, P, q0, scale);
+  });
+  return {dq, dk.sum(0), dv.sum(0)};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("runs_forward", &runs_forward, "attention over runs of keys, forward (CPU, fp32)");
+  m.def("runs_backward_rows", &runs_backward_rows, "its backward query by query (CPU, fp32)");
+  m.def("runs_backward_blocks", &runs_backward_blocks, "its backward block by block (sel; CPU, fp32)");
+}

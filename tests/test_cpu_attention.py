@@ -1,0 +1,147 @@
+"""NSA's C++ kernels for CPUs (`cpu_attention.py`, `csrc/cpu_attention.cpp`), sel and win, against the
+PyTorch kernels and the reference: outputs, logsumexps and every gradient, with documents and parts
+of the queries, both sel backwards; and how the kernel choice takes them or falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_titan.config import ConfigError
+from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_kernels, cpu_attention, fast_sel, fast_shared, ops
+from nsa_titan.models.attention import nsa_fast, nsa_reference
+
+from test_nsa_fast import SPEC, random_parts_inputs, whole_and_parts
+from test_nsa_reference import random_inputs
+
+CPU = torch.device("cpu")
+M7C = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI's machines have a C++ compiler: the kernels must build there (else `auto` silently falls back)."""
+    assert cpu_attention.problem(CPU, torch.float32, M7C, 6, 64) is None
+
+
+def sel_inputs(B: int, G: int, T: int, r: int, D: int, spec: NSASpec, docs: bool, seed: int):
+    """q (B, G, T, r, D), sel keys and values, the blocks chosen by the cmp branch, the documents' starts."""
+    gen = torch.Generator().manual_seed(seed)
+    q, ks, vs = (torch.randn(B, G, n, *s, generator=gen) for n, s in ((T, (r, D)), (T, (D,)), (T, (D,))))
+    documents = None
+    if docs:
+        documents = Documents.of(torch.cumsum(torch.rand(B, T, generator=gen) < 4 / T, 1), spec)
+        kc, vc = (torch.randn(B, G, T // spec.d, D, generator=gen) for _ in range(2))  # cmp slots
+    else:
+        kc, vc = (torch.randn(B, G, spec.num_cmp_blocks(T), D, generator=gen) for _ in range(2))
+    _, _, idx, valid = fast_shared.shared_forward(q, kc, vc, "cmp", spec, T, 0, documents, None)
+    return q, ks, vs, idx, valid, None if documents is None else documents.start
+
+
+SHAPES = [  # (B, G, T, r, D, spec): T not a multiple of l'; every r and D the kernel takes
+    (1, 2, 700, 6, 64, M7C),
+    (2, 1, 203, 6, 16, SPEC),
+    (1, 3, 150, 1, 128, SPEC),
+    (1, 2, 97, 2, 32, SPEC),
+    (2, 2, 130, 3, 16, SPEC),
+    (1, 1, 90, 4, 32, SPEC),
+    (1, 2, 120, 8, 16, SPEC),
+]
+
+
+@pytest.fixture(params=["rows", "blocks"])
+def backward(request, monkeypatch) -> str:
+    """Both backwards of the kernel: query by query (short sequences), block by block (long ones)."""
+    monkeypatch.setattr(cpu_attention, "ROWS_MAX_KEYS", 1 << 30 if request.param == "rows" else 0)
+    return request.param
+
+
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("B,G,T,r,D,spec", SHAPES, ids=[f"B{s[0]}-G{s[1]}-T{s[2]}-r{s[3]}-D{s[4]}" for s in SHAPES])
+def test_the_sel_kernel_equals_the_pytorch_tiles(B, G, T, r, D, spec, docs, backward):
+    q, ks, vs, idx, valid, start = sel_inputs(B, G, T, r, D, spec, docs, seed=T + r)
+    out, lse = fast_sel.selected_forward(q, ks, vs, idx, valid, spec, start, 0, None)
+    got_out, got_lse = cpu_attention.sel_forward(q, ks, vs, idx, valid, spec, start, 0)
+    torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, lse, rtol=1e-5, atol=1e-5)
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    expected = fast_sel.selected_backward(d_out, q, ks, vs, idx, valid, out, lse, spec, start, 0, None)
+    got = cpu_attention.sel_backward(d_out, q, ks, vs, idx, valid, out, lse, spec, start, 0)
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert float((g - e).norm() / e.norm()) < 1e-5, name
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_parts_of_the_queries_equal_the_whole(with_docs, backward):
+    """Context parallelism's contract through the kernels (q0 > 0), and nsa_fast with them equals the
+    reference in fp32."""
+    args, docs = random_parts_inputs(203, with_docs, torch.float32)
+    whole, parts, expected, got = whole_and_parts(args, docs, [16, 112, 160], Kernels(sel="cpp", win="cpp"))
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    ref = nsa_reference(*args, SPEC, docs)
+    assert float((whole - ref).detach().norm() / ref.norm()) < 2e-5
+
+
+WINDOWS = [(1, 2, 203, 6, 16, 24), (2, 1, 150, 4, 32, 16), (1, 2, 700, 6, 64, 512), (1, 1, 90, 1, 128, 100)]
+
+
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("B,G,T,r,D,w", WINDOWS, ids=[f"T{s[2]}-r{s[3]}-D{s[4]}-w{s[5]}" for s in WINDOWS])
+def test_the_window_kernel_equals_the_pytorch_chunks(B, G, T, r, D, w, docs):
+    spec = NSASpec(l=8, d=4, l_sel=16, n=5, w=w)
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = torch.randn(B, G, T, r, D, generator=gen), torch.randn(B, G, T, D, generator=gen), torch.randn(B, G, T, D, generator=gen)
+    documents = Documents.of(torch.cumsum(torch.rand(B, T, generator=gen) < 4 / T, 1), spec) if docs else None
+    d_out = torch.randn(q.shape, generator=gen)
+    for q0 in (0, 48):  # the whole sequence, and the queries from 48 on (context parallelism)
+        part = q[:, :, q0:]
+        out, lse, _, _ = fast_shared.shared_forward(part, k, v, "win", spec, T, q0, documents, None)
+        got_out, got_lse, _, _ = fast_shared.shared_forward(part, k, v, "win", spec, T, q0, documents, None, "cpp")
+        torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_lse, lse, rtol=1e-5, atol=1e-5)
+        expected = fast_shared.shared_backward(d_out[:, :, q0:], part, k, v, out, lse, "win", spec, q0, documents, None)
+        got = fast_shared.shared_backward(d_out[:, :, q0:], part, k, v, out, lse, "win", spec, q0, documents, None, "cpp")
+        for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+            assert float((g - e).norm() / e.norm()) < 1e-5, name
+
+
+def test_nsa_fast_runs_sel_and_win_through_the_kernels_by_default(monkeypatch):
+    calls = []
+    for name in ("sel_forward", "sel_backward", "window_forward", "window_backward"):
+        def counted(*a, _fn=getattr(cpu_attention, name), _name=name):
+            calls.append(_name)
+            return _fn(*a)
+        monkeypatch.setattr(cpu_attention, name, counted)
+    args = [x.requires_grad_() for x in random_inputs(1, 100, 12, 2, 16, SPEC, dtype=torch.float32)]
+    nsa_fast(*args, SPEC).sum().backward()
+    assert sorted(calls) == ["sel_backward", "sel_forward", "window_backward", "window_forward"]
+    nsa_fast(*[x.double() for x in args], SPEC)  # fp64: the PyTorch kernels
+    assert len(calls) == 4
+
+
+def test_the_op_passes_opcheck():
+    q, ks, vs, idx, valid, start = sel_inputs(1, 2, 90, 6, 16, SPEC, True, seed=0)
+    spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
+    torch.library.opcheck(ops._selected_kernel_op, (q.requires_grad_(), ks, vs, idx, valid, spec, 0, start, "cpp"))
+
+
+def test_the_choice_takes_the_kernel_where_it_runs_and_says_why_not(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert choose_kernels("auto", CPU, torch.float32, M7C, 64, 6) == Kernels(sel="cpp", win="cpp")
+    assert choose_kernels("auto", CPU, torch.bfloat16, M7C, 64, 6).describe() == "cmp PyTorch, sel C++, win C++"
+    assert choose_kernels("cpp", CPU, torch.float32, M7C, 64, 6) == Kernels(sel="cpp", win="cpp")
+    assert choose_kernels("torch", CPU, torch.float32, M7C, 64, 6) == Kernels()
+    for dtype, spec, r, D, why in [(torch.float64, M7C, 6, 64, "compute in float32, and the compute dtype is torch.float64"),
+                                   (torch.float32, M7C, 16, 64, r"\(they are 16, 64 and 64\)"),
+                                   (torch.float32, M7C, 6, 48, r"\(they are 6, 48 and 64\)"),
+                                   (torch.float32, NSASpec(l=8, d=4, l_sel=8), 6, 64, r"\(they are 6, 64 and 8\)")]:
+        assert choose_kernels("auto", CPU, dtype, spec, D, r) == Kernels()  # auto falls back to the tiles
+        with pytest.raises(ConfigError, match=f"kernels = 'cpp' cannot run: .*{why}"):
+            choose_kernels("cpp", CPU, dtype, spec, D, r)
+    monkeypatch.setattr(cpu_attention, "_build", lambda: (None, "NSA's C++ kernels did not build (no compiler)"))
+    assert choose_kernels("auto", CPU, torch.float32, M7C, 64, 6) == Kernels()
+    with pytest.raises(ConfigError, match="did not build \\(no compiler\\); use kernels = 'auto'"):
+        choose_kernels("cpp", CPU, torch.float32, M7C, 64, 6)
+    with pytest.raises(ConfigError, match="run on CPUs and this run is on meta"):
+        choose_kernels("cpp", torch.device("meta"), torch.float32, M7C, 64, 6)
