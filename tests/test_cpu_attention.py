@@ -1,5 +1,5 @@
-"""NSA's C++ kernels for CPUs (`cpu_attention.py`, `csrc/cpu_attention.cpp`), sel and win, against the
-PyTorch kernels and the reference: outputs, logsumexps and every gradient, with documents and parts
+"""NSA's C++ kernels for CPUs (`cpu_attention.py`, `csrc/cpu_attention.cpp`), cmp, sel and win, against
+the PyTorch kernels and the reference: outputs, logsumexps and every gradient, with documents and parts
 of the queries, both sel backwards; and how the kernel choice takes them or falls back."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_parts_of_the_queries_equal_the_whole(with_docs, backward):
     """Context parallelism's contract through the kernels (q0 > 0), and nsa_fast with them equals the
     reference in fp32."""
     args, docs = random_parts_inputs(203, with_docs, torch.float32)
-    whole, parts, expected, got = whole_and_parts(args, docs, [16, 112, 160], Kernels(sel="cpp", win="cpp"))
+    whole, parts, expected, got = whole_and_parts(args, docs, [16, 112, 160], Kernels("cpp", "cpp", "cpp"))
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
@@ -106,18 +106,61 @@ def test_the_window_kernel_equals_the_pytorch_chunks(B, G, T, r, D, w, docs):
             assert float((g - e).norm() / e.norm()) < 1e-5, name
 
 
-def test_nsa_fast_runs_sel_and_win_through_the_kernels_by_default(monkeypatch):
+CMP = [(1, 2, 203, 6, 16, False, 0), (2, 2, 203, 6, 16, True, 0), (2, 2, 203, 6, 16, True, 48),
+       (2, 1, 40, 4, 32, True, 0), (1, 2, 300, 2, 64, False, 96), (1, 1, 7, 6, 16, False, 0)]
+
+
+@pytest.mark.parametrize("B,G,T,r,D,docs,q0", CMP, ids=[f"T{c[2]}-r{c[3]}-D{c[4]}-docs{c[5]}-q0{c[6]}" for c in CMP])
+def test_the_cmp_kernel_equals_the_pytorch_chunks(B, G, T, r, D, docs, q0):
+    """Outputs, logsumexps, the sel blocks chosen from the group scores it returns, and every gradient;
+    T = 7 < l: no slot visible, output 0."""
+    gen = torch.Generator().manual_seed(T + q0)
+    documents = Documents.of(torch.cumsum(torch.rand(B, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
+    S = T // SPEC.d if docs else SPEC.num_cmp_blocks(T)
+    q, k, v = (torch.randn(B, G, *shape, generator=gen) for shape in ((T - q0, r, D), (S, D), (S, D)))
+    d_out = torch.randn(q.shape, generator=gen)
+    expected, got = (fast_shared.shared_forward(q, k, v, "cmp", SPEC, T, q0, documents, None, kernel)
+                     for kernel in ("torch", "cpp"))
+    for name, g, e in zip(("out", "lse"), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])  # the same sel blocks
+    grads = [fast_shared.shared_backward(d_out, q, k, v, *expected[:2], "cmp", SPEC, q0, documents, None, kernel)
+             for kernel in ("torch", "cpp")]
+    for name, e, g in zip(("dq", "dk", "dv"), *grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_cmp_scores_are_the_probabilities_down_to_subnormals():
+    """The scores the sel blocks are picked from are the probabilities summed over a group's heads,
+    to fp32 rounding also where they are tiny: peaked softmaxes (as a trained model's) leave most
+    blocks with scores of 1e-20 .. 1e-44, and the choice among those must not change with the exp."""
+    gen = torch.Generator().manual_seed(0)
+    B, G, T, r, D = 1, 2, 400, 2, 16
+    S = SPEC.num_cmp_blocks(T)
+    q, k, v = 4 * torch.randn(B, G, T, r, D, generator=gen), 4 * torch.randn(B, G, S, D, generator=gen), torch.randn(B, G, S, D, generator=gen)
+    out, lse = torch.empty_like(q), q.new_empty(B, G, T, r)
+    scores = cpu_attention.cmp_forward(q, cpu_attention.cmp_keys(k, v), out, lse, 0, T, 0, SPEC, None)
+    visible = torch.arange(S) * SPEC.d + SPEC.l - 1 <= torch.arange(T)[:, None]
+    s = (torch.einsum("bgtrd,bgsd->bgtrs", q.double(), k.double()) * D**-0.5).masked_fill(~visible[:, None], float("-inf"))
+    expected = torch.softmax(s, -1).nan_to_num(0).sum(3).float()  # exact, then rounded once
+    assert expected[expected > 0].min() < 1e-38  # subnormal probabilities are there
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=3e-45)  # fp32 scores of up to ~100: 1e-5 relative
+
+
+def test_nsa_fast_runs_every_branch_through_the_kernels_by_default(monkeypatch):
     calls = []
-    for name in ("sel_forward", "sel_backward", "window_forward", "window_backward"):
+    for name in ("cmp_forward", "cmp_backward", "sel_forward", "sel_backward", "window_forward", "window_backward"):
         def counted(*a, _fn=getattr(cpu_attention, name), _name=name):
             calls.append(_name)
             return _fn(*a)
         monkeypatch.setattr(cpu_attention, name, counted)
     args = [x.requires_grad_() for x in random_inputs(1, 100, 12, 2, 16, SPEC, dtype=torch.float32)]
     nsa_fast(*args, SPEC).sum().backward()
-    assert sorted(calls) == ["sel_backward", "sel_forward", "window_backward", "window_forward"]
+    assert sorted(set(calls)) == ["cmp_backward", "cmp_forward", "sel_backward", "sel_forward", "window_backward",
+                                  "window_forward"]
+    count = len(calls)  # cmp forward: one call per chunk
     nsa_fast(*[x.double() for x in args], SPEC)  # fp64: the PyTorch kernels
-    assert len(calls) == 4
+    assert len(calls) == count
 
 
 def test_the_op_passes_opcheck():
@@ -128,9 +171,9 @@ def test_the_op_passes_opcheck():
 
 def test_the_choice_takes_the_kernel_where_it_runs_and_says_why_not(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert choose_kernels("auto", CPU, torch.float32, M7C, 64, 6) == Kernels(sel="cpp", win="cpp")
-    assert choose_kernels("auto", CPU, torch.bfloat16, M7C, 64, 6).describe() == "cmp PyTorch, sel C++, win C++"
-    assert choose_kernels("cpp", CPU, torch.float32, M7C, 64, 6) == Kernels(sel="cpp", win="cpp")
+    assert choose_kernels("auto", CPU, torch.float32, M7C, 64, 6) == Kernels("cpp", "cpp", "cpp")
+    assert choose_kernels("auto", CPU, torch.bfloat16, M7C, 64, 6).describe() == "cmp C++, sel C++, win C++"
+    assert choose_kernels("cpp", CPU, torch.float32, M7C, 64, 6) == Kernels("cpp", "cpp", "cpp")
     assert choose_kernels("torch", CPU, torch.float32, M7C, 64, 6) == Kernels()
     for dtype, spec, r, D, why in [(torch.float64, M7C, 6, 64, "compute in float32, and the compute dtype is torch.float64"),
                                    (torch.float32, M7C, 16, 64, r"\(they are 16, 64 and 64\)"),

@@ -225,7 +225,7 @@ CPU = torch.device("cpu")
 def test_kernel_choice_is_explicit_and_says_why_a_kernel_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert choose_kernels("torch", CPU, torch.float32, SPEC, 64, 6) == Kernels()
-    assert choose_kernels("auto", CPU, torch.bfloat16, SPEC, 64, 6) == Kernels(sel="cpp", win="cpp")  # test_cpu_attention.py
+    assert choose_kernels("auto", CPU, torch.bfloat16, SPEC, 64, 6) == Kernels("cpp", "cpp", "cpp")  # test_cpu_attention.py
     with pytest.raises(ConfigError, match="kernels = 'flash' cannot run: flash-attn (is not installed|runs on CUDA)"):
         choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64, 6)
     monkeypatch.setattr(kernels_module, "flash_attn_func", lambda *a, **k: None)  # "installed"

@@ -271,3 +271,18 @@ def test_selection_gets_no_gradient_and_cmp_gets_it_only_through_its_output():
     kc.grad = None
     nsa_reference(q, kc, vc, ks, vs, kw, vw, gates, SMALL).sum().backward()
     assert kc.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("l,d,l_sel,T", [(32, 16, 64, 1000), (8, 4, 16, 203), (16, 16, 16, 64), (16, 8, 16, 130), (8, 4, 8, 37)])
+def test_strided_pooling_equals_the_members_sums(l, d, l_sel, T):
+    """choose_blocks pools cmp scores into sel-block scores by strided slices when l and l' are
+    multiples of d: the same sums as gathering `sel_members`, with any number of visible blocks."""
+    from nsa_titan.models.attention.common import _pooled
+
+    spec = NSASpec(l=l, d=d, l_sel=l_sel, n=4, w=16)
+    Nc, Ns = spec.num_cmp_blocks(T), spec.num_sel_blocks(T)
+    for Nv in (Nc, Nc // 2, 0):
+        p = torch.rand(2, 3, 5, Nv, dtype=torch.float64)
+        padded = torch.cat([p, p.new_zeros(2, 3, 5, 1)], -1)
+        expected = padded[..., sel_members(spec, T, p.device).clamp(max=Nv)].sum(-1)
+        torch.testing.assert_close(_pooled(p, spec, Ns), expected, rtol=1e-15, atol=1e-15)

@@ -119,6 +119,19 @@ def top_n(scores: torch.Tensor, n: int) -> torch.Tensor:
     return idx.gather(-1, order)
 
 
+def _pooled(p_group: torch.Tensor, spec: NSASpec, Ns: int) -> torch.Tensor:
+    """`sel_members`' sums when l and l' are multiples of d: sel block j collects the K = l'/d + l/d - 1
+    consecutive cmp blocks from j l'/d - l/d + 1 on, so the scores (..., Ns) are K strided slices of
+    p_group added in member order (no gather); blocks before 0 or past the visible ones add 0."""
+    s, a = spec.l_sel // spec.d, spec.l // spec.d - 1  # stride, members before a block's first key
+    span = (Ns - 1) * s + 1
+    x = torch.nn.functional.pad(p_group, (a, max(0, span + s - 1 - p_group.shape[-1])))  # (..., a + Nv + right)
+    scores = x[..., 0:span:s].clone()
+    for o in range(1, s + a):
+        scores += x[..., o:o + span:s]
+    return scores
+
+
 def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
                   slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
@@ -138,7 +151,9 @@ def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: D
         padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)
         t = torch.arange(t0, t0 + C, device=dev)[None, :]  # (1, C)
         Ns = spec.num_sel_blocks(T)
-        if docs is None:
+        if docs is None and spec.l % spec.d == 0 and spec.l_sel % spec.d == 0:
+            scores = _pooled(p_group, spec, Ns)
+        elif docs is None:
             members = sel_members(spec, T, dev).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
             scores = padded[..., members].sum(-1)  # (B, G, C, Ns)
         else:  # the members counted inside the document, as slots

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import NSASpec, block_readers
+from .documents import Documents
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 HEADS = (1, 2, 3, 4, 6, 8)
@@ -100,19 +101,19 @@ def _forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, runs: torch.Te
              ) -> tuple[torch.Tensor, torch.Tensor]:
     B, G, Tq, r, D = q.shape
     kt, v = _transposed(_keys(ks, L)), _keys(vs, L)
-    out, lse = _build()[0].runs_forward(_rows(q), kt, v, runs, L, q0, D**-0.5)
+    out, lse, _ = _build()[0].runs_forward(_rows(q), kt, v, runs, None, L, q0, D**-0.5, False)
     return out.view(q.shape), lse.view(B, G, Tq, r)
 
 
 def _backward_rows(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, runs: torch.Tensor, L: int, q0: int
+                   lse: torch.Tensor, runs: torch.Tensor, L: int, q0: int, last: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, D = ks.shape[2], q.shape[-1]
     k = _keys(ks, L)
     kt, vt = _transposed(k), _transposed(_keys(vs, L))
     delta = (d_out * out).sum(-1)  # (B, G, Tq, r): the softmax's row term
-    dq, dk, dv = _build()[0].runs_backward_rows(_rows(q), k, kt, vt, runs, _rows(d_out), _rows(lse), _rows(delta), L,
-                                                q0, D**-0.5)
+    dq, dk, dv = _build()[0].runs_backward_rows(_rows(q), k, kt, vt, runs, last, _rows(d_out), _rows(lse),
+                                                _rows(delta), L, q0, D**-0.5)
     return dq.view(q.shape), dk[:, :T].view(ks.shape), dv[:, :T].view(vs.shape)
 
 
@@ -155,3 +156,48 @@ def window_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """The gradients (dq, dk, dv) of `window_forward`'s output (query by query: a window's keys are in cache)."""
     B, G, Tq = q.shape[:3]
     return _backward_rows(d_out, q, k, v, out, lse, _window_runs(B, G, Tq, spec, start, q0), spec.w, q0)
+
+
+def _cmp_runs(B: int, G: int, t0: int, t1: int, spec: NSASpec, docs: Documents | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The visible cmp slots of queries t0 .. t1 - 1, first (BG, C, 1) and last (BG, C) int32: blocks
+    wholly in the past (i d + l - 1 <= t), with documents the slots of t's document; last < first
+    when there is none."""
+    t = torch.arange(t0, t1)[None, :]
+    if docs is None:
+        first = torch.zeros_like(t)
+        last = torch.div(t - spec.l + 1, spec.d, rounding_mode="floor")
+    else:
+        first = docs.first_slot[:, t0:t1]
+        last = torch.searchsorted(docs.cmp_start, (t - spec.l + 1).expand(B, -1).contiguous(), right=True) - 1
+    per_group = lambda x: x.expand(B, -1)[:, None].expand(B, G, -1).reshape(B * G, -1).to(torch.int32)  # noqa: E731
+    return per_group(first)[..., None].contiguous(), per_group(last).contiguous()
+
+
+def cmp_keys(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The S compressed keys transposed and values as rows, and S, for `cmp_forward` (once for all chunks)."""
+    S = k.shape[2]
+    return _transposed(_keys(k, S)), _keys(v, S), S
+
+
+def cmp_forward(q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, int], out: torch.Tensor, lse: torch.Tensor,
+                a: int, b: int, q0: int, spec: NSASpec, docs: Documents | None) -> torch.Tensor:
+    """The cmp branch for the rows a .. b - 1 of q (B, G, Tq, r, D) (positions q0 + a ..): writes their
+    out and logsumexp, and returns the probabilities summed over each group's heads at every slot
+    (B, G, C, S), which the sel blocks are chosen from (as the PyTorch chunks' `p.sum(3)`)."""
+    B, G, _, r, D = q.shape
+    kt, v, S = keys
+    first, last = _cmp_runs(B, G, q0 + a, q0 + b, spec, docs)
+    o, ls, group = _build()[0].runs_forward(_rows(q[:, :, a:b]), kt, v, first, last, S, q0 + a, D**-0.5, True)
+    out[:, :, a:b] = o.view(B, G, b - a, r, D)
+    lse[:, :, a:b] = ls.view(B, G, b - a, r)
+    return group.view(B, G, b - a, S)
+
+
+def cmp_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, spec: NSASpec, q0: int, docs: Documents | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dk, dv) of the cmp branch's output, query by query."""
+    B, G, Tq = q.shape[:3]
+    first, last = _cmp_runs(B, G, q0, q0 + Tq, spec, docs)
+    return _backward_rows(d_out, q, k, v, out, lse, first, k.shape[2], q0, last)

@@ -122,8 +122,8 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     """cmp or win attention (`kind`). q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1
     of a sequence of T tokens (all of them unless context parallelism splits it); k, v (B, G, S, D)
     of the whole sequence; docs: the `Documents` of the whole sequence, or None; bounds: their host
-    bounds, or None; kernel: `triton` runs the branch through `triton_shared` (CUDA), `cpp` (win)
-    through `cpu_attention` (CPUs). Returns out
+    bounds, or None; kernel: `triton` runs the branch through `triton_shared` (CUDA), `cpp` through
+    `cpu_attention` (CPUs). Returns out
     (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r), and, for cmp, the chosen
     sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
@@ -132,14 +132,16 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     if kernel == "triton" and kind == "win":
         triton_shared.forward(q, k, v, out, lse, kind, 0, Tq, q0, spec, docs)
         return out, lse, None, None
-    if kernel == "cpp":  # win on CPUs by NSA's C++ kernel
+    if kernel == "cpp" and kind == "win":  # on CPUs by NSA's C++ kernel
         out, lse = cpu_attention.window_forward(q, k, v, spec, None if docs is None else docs.start[:, q0:q0 + Tq], q0)
         return out, lse, None, None
+    keys = cpu_attention.cmp_keys(k, v) if kernel == "cpp" else None
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds, q.device):
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
-        if kernel == "triton":  # the group's scores over every slot (B, G, C, S), no probabilities written
-            chosen = choose_blocks(triton_shared.forward(q, k, v, out, lse, kind, a, b, q0, spec, docs), spec, t0, T,
-                                   docs)
+        if kernel != "torch":  # the group's scores over every slot (B, G, C, S), no probabilities written
+            scores = (cpu_attention.cmp_forward(q, keys, out, lse, a, b, q0, spec, docs) if kernel == "cpp" else
+                      triton_shared.forward(q, k, v, out, lse, kind, a, b, q0, spec, docs))
+            chosen = choose_blocks(scores, spec, t0, T, docs)
             idx.append(chosen[0])
             valid.append(chosen[1])
             continue
@@ -167,6 +169,8 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
     if kernel == "triton":
         return triton_shared.backward(d_out, q, k, v, out, lse, kind, q0, spec, docs)
+    if kernel == "cpp" and kind == "cmp":
+        return cpu_attention.cmp_backward(d_out, q, k, v, out, lse, spec, q0, docs)
     if kernel == "cpp":
         start = None if docs is None else docs.start[:, q0:q0 + q.shape[2]]
         return cpu_attention.window_backward(d_out, q, k, v, out, lse, spec, start, q0)

@@ -1,6 +1,7 @@
 """Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
 
-  cmp  PyTorch chunks (`fast_shared.py`), or Triton kernels (`triton_shared.py`) on CUDA
+  cmp  PyTorch chunks (`fast_shared.py`), Triton kernels (`triton_shared.py`) on CUDA, or NSA's C++
+       kernel (`cpu_attention.py`) on CPUs
   sel  PyTorch block-centric tiles (`fast_sel.py`), Triton kernels (`triton_sel.py`) on CUDA, or NSA's
        C++ kernel (`cpu_attention.py`) on CPUs
   win  PyTorch chunks, Triton kernels (`triton_shared.py`), or flash-attn's sliding window on CUDA in
@@ -35,7 +36,7 @@ NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn", "cpp": "
 
 @dataclass(frozen=True)
 class Kernels:
-    """The kernel of each branch: `torch`, `triton`, (sel, win) `cpp` or (win) `flash`."""
+    """The kernel of each branch: `torch`, `triton`, `cpp` or (win) `flash`."""
 
     cmp: str = "torch"
     sel: str = "torch"
@@ -83,7 +84,7 @@ def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: 
                               f"that runs) or 'torch'")
     triton = "triton" if choice in ("auto", "triton") and not tri_problem else "torch"
     cpp = "cpp" if choice in ("auto", "cpp") and triton == "torch" and not cpp_problem else triton
-    return Kernels(cmp=triton, sel=cpp, win="flash" if choice in ("auto", "flash") and not win_problem else cpp)
+    return Kernels(cmp=cpp, sel=cpp, win="flash" if choice in ("auto", "flash") and not win_problem else cpp)
 
 
 def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,

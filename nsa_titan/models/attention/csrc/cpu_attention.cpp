@@ -25,8 +25,11 @@ inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 inline v16 splat(float a) { return v16{} + a; }
 
 // e^x, Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 polynomial, 2^n into the exponent.
+// Below e^-87 (n < -125) the result is a subnormal: scaled by 2^64 first and 2^-64 after, so it is rounded
+// once, as libm's expf gives it; below e^-104 it is 0.
 inline v16 vexp(v16 x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  const v16 zero = x < splat(-104.0f) ? splat(0.0f) : splat(1.0f);
+  x = x < splat(-104.0f) ? splat(-104.0f) : x;
   x = x > splat(88.0f) ? splat(88.0f) : x;
   const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
@@ -39,10 +42,12 @@ inline v16 vexp(v16 x) {
   p = p * f + splat(5.0000001201e-1f);
   p = p * f * f + f + splat(1.0f);
   typedef int i16 __attribute__((vector_size(64)));
-  i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 scale;
+  const i16 tiny = n < splat(-125.0f);  // all ones where the result is subnormal
+  i16 bits = (__builtin_convertvector(n, i16) + (tiny & 64) + 127) << 23;
+  v16 scale, low;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  low = n < splat(-125.0f) ? splat(5.42101086e-20f) : splat(1.0f);  // 2^-64
+  return p * scale * low * zero;
 }
 
 inline float hmax(v16 x) { float m = x[0]; for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m; return m; }
@@ -117,16 +122,20 @@ inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out,
   return col;
 }
 
+// The forward, query by query. `last` (or null: the query's own position) is the last key a query may
+// read; `group` (or null) receives, per query, the probabilities summed over its r heads at each of the
+// keys 0 .. L - 1 (cmp: the scores its sel blocks are chosen from), 0 where it reads none.
 template <int R, int DV>
-void forward_rows(const float* q, const float* kt, const float* v, const int32_t* pos, float* out, float* lse,
-                  int64_t BG, int64_t Tq, int nsel, int L, int64_t P, int64_t q0, float scale) {
+void forward_rows(const float* q, const float* kt, const float* v, const int32_t* pos, const int32_t* last,
+                  float* out, float* lse, float* group, int64_t BG, int64_t Tq, int nsel, int L, int64_t P, int64_t q0,
+                  float scale) {
   constexpr int D = 16 * DV;
   at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> sbuf(static_cast<size_t>(R) * nsel * L + 16 * R);
     std::vector<Block> blocks(nsel);
     float qs[R * D];
     for (int64_t row = lo; row < hi; ++row) {
-      const int64_t bg = row / Tq, t = q0 + row % Tq;
+      const int64_t bg = row / Tq, t = last ? last[row] : q0 + row % Tq;
       int nb;
       const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
       float* s = sbuf.data();
@@ -155,10 +164,24 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
       v16 acc[R][DV] = {};
       const float* vb = v + bg * P * D;
       for (int b = 0; b < nb; ++b) weighted_rows<R, DV>(acc, s + blocks[b].col, cols, vb, blocks[b].p, blocks[b].n);
-      for (int h = 0; h < R; ++h) {
-        const v16 inv = splat(1.0f / total[h]);
+      for (int h = 0; h < R; ++h) {  // a query with no key: output 0, logsumexp 0
+        const v16 inv = splat(total[h] > 0 ? 1.0f / total[h] : 0.0f);
         for (int i = 0; i < DV; ++i) store(out + (row * R + h) * D + 16 * i, acc[h][i] * inv);
-        lse[row * R + h] = m[h] + std::log(total[h]);
+        lse[row * R + h] = total[h] > 0 ? m[h] + std::log(total[h]) : 0.0f;
+      }
+      if (group) {  // sum over heads of e / total, in head order, as the reference sums its probabilities
+        float* g = group + row * L;
+        std::fill(g, g + L, 0.0f);
+        for (int b = 0; b < nb; ++b) {
+          const int n = blocks[b].n;
+          for (int c = 0; c < n; c += 16) {
+            v16 sum = {};
+            for (int h = 0; h < R; ++h) sum += load(s + h * cols + blocks[b].col + c) / splat(total[h]);
+            float* dst = g + blocks[b].p + c;  // keys 0 .. L - 1: the runs lie in them
+            if (n - c >= 16) store(dst, sum);
+            else for (int j = 0; j < n - c; ++j) dst[j] = sum[j];
+          }
+        }
       }
     }
   });
@@ -168,7 +191,7 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
 // sequence). Fewest passes; for short sequences, whose keys and gradients stay in cache.
 template <int R, int DV>
 void backward_rows(const float* q, const float* k, const float* kt, const float* vt, const int32_t* pos,
-                   const float* dout, const float* lse, const float* delta, float* dq, float* dk, float* dv,
+                   const int32_t* last, const float* dout, const float* lse, const float* delta, float* dq, float* dk, float* dv,
                    int64_t BG, int64_t Tq, int nsel, int L, int64_t P, int64_t q0, float scale) {
   constexpr int D = 16 * DV;
   const int threads = at::get_num_threads();
@@ -181,7 +204,7 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
       float* dkt = dk + th * BG * P * D;
       float* dvt = dv + th * BG * P * D;
       for (int64_t row = th * per; row < std::min(BG * Tq, (th + 1) * per); ++row) {
-        const int64_t bg = row / Tq, t = q0 + row % Tq;
+        const int64_t bg = row / Tq, t = last ? last[row] : q0 + row % Tq;
         int nb;
         const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
         float *s = sbuf.data(), *ds = dbuf.data();
@@ -307,18 +330,23 @@ void check(const torch::Tensor& x, const char* name) {
 }
 
 std::vector<torch::Tensor> runs_forward(torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor pos,
-                                       int64_t L, int64_t q0, double scale) {
+                                       c10::optional<torch::Tensor> last, int64_t L, int64_t q0, double scale,
+                                       bool with_group) {
   check(q, "q"); check(kt, "kt"); check(v, "v");
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kInt32, "cpu_attention: pos must be contiguous int32");
+  TORCH_CHECK(!last || (last->is_contiguous() && last->scalar_type() == torch::kInt32),
+              "cpu_attention: last must be contiguous int32");
   const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = v.size(1);
   auto out = torch::empty_like(q);
   auto lse = torch::empty({BG, Tq, r}, q.options());
+  auto group = with_group ? torch::empty({BG, Tq, L}, q.options()) : torch::empty({0}, q.options());
   dispatch(r, D, [&](auto R, auto DV) {
     forward_rows<decltype(R)::value, decltype(DV)::value>(
-        q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), pos.data_ptr<int32_t>(), out.data_ptr<float>(),
-        lse.data_ptr<float>(), BG, Tq, pos.size(2), L, P, q0, scale);
+        q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), pos.data_ptr<int32_t>(),
+        last ? last->data_ptr<int32_t>() : nullptr, out.data_ptr<float>(), lse.data_ptr<float>(),
+        with_group ? group.data_ptr<float>() : nullptr, BG, Tq, pos.size(2), L, P, q0, scale);
   });
-  return {out, lse};
+  return {out, lse, group};
 }
 
 std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor vt,
@@ -344,11 +372,14 @@ std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k
 }
 
 std::vector<torch::Tensor> runs_backward_rows(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor vt,
-                                             torch::Tensor pos, torch::Tensor dout, torch::Tensor lse,
-                                             torch::Tensor delta, int64_t L, int64_t q0, double scale) {
+                                             torch::Tensor pos, c10::optional<torch::Tensor> last, torch::Tensor dout,
+                                             torch::Tensor lse, torch::Tensor delta, int64_t L, int64_t q0,
+                                             double scale) {
   for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}, {lse, "lse"},
                          {delta, "delta"}}) check(x, name);
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kInt32, "cpu_attention: pos must be contiguous int32");
+  TORCH_CHECK(!last || (last->is_contiguous() && last->scalar_type() == torch::kInt32),
+              "cpu_attention: last must be contiguous int32");
   const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = k.size(1);
   const int threads = at::get_num_threads();
   auto dq = torch::empty_like(q);
@@ -356,8 +387,9 @@ std::vector<torch::Tensor> runs_backward_rows(torch::Tensor q, torch::Tensor k, 
   dispatch(r, D, [&](auto R, auto DV) {
     backward_rows<decltype(R)::value, decltype(DV)::value>(
         q.data_ptr<float>(), k.data_ptr<float>(), kt.data_ptr<float>(), vt.data_ptr<float>(), pos.data_ptr<int32_t>(),
-        dout.data_ptr<float>(), lse.data_ptr<float>(), delta.data_ptr<float>(), dq.data_ptr<float>(),
-        dk.data_ptr<float>(), dv.data_ptr<float>(), BG, Tq, pos.size(2), L, P, q0, scale);
+        last ? last->data_ptr<int32_t>() : nullptr, dout.data_ptr<float>(), lse.data_ptr<float>(),
+        delta.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), BG, Tq, pos.size(2),
+        L, P, q0, scale);
   });
   return {dq, dk.sum(0), dv.sum(0)};
 }
