@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what is missing: torch (the CPU build on a machine without NVIDIA GPUs), then this
-# package and its dependencies, then build NSA's C++ sel kernel for CPUs (cached; if it cannot be
-# built, CPU runs keep the PyTorch kernel). `--test` adds the test tools. Safe to run again.
+# package and its dependencies, then build NSA's C++ attention kernel for CPUs (cached; if it cannot
+# be built, CPU runs keep the PyTorch kernels). `--test` adds the test tools. Safe to run again.
 #   TORCH_SPEC   torch requirement to install (default: torch==2.13.0 on CPU, torch>=2.7 on GPU)
 #   PIP_ARGS     extra pip arguments (e.g. --index-url https://download.pytorch.org/whl/cpu)
 set -euo pipefail
@@ -26,10 +26,10 @@ python3 -m pip install --progress-bar on ${PIP_ARGS:-} -e "${here}${extras}" \
   | grep -v -E "^(Requirement already satisfied|  )" || true
 python3 -c "import nsa_titan, torch, torchdata, datasets, sentencepiece, tensorboard${extras:+, pytest}" \
   || { say "the install did not complete (see pip's messages above)"; exit 1; }
-say "[3/3] building NSA's C++ sel kernel for CPUs (about a minute the first time, then cached)"
+say "[3/3] building NSA's C++ attention kernel for CPUs (about a minute the first time, then cached)"
 python3 -c "
 import torch
 from nsa_titan.models.attention import NSASpec, cpu_attention
 why = cpu_attention.problem(torch.device('cpu'), torch.float32, NSASpec(), 6, 64)
-print('nsa_titan install:', why + ': CPU runs keep the PyTorch sel kernel' if why else 'built')"
+print('nsa_titan install:', why + ': CPU runs keep the PyTorch kernels' if why else 'built')"
 say "done"

@@ -53,8 +53,8 @@ CASES = [  # (batch, T, H, G, D): T not a multiple of l, d or l'; T < l; T < l';
 
 
 FP32_TOL = 2e-4
-"""fp32 against the fp32 reference. They round differently: on CPUs the fused kernels take a fast
-exp and d_out . out where the reference sums p * dp. Measured against the fp64 reference, both
+"""fp32 against the fp32 reference. They round differently: on CPUs NSA's C++ kernel (and the fused
+kernels of `kernels = torch`) take their own exp and d_out . out where the reference sums p * dp. Measured against the fp64 reference, both
 are equally far off (up to ~1e-3 for the input's gradient at T = 257, where fp32 and fp64 pick
 different blocks), and up to 1e-4 from each other. fp64 (1e-10) is the exactness check."""
 

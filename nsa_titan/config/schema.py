@@ -39,8 +39,8 @@ class Model:
     T); `reference`, the exact definition with dense per-branch masks (O(T^2) memory), the yardstick."""
     kernels: Literal["auto", "torch", "triton", "flash", "cpp"] = "auto"
     """Kernels of the fast path: `torch`, PyTorch for every branch; `triton`, every branch as Triton
-    kernels (CUDA); `flash`, the win branch through flash-attn (CUDA); `cpp`, the sel branch by NSA's
-    C++ kernel (CPUs, built at first use); `auto`, each where it can run (the device, the dtype,
+    kernels (CUDA); `flash`, the win branch through flash-attn (CUDA); `cpp`, every branch by NSA's
+    C++ kernel (CPUs, built at install or first use); `auto`, each where it can run (the device, the dtype,
     installed or built), else PyTorch. The startup log names the kernel of each branch."""
     dim: int = 256
     """Model width (M7C: 768)."""

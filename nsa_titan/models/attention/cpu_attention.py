@@ -1,16 +1,17 @@
-"""NSA's own attention kernels for CPUs (`csrc/cpu_attention.cpp`), for the sel and win branches, fp32.
+"""NSA's own attention kernel for CPUs (`csrc/cpu_attention.cpp`), for every branch, fp32.
 
-Both branches are, per (batch x group, query), softmax attention over a few runs of consecutive keys
-(sel: the chosen blocks of l'; win: the last w keys), the r query heads of the group side by side.
-The kernel reads each query's runs in one pass: scores, softmax and both products in a per-thread
-buffer, no gathered rows, no zero-filled tile buffers. The backward goes query by query, each
-thread adding into its own dk, dv; the sel backward of long sequences goes block by block instead,
-through the reverse index (`block_readers`), so that its working set does not grow with T.
+Each branch is, per (batch x group, query), softmax attention over a few runs of consecutive keys
+(cmp: the visible compressed slots; sel: the chosen blocks of l'; win: the last w keys), the r
+query heads of the group side by side. The kernel reads each query's runs in one pass: scores,
+softmax and both products in a per-thread buffer, no gathered rows, no zero-filled tile buffers.
+For cmp it also returns each query's probabilities summed over the group's heads, which the sel
+blocks are chosen from (`choose_blocks`, per chunk of queries). The backward goes query by query,
+each thread adding into its own dk, dv; the sel backward of long sequences goes block by block
+instead, through the reverse index (`block_readers`), so that its working set does not grow with T.
 
 Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
 builds it; a cached build loads in a fraction of a second). Where it cannot be built or cannot take
-a problem, `problem()` says why and `kernels = auto` keeps the PyTorch kernels.
-"""
+a problem, `problem()` says why and `kernels = auto` keeps the PyTorch kernels."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-// NSA's attention kernels for CPUs: each (batch x KV group, query) attends to a few runs of consecutive
-// keys (sel: its chosen blocks of l'; win: the last w keys), the r query heads of the group side by
-// side (the paper's group-centric sharing). Scores, softmax and both products stay in a per-thread
-// buffer of r x (keys read) scores: no gathered rows, no zero-filled tile buffers, no merging of parts.
-// fp32; built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the machine it runs
-// on (-march=native).
+// NSA's attention kernel for CPUs: each (batch x KV group, query) attends to a few runs of consecutive
+// keys (cmp: its visible slots; sel: its chosen blocks of l'; win: the last w keys), the r query heads
+// of the group side by side (the paper's group-centric sharing). Scores, softmax and both products stay
+// in a per-thread buffer of r x (keys read) scores: no gathered rows, no zero-filled tile buffers, no
+// merging of parts. fp32; built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the
+// machine it runs on (-march=native).
 //
 // Layouts (BG = batch x groups; P rows of keys, the last ones zero, so vector loads never leave them):
 //   q (BG, Tq, r, D)   kt, vt (BG, D, P): keys / values transposed   k (BG, P, D)
