@@ -34,8 +34,8 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert all(int(m.group(2)) == 6 for m in lines)
     assert float(lines[-1].group(3)) < float(lines[0].group(3))
     assert "FSDP mesh {'dp_shard': 2}" in proc.stdout
-    # The startup log names the kernel that runs each branch (PyTorch on a CPU).
-    assert "model: NSA attention (fast: cmp PyTorch, sel PyTorch, win PyTorch)" in proc.stdout
+    # The startup log names the kernel that runs each branch (on a CPU: NSA's C++ kernel).
+    assert "model: NSA attention (fast: cmp C++, sel C++, win C++)" in proc.stdout
     # The launcher gives CPU ranks the glibc malloc settings that stop large-block mmap churn.
     assert "host allocator: glibc malloc, MALLOC_MMAP_THRESHOLD_=17179869184" in proc.stdout
     assert re.search(r"validation at step 6: loss [\d.]+ \| perplexity [\d.]+ \| 8 batches", proc.stdout)
