@@ -69,15 +69,26 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
     return _build()[1]
 
 
-def _keys(x: torch.Tensor, L: int) -> torch.Tensor:
-    """Keys or values (B, G, T, D) as rows (BG, P, D): P = T + L + 16, zero rows after T, so that a run
-    of L keys (read 16 at a time) never leaves them."""
-    return F.pad(x, (0, 0, 0, L + 16)).view(x.shape[0] * x.shape[1], -1, x.shape[-1])
+def _keys(x: torch.Tensor, reach: int = 0) -> torch.Tensor:
+    """Keys or values (B, G, T, D) as rows (BG, P, D): P = T + reach + 16, zero rows after T, so that
+    reading 16 keys at a time from a query's runs (or, `reach`, a whole block past it) never leaves them."""
+    return F.pad(x, (0, 0, 0, reach + 16)).view(x.shape[0] * x.shape[1], -1, x.shape[-1])
+
+
+def _backward_keys(ks: torch.Tensor, vs: torch.Tensor, reach: int = 0) -> tuple[torch.Tensor, ...]:
+    """The keys as rows and transposed, and the values transposed: what both backwards read."""
+    k = _keys(ks, reach)
+    return k, _transposed(k), _transposed(_keys(vs, reach))
 
 
 def _transposed(rows: torch.Tensor) -> torch.Tensor:
     """(BG, P, D) -> (BG, D, P), contiguous: 16 consecutive keys of one dimension are one vector."""
     return rows.transpose(1, 2).contiguous()
+
+
+def _delta(d_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The softmax backward's row term, sum over keys of p * dp = d_out . out: (B, G, Tq, r)."""
+    return (d_out * out).sum(-1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +112,7 @@ def _window_runs(B: int, G: int, Tq: int, spec: NSASpec, start: torch.Tensor | N
 def _forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, runs: torch.Tensor, L: int, q0: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
     B, G, Tq, r, D = q.shape
-    kt, v = _transposed(_keys(ks, L)), _keys(vs, L)
+    kt, v = _transposed(_keys(ks)), _keys(vs)
     out, lse, _ = _build()[0].runs_forward(_rows(q), kt, v, runs, None, L, q0, D**-0.5, False)
     return out.view(q.shape), lse.view(B, G, Tq, r)
 
@@ -110,11 +121,8 @@ def _backward_rows(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: t
                    lse: torch.Tensor, runs: torch.Tensor, L: int, q0: int, last: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, D = ks.shape[2], q.shape[-1]
-    k = _keys(ks, L)
-    kt, vt = _transposed(k), _transposed(_keys(vs, L))
-    delta = (d_out * out).sum(-1)  # (B, G, Tq, r): the softmax's row term
-    dq, dk, dv = _build()[0].runs_backward_rows(_rows(q), k, kt, vt, runs, last, _rows(d_out), _rows(lse),
-                                                _rows(delta), L, q0, D**-0.5)
+    dq, dk, dv = _build()[0].runs_backward_rows(_rows(q), *_backward_keys(ks, vs), runs, last, _rows(d_out),
+                                                _rows(lse), _rows(_delta(d_out, out)), L, q0, D**-0.5)
     return dq.view(q.shape), dk[:, :T].view(ks.shape), dv[:, :T].view(vs.shape)
 
 
@@ -133,13 +141,11 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     T, L = ks.shape[2], spec.l_sel
     if T <= ROWS_MAX_KEYS:
         return _backward_rows(d_out, q, ks, vs, out, lse, _sel_runs(idx, valid, spec, start), L, q0)
-    k = _keys(ks, L)
-    kt, vt = _transposed(k), _transposed(_keys(vs, L))
     start32 = torch.zeros(B, Tq, dtype=torch.int32) if start is None else start.to(torch.int32)
     offsets, readers = block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
-    delta = (d_out * out).sum(-1)
-    dq, dk, dv = _build()[0].runs_backward_blocks(_rows(q), k, kt, vt, offsets, readers, _rows(d_out), _rows(lse),
-                                                  _rows(delta), T, L, q0, D**-0.5)
+    keys = _backward_keys(ks, vs, L)  # each block's tile is copied whole, up to a block past its last reader
+    dq, dk, dv = _build()[0].runs_backward_blocks(_rows(q), *keys, offsets, readers, _rows(d_out), _rows(lse),
+                                                  _rows(_delta(d_out, out)), T, L, q0, D**-0.5)
     return dq.view(q.shape), dk.view(ks.shape), dv.view(vs.shape)
 
 
@@ -178,7 +184,7 @@ def _cmp_runs(B: int, G: int, t0: int, t1: int, spec: NSASpec, docs: Documents |
 def cmp_keys(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The S compressed keys transposed and values as rows, and S, for `cmp_forward` (once for all chunks)."""
     S = k.shape[2]
-    return _transposed(_keys(k, S)), _keys(v, S), S
+    return _transposed(_keys(k)), _keys(v), S
 
 
 def cmp_forward(q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor, int], out: torch.Tensor, lse: torch.Tensor,
