@@ -124,3 +124,15 @@ def test_inductor_compiled_block_equals_eager():
         results.append((out.detach(), *torch.autograd.grad(out.square().sum(), [x, *module.parameters()])))
     for got, want in zip(*results):
         assert float((got - want).norm() / want.norm()) < 1e-10
+
+
+def test_a_float32_block_choosing_its_kernels_per_call_compiles_fullgraph():
+    """`kernels = None` chooses them inside the graph: on CPUs in fp32 that asks whether the C++ kernels
+    built, which dynamo takes as a constant (it could not trace the build) instead of breaking the graph."""
+    module = layer().float()
+    x = torch.randn(1, 96, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    rope = rope_tables(16, 96, 10000.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="eager", fullgraph=True)
+    got, want = compiled(x, rope), module(x, rope)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

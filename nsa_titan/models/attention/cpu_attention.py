@@ -57,6 +57,13 @@ def _build() -> tuple[ModuleType | None, str | None]:
         return None, f"NSA's C++ kernels did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
 
 
+@torch.compiler.assume_constant_result
+def _build_problem() -> str | None:
+    """Why the kernels did not build, or None; a constant to torch.compile, which runs it once while
+    tracing (a block compiled with `kernels = None` chooses its kernels inside the graph)."""
+    return _build()[1]
+
+
 def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_group: int, head_dim: int) -> str | None:
     """Why NSA's C++ kernels cannot run this problem, or None."""
     if device.type != "cpu":
@@ -66,7 +73,7 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
     if heads_per_group not in HEADS or head_dim not in HEAD_DIMS or spec.l_sel % 16:
         return (f"NSA's C++ kernels take {HEADS} query heads per KV group, head_dim in {HEAD_DIMS} and "
                 f"sel_block_size a multiple of 16 (they are {heads_per_group}, {head_dim} and {spec.l_sel})")
-    return _build()[1]
+    return _build_problem()
 
 
 def _keys(x: torch.Tensor, reach: int = 0) -> torch.Tensor:
