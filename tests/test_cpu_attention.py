@@ -48,10 +48,12 @@ SHAPES = [  # (B, G, T, r, D, spec): T not a multiple of l'; every r and D the k
 ]
 
 
-@pytest.fixture(params=["rows", "blocks"])
+@pytest.fixture(params=["rows", "blocks", "blocks-chunked"])
 def backward(request, monkeypatch) -> str:
-    """Both backwards of the kernel: query by query (short sequences), block by block (long ones)."""
+    """Both backwards of the kernel: query by query (short sequences), block by block (long ones), the
+    latter with the queries in one chunk or in chunks of a few queries each."""
     monkeypatch.setattr(cpu_attention, "ROWS_MAX_KEYS", 1 << 30 if request.param == "rows" else 0)
+    monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 4096 if request.param == "blocks-chunked" else 1 << 40)
     return request.param
 
 

@@ -6,8 +6,9 @@ query heads of the group side by side. The kernel reads each query's runs in one
 softmax and both products in a per-thread buffer, no gathered rows, no zero-filled tile buffers.
 For cmp it also returns each query's probabilities summed over the group's heads, which the sel
 blocks are chosen from (`choose_blocks`, per chunk of queries). The backward goes query by query,
-each thread adding into its own dk, dv; the sel backward of long sequences goes block by block
-instead, through the reverse index (`block_readers`), so that its working set does not grow with T.
+each thread adding into its own dk, dv; the sel backward of longer sequences goes block by block
+instead, through the reverse index (`block_readers`), a chunk of queries at a time, so that its
+working set does not grow with T.
 
 Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
 builds it; a cached build loads in a fraction of a second). Where it cannot be built or cannot take
@@ -30,9 +31,14 @@ from .documents import Documents
 SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 HEADS = (1, 2, 3, 4, 6, 8)
 HEAD_DIMS = (16, 32, 64, 128)
-ROWS_MAX_KEYS = 16384
+ROWS_MAX_KEYS = 4096
 """The sel backward goes query by query up to this many keys per (batch, group), block by block
-beyond (2-core AMD EPYC: 0.41 against 0.50 s at 8k, 3.35 against 2.74 s at 32k)."""
+beyond (2-core AMD EPYC, M7C shape: 0.078 against 0.078 s at 2k, 0.39 against 0.37 s at 8k, 0.96
+against 0.79 s at 16k)."""
+CHUNK_BYTES = 2 << 20
+"""The block-by-block sel backward takes the queries in chunks of this many bytes of q (as many of
+dO and dq), so that a chunk's rows stay in cache while the blocks they chose pass (at 32k: 2.41 s
+in one chunk, 1.65 s in chunks of 2 MiB = 1,365 queries)."""
 
 
 def _machine() -> str:
@@ -152,7 +158,8 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     offsets, readers = block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
     keys = _backward_keys(ks, vs, L)  # each block's tile is copied whole, up to a block past its last reader
     dq, dk, dv = _build()[0].runs_backward_blocks(_rows(q), *keys, offsets, readers, _rows(d_out), _rows(lse),
-                                                  _rows(_delta(d_out, out)), T, L, q0, D**-0.5)
+                                                  _rows(_delta(d_out, out)), T, L, q0, D**-0.5,
+                                                  CHUNK_BYTES // (r * D * 4))
     return dq.view(q.shape), dk.view(ks.shape), dv.view(vs.shape)
 
 

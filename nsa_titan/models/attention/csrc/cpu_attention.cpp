@@ -253,53 +253,63 @@ template <int R, int DV>
 void backward_blocks(const float* q, const float* k, const float* kt, const float* vt, const int32_t* offsets,
                      const int32_t* readers, const float* dout, const float* lse, const float* delta, float* dq,
                      float* dk, float* dv, int64_t BG, int64_t Tq, int64_t Tk, int L, int64_t P, int64_t q0,
-                     float scale) {
+                     float scale, int64_t chunk) {
   constexpr int D = 16 * DV;
-  at::parallel_for(0, BG * Tk, 64, [&](int64_t lo, int64_t hi) {
-    std::vector<float> ktile(D * L), vtile(D * L), dktile(L * D), dvtile(L * D), s(R * L), ds(R * L);
-    float qs[R * D];
-    float* dqt = dq + static_cast<int64_t>(at::get_thread_num()) * BG * Tq * R * D;
-    for (int64_t i = lo; i < hi; ++i) {
-      if (offsets[i + 1] == offsets[i]) continue;
-      const int64_t bg = i / Tk, p0 = i % Tk;
-      for (int d = 0; d < D; ++d) {
-        std::memcpy(&ktile[d * L], kt + (bg * D + d) * P + p0, L * sizeof(float));
-        std::memcpy(&vtile[d * L], vt + (bg * D + d) * P + p0, L * sizeof(float));
-      }
-      std::fill(dktile.begin(), dktile.end(), 0.0f);
-      std::fill(dvtile.begin(), dvtile.end(), 0.0f);
-      int64_t last = p0;
-      for (int32_t e = offsets[i]; e < offsets[i + 1]; ++e) {
-        const int64_t row = bg * Tq + readers[e], t = q0 + readers[e];
-        const int n = static_cast<int>(std::min<int64_t>(L, t - p0 + 1)), n16 = (n + 15) / 16 * 16;
-        last = std::max(last, t);
-        const float* go = dout + row * R * D;
-        for (int j = 0; j < R * D; ++j) qs[j] = q[row * R * D + j] * scale;
-        scores<R>(qs, D, ktile.data(), L, 0, s.data(), L, n16);   // S = q k / sqrt(D)
-        scores<R>(go, D, vtile.data(), L, 0, ds.data(), L, n16);  // dP = dO v
-        for (int h = 0; h < R; ++h) {
-          const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
-          for (int c = 0; c < n; c += 16) {
-            v16 p = vexp(load(&s[h * L + c]) - l);
-            if (n - c < 16)  // keys after t: p = 0
-              for (int j = n - c; j < 16; ++j) p[j] = 0.0f;
-            store(&s[h * L + c], p);
-            store(&ds[h * L + c], p * (load(&ds[h * L + c]) - dl));  // dS = P (dP - delta)
-          }
+  // Query chunk by query chunk, so that the readers' q, dO and dq rows stay in cache while every
+  // block they chose passes; cursor[i]: block i's first reader not yet done (readers are in row order).
+  std::vector<int32_t> cursor(offsets, offsets + BG * Tk);
+  for (int64_t c1 = chunk; c1 - chunk < Tq; c1 += chunk) {
+    at::parallel_for(0, BG * Tk, 64, [&](int64_t lo, int64_t hi) {
+      std::vector<float> ktile(D * L), vtile(D * L), dktile(L * D), dvtile(L * D), s(R * L), ds(R * L);
+      float qs[R * D];
+      float* dqt = dq + static_cast<int64_t>(at::get_thread_num()) * BG * Tq * R * D;
+      for (int64_t i = lo; i < hi; ++i) {
+        const int32_t first = cursor[i];
+        int32_t end = first;
+        while (end < offsets[i + 1] && readers[end] < c1) ++end;
+        if (end == first) continue;
+        cursor[i] = end;
+        const int64_t bg = i / Tk, p0 = i % Tk;
+        for (int d = 0; d < D; ++d) {
+          std::memcpy(&ktile[d * L], kt + (bg * D + d) * P + p0, L * sizeof(float));
+          std::memcpy(&vtile[d * L], vt + (bg * D + d) * P + p0, L * sizeof(float));
         }
-        v16 acc[R][DV] = {};
-        weighted_rows<R, DV>(acc, ds.data(), L, k + bg * P * D, p0, n);
-        float* dqr = dqt + row * R * D;
-        for (int h = 0; h < R; ++h)
-          for (int j = 0; j < DV; ++j) store(dqr + h * D + 16 * j, load(dqr + h * D + 16 * j) + acc[h][j] * splat(scale));
-        outer_add<R, DV>(dvtile.data(), s.data(), L, go, 0, n);
-        outer_add<R, DV>(dktile.data(), ds.data(), L, qs, 0, n);
+        std::fill(dktile.begin(), dktile.end(), 0.0f);
+        std::fill(dvtile.begin(), dvtile.end(), 0.0f);
+        int64_t last = p0;
+        for (int32_t e = first; e < end; ++e) {
+          const int64_t row = bg * Tq + readers[e], t = q0 + readers[e];
+          const int n = static_cast<int>(std::min<int64_t>(L, t - p0 + 1)), n16 = (n + 15) / 16 * 16;
+          last = std::max(last, t);
+          const float* go = dout + row * R * D;
+          for (int j = 0; j < R * D; ++j) qs[j] = q[row * R * D + j] * scale;
+          scores<R>(qs, D, ktile.data(), L, 0, s.data(), L, n16);   // S = q k / sqrt(D)
+          scores<R>(go, D, vtile.data(), L, 0, ds.data(), L, n16);  // dP = dO v
+          for (int h = 0; h < R; ++h) {
+            const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
+            for (int c = 0; c < n; c += 16) {
+              v16 p = vexp(load(&s[h * L + c]) - l);
+              if (n - c < 16)  // keys after t: p = 0
+                for (int j = n - c; j < 16; ++j) p[j] = 0.0f;
+              store(&s[h * L + c], p);
+              store(&ds[h * L + c], p * (load(&ds[h * L + c]) - dl));  // dS = P (dP - delta)
+            }
+          }
+          v16 acc[R][DV] = {};
+          weighted_rows<R, DV>(acc, ds.data(), L, k + bg * P * D, p0, n);
+          float* dqr = dqt + row * R * D;
+          for (int h = 0; h < R; ++h)
+            for (int j = 0; j < DV; ++j)
+              store(dqr + h * D + 16 * j, load(dqr + h * D + 16 * j) + acc[h][j] * splat(scale));
+          outer_add<R, DV>(dvtile.data(), s.data(), L, go, 0, n);
+          outer_add<R, DV>(dktile.data(), ds.data(), L, qs, 0, n);
+        }
+        const int64_t rows = std::min<int64_t>(L, last - p0 + 1) * D;
+        float *dkb = dk + (bg * Tk + p0) * D, *dvb = dv + (bg * Tk + p0) * D;
+        for (int64_t j = 0; j < rows; ++j) dkb[j] += dktile[j], dvb[j] += dvtile[j];
       }
-      const int64_t rows = std::min<int64_t>(L, last - p0 + 1);
-      std::memcpy(dk + (bg * Tk + p0) * D, dktile.data(), rows * D * sizeof(float));
-      std::memcpy(dv + (bg * Tk + p0) * D, dvtile.data(), rows * D * sizeof(float));
-    }
-  });
+    });
+  }
 }
 
 template <typename F>
@@ -352,7 +362,7 @@ std::vector<torch::Tensor> runs_forward(torch::Tensor q, torch::Tensor kt, torch
 std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor vt,
                                         torch::Tensor offsets, torch::Tensor readers, torch::Tensor dout,
                                         torch::Tensor lse, torch::Tensor delta, int64_t Tk, int64_t L, int64_t q0,
-                                        double scale) {
+                                        double scale, int64_t chunk) {
   for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}, {lse, "lse"},
                          {delta, "delta"}}) check(x, name);
   TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
@@ -366,7 +376,7 @@ std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k
         q.data_ptr<float>(), k.data_ptr<float>(), kt.data_ptr<float>(), vt.data_ptr<float>(),
         offsets.data_ptr<int32_t>(), readers.data_ptr<int32_t>(), dout.data_ptr<float>(), lse.data_ptr<float>(),
         delta.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), BG, Tq, Tk, L, P,
-        q0, scale);
+        q0, scale, std::max<int64_t>(chunk, 1));
   });
   return {dq.sum(0), dk, dv};
 }
