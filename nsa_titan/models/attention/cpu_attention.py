@@ -33,12 +33,12 @@ HEADS = (1, 2, 3, 4, 6, 8)
 HEAD_DIMS = (16, 32, 64, 128)
 ROWS_MAX_KEYS = 4096
 """The sel backward goes query by query up to this many keys per (batch, group), block by block
-beyond (2-core AMD EPYC, M7C shape: 0.078 against 0.078 s at 2k, 0.39 against 0.37 s at 8k, 0.96
+beyond (2-core AMD EPYC, M7C shape: 0.079 against 0.079 s at 2k, 0.41 against 0.37 s at 8k, 1.06
 against 0.79 s at 16k)."""
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 1 << 20
 """The block-by-block sel backward takes the queries in chunks of this many bytes of q (as many of
 dO and dq), so that a chunk's rows stay in cache while the blocks they chose pass (at 32k: 2.41 s
-in one chunk, 1.65 s in chunks of 2 MiB = 1,365 queries)."""
+in one chunk, 1.73 s in chunks of 1 MiB = 682 queries; `benchmarks/sel_backward.py`)."""
 
 
 def _machine() -> str:

@@ -1,0 +1,77 @@
+"""The C++ sel backward alone: query by query against block by block at several query-chunk sizes.
+
+    python benchmarks/sel_backward.py [--T 8192 32768] [--chunk_mib 0 1 2 4] [--batch 1] [--docs] [--repeats 3]
+
+Per T, in one process: random q (batch, 2 KV groups, T, 6 heads, 64) and sel keys and values at the
+M7C shape, the sel blocks chosen by the cmp branch over random compressed keys (as training picks
+them), the forward once, then the backward `repeats` times per setting; prints the minimum seconds.
+`--chunk_mib 0` is the block-by-block backward with all queries in one chunk (before session 14).
+Sets `cpu_attention.ROWS_MAX_KEYS` and `CHUNK_BYTES` per row; what training uses is their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nsa_titan.models.attention import Documents, NSASpec, cpu_attention, fast_shared  # noqa: E402
+
+SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+
+
+def inputs(B: int, T: int, docs: bool) -> tuple:
+    """q, sel keys, values, the chosen blocks (idx, valid) and the documents' starts (or None)."""
+    gen = torch.Generator().manual_seed(0)
+    q, ks, vs = (torch.randn(B, 2, T, *shape, generator=gen) for shape in ((6, 64), (64,), (64,)))
+    documents = Documents.of(torch.cumsum(torch.rand(B, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
+    slots = T // SPEC.d if docs else SPEC.num_cmp_blocks(T)
+    kc, vc = (torch.randn(B, 2, slots, 64, generator=gen) for _ in range(2))
+    _, _, idx, valid = fast_shared.shared_forward(q, kc, vc, "cmp", SPEC, T, 0, documents, None)
+    return q, ks, vs, idx, valid, None if documents is None else documents.start
+
+
+def seconds(args: tuple, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        cpu_attention.sel_backward(d_out, *args[:5], out, lse, SPEC, args[5], 0)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--chunk_mib", type=float, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--docs", action="store_true", help="random documents (~4 per row)")
+    parser.add_argument("--repeats", type=int, default=3)
+    a = parser.parse_args()
+    if problem := cpu_attention.problem(torch.device("cpu"), torch.float32, SPEC, 6, 64):
+        sys.exit(problem)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {a.batch}, documents {a.docs}")
+    print("| T | query by query | " + " | ".join(f"blocks, {c:g} MiB chunks" if c else "blocks, one chunk"
+                                                  for c in a.chunk_mib) + " |")
+    print("|---" * (len(a.chunk_mib) + 2) + "|")
+    for T in a.T:
+        args = inputs(a.batch, T, a.docs)
+        out, lse = cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
+        d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        cpu_attention.ROWS_MAX_KEYS = 1 << 30
+        row = [seconds(args, out, lse, d_out, a.repeats)]
+        cpu_attention.ROWS_MAX_KEYS = 0
+        for c in a.chunk_mib:
+            cpu_attention.CHUNK_BYTES = int(c * 2**20) if c else 1 << 40
+            row.append(seconds(args, out, lse, d_out, a.repeats))
+        print(f"| {T:,} | " + " | ".join(f"{s:.3f}" for s in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
