@@ -20,21 +20,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from nsa_titan.models.attention import Documents, NSASpec, cpu_attention, fast_shared  # noqa: E402
+from nsa_titan.models.attention import NSASpec, cpu_attention  # noqa: E402
+from test_cpu_attention import sel_inputs  # noqa: E402  (the kernel tests' inputs, at the M7C shape)
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
-
-
-def inputs(B: int, T: int, docs: bool) -> tuple:
-    """q, sel keys, values, the chosen blocks (idx, valid) and the documents' starts (or None)."""
-    gen = torch.Generator().manual_seed(0)
-    q, ks, vs = (torch.randn(B, 2, T, *shape, generator=gen) for shape in ((6, 64), (64,), (64,)))
-    documents = Documents.of(torch.cumsum(torch.rand(B, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
-    slots = T // SPEC.d if docs else SPEC.num_cmp_blocks(T)
-    kc, vc = (torch.randn(B, 2, slots, 64, generator=gen) for _ in range(2))
-    _, _, idx, valid = fast_shared.shared_forward(q, kc, vc, "cmp", SPEC, T, 0, documents, None)
-    return q, ks, vs, idx, valid, None if documents is None else documents.start
 
 
 def seconds(args: tuple, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, repeats: int) -> float:
@@ -61,7 +52,7 @@ def main() -> None:
                                                   for c in a.chunk_mib) + " |")
     print("|---" * (len(a.chunk_mib) + 2) + "|")
     for T in a.T:
-        args = inputs(a.batch, T, a.docs)
+        args = sel_inputs(a.batch, 2, T, 6, 64, SPEC, a.docs, seed=0)
         out, lse = cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
         d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
         cpu_attention.ROWS_MAX_KEYS = 1 << 30
