@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import hostcpu
 from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command
 from .config import DTYPES, JobConfig, Model, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
@@ -185,6 +186,10 @@ class Trainer:
                     source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
                     self.tokenizer.vocab_size, cfg.model.vocab_size, d.num_workers)
         logger.info("host allocator: %s", allocator_setup())
+        if self.device.type == "cpu":
+            logger.info("host CPU: %s", hostcpu.describe())
+        if why := hostcpu.bf16_warning(self.device, DTYPES[cfg.training.mixed_precision_param]):
+            logger.warning(why)
         logger.info("output: %s | checkpoints %s", self.paths.root.resolve(),
                     f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
                     else "off ([checkpoint] enable = false)")

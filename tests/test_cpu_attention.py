@@ -4,6 +4,11 @@ of the queries, both sel backwards; and how the kernel choice takes them or fall
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +26,54 @@ M7C = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 def test_the_kernels_build_on_this_machine():
     """CI's machines have a C++ compiler: the kernels must build there (else `auto` silently falls back)."""
     assert cpu_attention.problem(CPU, torch.float32, M7C, 6, 64) is None
+
+
+HEADS_AND_DIMS = [(r, 16 * dv) for r in cpu_attention.HEADS for dv in (1, 2, 4, 8)]  # the driver's order
+
+
+def tiles_reference(x: torch.Tensor) -> torch.Tensor:
+    """What `tests/cpu_tiles_check.cpp` computes from its input `x`, in float64."""
+    x, P = x.double(), 64
+    rest = iter(x[256:].split(1))
+    take = lambda *shape: torch.cat([next(rest) for _ in range(torch.Size(shape).numel())]).view(shape)  # noqa: E731
+    out = [x[:256].exp()]
+    for r, D in HEADS_AND_DIMS:
+        a, bt, c, rows = take(r, D), take(D, P), take(r, P), take(P, D)
+        dst = torch.zeros(P, D, dtype=torch.float64)
+        dst[5:34] = c[:, :29].T @ a
+        out += [(a @ bt[:, :48]).flatten(), (c[:, :37] @ rows[3:40]).flatten(), dst.flatten()]
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_the_vector_layer_is_exact_with_avx2_halves_and_avx512_registers(tmp_path):
+    """`csrc/tiles.h` built for each instruction set alone (AVX2: 16 lanes as two 8-lane registers;
+    AVX-512: one register), run where the CPU has it: e^x (subnormal results, 0 below e^-104) and the
+    three register tiles, every head count and head dim the kernel takes, equal the float64 products."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=gen)
+    x[:256] = torch.linspace(-110.0, 88.0, 256)
+    x.numpy().tofile(tmp_path / "in.bin")
+    want = tiles_reference(x)
+    flags = (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "").split()
+    targets = {"x86-64-v3": "avx2" in flags, "x86-64-v4": "avx512f" in flags} if platform.machine() == "x86_64" \
+        else {"native": True}
+    for march, runs in targets.items():
+        exe = tmp_path / march
+        subprocess.run(["g++", "-O3", "-std=c++17", "-ffp-contract=fast", f"-march={march}", "-Wall", "-Werror",
+                        "-Wno-psabi", f"-I{Path(cpu_attention.SOURCES[1]).parent}",
+                        str(Path(__file__).parent / "cpu_tiles_check.cpp"), "-o", str(exe)], check=True)
+        if not runs:  # this CPU lacks it: built (so it compiles), not run
+            continue
+        subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+        got = torch.from_numpy(__import__("numpy").fromfile(tmp_path / "out.bin", dtype="float32")).double()
+        assert got.shape == want.shape, march
+        e, e_want = got[:256], want[:256]
+        normal = e_want >= torch.finfo(torch.float32).tiny
+        assert ((e - e_want).abs() <= 1e-6 * e_want)[normal].all(), march
+        assert ((e - e_want).abs() <= 2**-149)[~normal].all(), march  # one subnormal step at most
+        assert (e[x[:256] < -104] == 0).all() and (e[(x[:256] > -103) & ~normal] > 0).all(), march
+        torch.testing.assert_close(got[256:], want[256:], rtol=1e-5, atol=1e-5, msg=march)
 
 
 def sel_inputs(B: int, G: int, T: int, r: int, D: int, spec: NSASpec, docs: bool, seed: int):

@@ -11,6 +11,7 @@ import subprocess
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import ROOT, tb_run
+from nsa_titan import hostcpu
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,6 +39,8 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert "model: NSA attention (fast: cmp C++, sel C++, win C++)" in proc.stdout
     # The launcher gives CPU ranks the glibc malloc settings that stop large-block mmap churn.
     assert "host allocator: glibc malloc, MALLOC_MMAP_THRESHOLD_=17179869184" in proc.stdout
+    assert f"host CPU: {hostcpu.vector_isa()}, " in proc.stdout  # and no bf16 warning: the config trains in fp32
+    assert "mixed_precision_param = 'bfloat16' on a CPU" not in proc.stdout
     assert re.search(r"validation at step 6: loss [\d.]+ \| perplexity [\d.]+ \| 8 batches", proc.stdout)
     assert (dump / "config.toml").read_text().count("steps = 6") == 1
     events = EventAccumulator(tb_run(dump / "tb"))

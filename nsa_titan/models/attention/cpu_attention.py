@@ -25,10 +25,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ...hostcpu import cpu_flags
 from .common import NSASpec, block_readers
 from .documents import Documents
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp", Path(__file__).parent / "csrc" / "tiles.h")
+"""The kernel and its vector layer (a header, built in; `tests/test_cpu_attention.py` also builds it alone)."""
 HEADS = (1, 2, 3, 4, 6, 8)
 HEAD_DIMS = (16, 32, 64, 128)
 ROWS_MAX_KEYS = 4096
@@ -41,13 +43,11 @@ dO and dq), so that a chunk's rows stay in cache while the blocks they chose pas
 in one chunk, 1.73 s in chunks of 1 MiB = 682 queries; `benchmarks/sel_backward.py`)."""
 
 
-def _machine() -> str:
-    """A tag of this CPU's instruction sets: a build for -march=native is only loaded where it was made."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+def _build_tag() -> str:
+    """A tag of this CPU's instruction sets and the sources: a build for -march=native is only loaded where
+    it was made, and a changed header (which torch's own source check does not read) is rebuilt."""
+    text = " ".join([platform.machine(), *sorted(cpu_flags()), *(p.read_text() for p in SOURCES)])
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 @functools.cache
@@ -56,7 +56,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"nsa_titan_cpu_attention_{_machine()}", sources=[str(SOURCE)],
+        module = load(name=f"nsa_titan_cpu_attention_{_build_tag()}", sources=[str(SOURCES[0])],
                       extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17"], verbose=False)
         return module, None
     except Exception as e:  # no compiler, no ninja, or it failed: the PyTorch kernels stay

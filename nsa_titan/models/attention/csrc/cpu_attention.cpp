@@ -13,98 +13,13 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#include <cstring>
 #include <vector>
+
+#include "tiles.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
-
-inline v16 load(const float* p) { v16 x; std::memcpy(&x, p, sizeof(x)); return x; }
-inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
-inline v16 splat(float a) { return v16{} + a; }
-
-// e^x, Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 polynomial, 2^n into the exponent.
-// Below e^-87 (n < -125) the result is a subnormal: scaled by 2^64 first and 2^-64 after, so it is rounded
-// once, as libm's expf gives it; below e^-104 it is 0.
-inline v16 vexp(v16 x) {
-  const v16 zero = x < splat(-104.0f) ? splat(0.0f) : splat(1.0f);
-  x = x < splat(-104.0f) ? splat(-104.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
-  v16 f = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v16 p = splat(1.9875691500e-4f);
-  p = p * f + splat(1.3981999507e-3f);
-  p = p * f + splat(8.3334519073e-3f);
-  p = p * f + splat(4.1665795894e-2f);
-  p = p * f + splat(1.6666665459e-1f);
-  p = p * f + splat(5.0000001201e-1f);
-  p = p * f * f + f + splat(1.0f);
-  typedef int i16 __attribute__((vector_size(64)));
-  const i16 tiny = n < splat(-125.0f);  // all ones where the result is subnormal
-  i16 bits = (__builtin_convertvector(n, i16) + (tiny & 64) + 127) << 23;
-  v16 scale, low;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  low = n < splat(-125.0f) ? splat(5.42101086e-20f) : splat(1.0f);  // 2^-64
-  return p * scale * low * zero;
-}
-
-inline float hmax(v16 x) { float m = x[0]; for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m; return m; }
-inline float hsum(v16 x) { float s = 0; for (int i = 0; i < 16; ++i) s += x[i]; return s; }
-
-// s[h][c .. c + 16 NV) = sum_d a[h][d] * bt[d][p .. p + 16 NV): R rows against 16 NV columns of a transposed matrix.
-template <int R, int NV>
-inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss) {
-  v16 acc[R][NV] = {};
-  for (int d = 0; d < D; ++d) {
-    v16 b[NV];
-    for (int i = 0; i < NV; ++i) b[i] = load(bt + d * P + p + 16 * i);
-    for (int h = 0; h < R; ++h) {
-      const v16 x = splat(a[h * D + d]);
-      for (int i = 0; i < NV; ++i) acc[h][i] += x * b[i];
-    }
-  }
-  for (int h = 0; h < R; ++h)
-    for (int i = 0; i < NV; ++i) store(s + h * ss + 16 * i, acc[h][i]);
-}
-
-// The columns [c, c + n16) of s (R rows, stride ss) against keys p .. : n16 a multiple of 16.
-template <int R>
-inline void scores(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n16) {
-  constexpr int NV = R <= 3 ? 8 : (R <= 6 ? 4 : 2);
-  int j = 0;
-  for (; j + 16 * NV <= n16; j += 16 * NV) rows_by_cols<R, NV>(a, D, bt, P, p + j, s + j, ss);
-  for (; j < n16; j += 16) rows_by_cols<R, 1>(a, D, bt, P, p + j, s + j, ss);
-}
-
-// acc[h] += sum over the block's keys j < n of c[h][j] * x[p + j] (x rows of D = 16 DV).
-template <int R, int DV>
-inline void weighted_rows(v16 (&acc)[R][DV], const float* c, int cs, const float* x, int64_t p, int n) {
-  for (int j = 0; j < n; ++j) {
-    v16 row[DV];
-    for (int i = 0; i < DV; ++i) row[i] = load(x + (p + j) * 16 * DV + 16 * i);
-    for (int h = 0; h < R; ++h) {
-      const v16 w = splat(c[h * cs + j]);
-      for (int i = 0; i < DV; ++i) acc[h][i] += w * row[i];
-    }
-  }
-}
-
-// dst[p + j] += sum_h c[h][j] * x[h] for the block's keys j < n (x: R rows of D = 16 DV).
-template <int R, int DV>
-inline void outer_add(float* dst, const float* c, int cs, const float* x, int64_t p, int n) {
-  for (int j = 0; j < n; ++j) {
-    float* d = dst + (p + j) * 16 * DV;
-    v16 acc[DV];
-    for (int i = 0; i < DV; ++i) acc[i] = load(d + 16 * i);
-    for (int h = 0; h < R; ++h) {
-      const v16 w = splat(c[h * cs + j]);
-      for (int i = 0; i < DV; ++i) acc[i] += w * load(x + h * 16 * DV + 16 * i);
-    }
-    for (int i = 0; i < DV; ++i) store(d + 16 * i, acc[i]);
-  }
-}
+using namespace nsa_cpu;
 
 struct Block { int64_t p; int col, n; };  // first key, first score column, keys read (<= t)
 
@@ -149,13 +64,13 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
       float m[R], total[R];
       for (int h = 0; h < R; ++h) {
         v16 mx = splat(-INFINITY);
-        for (int c = 0; c < cols; c += 16) { v16 x = load(s + h * cols + c); mx = x > mx ? x : mx; }
+        for (int c = 0; c < cols; c += 16) { v16 x = load(s + h * cols + c); mx = select(x > mx, x, mx); }
         m[h] = hmax(mx);
         v16 sum = {};
         for (int c = 0; c < cols; c += 16) {
           v16 x = load(s + h * cols + c);
           v16 e = vexp(x - splat(m[h]));
-          e = x == splat(-INFINITY) ? splat(0.0f) : e;
+          e = select(x == splat(-INFINITY), splat(0.0f), e);
           store(s + h * cols + c, e);
           sum += e;
         }
@@ -223,8 +138,7 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
               float* sp = s + h * cols + blocks[b].col + c;
               float* dp = ds + h * cols + blocks[b].col + c;
               v16 p = vexp(load(sp) - l);
-              if (blocks[b].n - c < 16)  // keys after t: p = 0
-                for (int j = blocks[b].n - c; j < 16; ++j) p[j] = 0.0f;
+              if (blocks[b].n - c < 16) p = first_lanes(p, blocks[b].n - c);  // keys after t: p = 0
               store(sp, p);
               store(dp, p * (load(dp) - dl));  // dS = P (dP - delta)
             }
@@ -289,8 +203,7 @@ void backward_blocks(const float* q, const float* k, const float* kt, const floa
             const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
             for (int c = 0; c < n; c += 16) {
               v16 p = vexp(load(&s[h * L + c]) - l);
-              if (n - c < 16)  // keys after t: p = 0
-                for (int j = n - c; j < 16; ++j) p[j] = 0.0f;
+              if (n - c < 16) p = first_lanes(p, n - c);  // keys after t: p = 0
               store(&s[h * L + c], p);
               store(&ds[h * L + c], p * (load(&ds[h * L + c]) - dl));  // dS = P (dP - delta)
             }
