@@ -1,7 +1,8 @@
 """The Triton sel kernels (forward and backward) against the reference, on CPU under TRITON_INTERPRET=1.
 
-Triton picks interpreted or compiled kernels when they are defined, so the checks run in a
-fresh process with the variable set (this file run as a script); the tests read its report.
+Triton picks interpreted or compiled kernels when they are defined, so the checks run in fresh
+processes with the variable set (this file run as a script, one part of the report each, as many at
+a time as there are cores: the interpreter runs on one); the tests read the merged report.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,13 +37,17 @@ CASES = [  # (batch, T, H, G, D): T < l'; T not a multiple of l, d or l'; GQA 6,
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
 
 
-def run_cases() -> dict:
-    """In the interpreted process: fast (with the Triton sel) vs reference, outputs, gradients, causality."""
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def run_part(part: str) -> dict:
+    """In an interpreted process, one part of the report: `case<i>` (fast with the Triton kernels vs
+    reference: outputs, gradients), `half`, `documents`, `parts`, `opcheck`, `shared` or `causal`."""
     from test_nsa_reference import random_inputs
 
     report = {"cases": []}
-    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
-    for B, T, H, G, D in CASES:
+    for B, T, H, G, D in [CASES[int(part.removeprefix("case"))]] if part.startswith("case") else []:
         args = random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)
         for a in args:
             a.requires_grad_(True)
@@ -54,8 +60,25 @@ def run_cases() -> dict:
         grads = torch.autograd.grad((out * grad_out).sum(), args)
         report["cases"].append({"shape": [B, T, H, G, D], "used": used, "out": rel(out.detach(), ref.detach()),
                                 "grads": {n: rel(a, b) for n, a, b in zip(NAMES, grads, grads_ref)}})
-    # Half precision: the kernels' fp16 path (bf16 takes the same code on GPUs; the interpreter
-    # mis-computes bf16 even for a bare tl.dot) against the fp32 reference.
+    if part == "half":
+        report.update(half=half_precision())
+    elif part == "documents":
+        report.update(documents=documents())
+    elif part == "parts":
+        report.update(parts=query_parts())
+    elif part == "opcheck":
+        report.update(opcheck=opcheck())
+    elif part == "shared":
+        report.update(shared=shared_kernels())
+    elif part == "causal":
+        report.update(causal=causal())
+    return report
+
+
+def half_precision() -> dict:
+    """The kernels' fp16 path (bf16 takes the same code on GPUs; the interpreter mis-computes bf16
+    even for a bare tl.dot) against the fp32 reference."""
+    from test_nsa_reference import random_inputs
     args = random_inputs(1, 61, 12, 2, 32, SPEC, dtype=torch.float32, seed=9)
     half = [a.half().requires_grad_(True) for a in args]
     out = nsa_fast(*half, SPEC)
@@ -63,9 +86,12 @@ def run_cases() -> dict:
     full = [a.requires_grad_(True) for a in args]
     ref = nsa_reference(*full, SPEC)
     grads_ref = torch.autograd.grad(ref.square().sum(), full)
-    report["half"] = {"dtype": str(out.dtype), "out": rel(out.detach().float(), ref.detach()),
-                      "grads": {n: rel(a.float(), b) for n, a, b in zip(NAMES, grads, grads_ref)}}
-    # Document masking: a packed window equals its documents run one by one (the model, 1 layer).
+    return {"dtype": str(out.dtype), "out": rel(out.detach().float(), ref.detach()),
+            "grads": {n: rel(a.float(), b) for n, a, b in zip(NAMES, grads, grads_ref)}}
+
+
+def documents() -> dict:
+    """A packed window equals its documents run one by one (the model, 1 layer)."""
     from test_documents import build, packed_and_separate
     model = build(torch.float32, attn_impl="fast", n_layers=1)
     layouts = [[5, 70, 16, 29], [13, 32, 75]]
@@ -73,25 +99,32 @@ def run_cases() -> dict:
     grad_out = torch.randn(2, 120, 61, generator=torch.Generator().manual_seed(6))
     packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
     flat = lambda g: torch.cat([x.flatten() for x in g.values()])  # noqa: E731
-    report["documents"] = {"used": model.layers["0"].attention.attn_fn.keywords["kernels"] is None and
-                           choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16, 6).sel,
-                           "out": rel(packed, separate), "grads": rel(flat(g_packed), flat(g_separate))}
-    # Context parallelism: parts of the queries against the whole keys equal the whole run.
+    return {"used": model.layers["0"].attention.attn_fn.keywords["kernels"] is None and
+            choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16, 6).sel,
+            "out": rel(packed, separate), "grads": rel(flat(g_packed), flat(g_separate))}
+
+
+def query_parts() -> list:
+    """Context parallelism: parts of the queries against the whole keys equal the whole run."""
     from test_nsa_fast import random_parts_inputs, whole_and_parts
-    report["parts"] = []
+    report = []
     for with_docs in (False, True):
         args, docs = random_parts_inputs(203, with_docs, torch.float32)
         whole, parts, expected, got = whole_and_parts(args, docs, [16, 48, 112, 160], choose_kernels(
             "triton", torch.device("cpu"), torch.float32, SPEC, 16, 6))
-        report["parts"].append({"docs": with_docs, "out": rel(parts.detach(), whole.detach()),
-                                "grads": {n: rel(a, b) for n, a, b in zip(NAMES, got, expected)}})
-    # The custom op (one node under compile): schema, fake implementation, registered backward.
+        report.append({"docs": with_docs, "out": rel(parts.detach(), whole.detach()),
+                       "grads": {n: rel(a, b) for n, a, b in zip(NAMES, got, expected)}})
+    return report
+
+
+def opcheck() -> list:
+    """The custom ops (one node under compile): schema, fake implementation, registered backward."""
     from nsa_titan.models.attention import Documents, ops
     q = torch.randn(2, 2, 70, 2, 16).requires_grad_(True)  # (B, G, T, r, D)
     ks, vs = (torch.randn(2, 2, 70, 16).requires_grad_(True) for _ in range(2))
     kc = torch.randn(2, 2, 70 // SPEC.d, 16)
     docs = Documents.of(torch.stack([torch.arange(70) // 30, torch.arange(70) // 50]), SPEC)
-    report["opcheck"] = []
+    report = []
     for q0, with_docs, dtype in ((0, False, torch.float32), (32, True, torch.float32), (0, False, torch.float16)):
         part = q[:, :, q0:].detach().to(dtype).requires_grad_(True)
         ks, vs = (x.detach().to(dtype).requires_grad_(True) for x in (ks, vs))
@@ -105,21 +138,25 @@ def run_cases() -> dict:
             torch.library.opcheck(ops._selected_kernel_op, (part, ks, vs, idx, valid, spec, q0, start, "triton"))
             torch.library.opcheck(ops._shared_op, (part, kcd, kcd, "cmp", spec, 70, q0, *fields, "triton"))
             torch.library.opcheck(ops._shared_op, (part, ks, vs, "win", spec, 70, q0, *fields, "triton"))
-            report["opcheck"].append("ok")
+            report.append("ok")
         except Exception as e:  # noqa: BLE001 (reported to the test)
-            report["opcheck"].append(f"{type(e).__name__}: {e}"[:500])
-    # The Triton cmp and win kernels against the PyTorch chunks, op by op: output, logsumexp, the
-    # chosen blocks and every gradient, over several chunks and key tiles, with and without documents;
-    # and a chunk's cmp scores against the PyTorch probabilities summed over the group's heads.
-    from nsa_titan.models.attention import fast_shared, triton_shared
+            report.append(f"{type(e).__name__}: {e}"[:500])
+    return report
+
+
+def shared_kernels() -> list:
+    """The Triton cmp and win kernels against the PyTorch chunks, op by op: output, logsumexp, the
+    chosen blocks and every gradient, over several chunks and key tiles, with and without documents;
+    and a chunk's cmp scores against the PyTorch probabilities summed over the group's heads."""
+    from nsa_titan.models.attention import Documents, fast_shared, triton_shared
     fast_shared.CHUNK_CMP, triton_shared.BLOCK_N, triton_shared.ROWS, T = 48, 16, 16, 150  # many tiles
     docs = Documents.of(torch.stack([torch.arange(T) // 70, torch.arange(T) // 40]), SPEC)
-    report["shared"] = []
+    report = []
     for kind, with_docs, q0, dtype in (("cmp", False, 0, torch.float32), ("cmp", True, 0, torch.float32),
                                        ("cmp", True, 0, torch.float16), ("cmp", True, 64, torch.float32),
                                        ("win", False, 0, torch.float32), ("win", True, 0, torch.float32),
                                        ("win", True, 64, torch.float16)):
-        gen = torch.Generator().manual_seed(len(report["shared"]))
+        gen = torch.Generator().manual_seed(len(report))
         S = T // SPEC.d if kind == "cmp" else T
         q = torch.randn(2, 2, T - q0, 3, 16, generator=gen).to(dtype)  # (B, G, Tq, r, D)
         k, v = (torch.randn(2, 2, S, 16, generator=gen).to(dtype) for _ in range(2))
@@ -142,30 +179,47 @@ def run_cases() -> dict:
                                            SPEC, d)
             case.update(lo=lo, scores=rel(scores[..., lo:hi], p.sum(3)),
                         outside=float(scores[..., :lo].abs().sum() + scores[..., hi:].abs().sum()))
-        report["shared"].append(case)
-    # Causality: changing the inputs at position s leaves every earlier output unchanged.
+        report.append(case)
+    return report
+
+
+def causal() -> list:
+    """Changing the inputs at position s leaves every earlier output unchanged."""
+    from test_nsa_reference import random_inputs
     with torch.no_grad():
         args = random_inputs(1, 50, 12, 2, 16, SPEC, dtype=torch.float32, seed=3)
         base = nsa_fast(*args, SPEC)
-        report["causal"] = []
+        report = []
         for s in (0, 15, 16, 33, 49):
             changed = [a.clone() for a in args]
             for i, a in enumerate(changed):
                 if i not in (1, 2):  # raw per-position inputs (compressed blocks stay as they are)
                     a[:, s] += 1.0
             out = nsa_fast(*changed, SPEC)
-            report["causal"].append([s, bool(torch.equal(out[:, :s], base[:, :s])), bool(not torch.equal(out[:, s], base[:, s]))])
+            report.append([s, bool(torch.equal(out[:, :s], base[:, :s])), bool(not torch.equal(out[:, s], base[:, s]))])
     return report
+
+
+PARTS = [f"case{i}" for i in range(len(CASES))] + ["half", "documents", "parts", "opcheck", "shared", "causal"]
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(part: str) -> dict:
+        done = subprocess.run([sys.executable, __file__, part], env=env, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, f"part {part}: {done.stderr[-3000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    merged: dict = {"cases": []}
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for part in pool.map(run, PARTS):
+            merged["cases"] += part.pop("cases")
+            merged.update(part)
+    return merged
 
 
 def test_triton_kernels_are_what_runs_under_the_interpreter(report):
@@ -258,4 +312,4 @@ def test_sel_backward_reverse_index_lists_each_blocks_readers():
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_cases()))
+    print(json.dumps(run_part(sys.argv[1])))
