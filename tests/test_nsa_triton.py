@@ -60,18 +60,10 @@ def run_part(part: str) -> dict:
         grads = torch.autograd.grad((out * grad_out).sum(), args)
         report["cases"].append({"shape": [B, T, H, G, D], "used": used, "out": rel(out.detach(), ref.detach()),
                                 "grads": {n: rel(a, b) for n, a, b in zip(NAMES, grads, grads_ref)}})
-    if part == "half":
-        report.update(half=half_precision())
-    elif part == "documents":
-        report.update(documents=documents())
-    elif part == "parts":
-        report.update(parts=query_parts())
-    elif part == "opcheck":
-        report.update(opcheck=opcheck())
-    elif part == "shared":
-        report.update(shared=shared_kernels())
-    elif part == "causal":
-        report.update(causal=causal())
+    sections = {"half": half_precision, "documents": documents, "parts": query_parts, "opcheck": opcheck,
+                "shared": shared_kernels, "causal": causal}
+    if part in sections:
+        report[part] = sections[part]()
     return report
 
 
