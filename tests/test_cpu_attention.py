@@ -53,7 +53,7 @@ def test_the_vector_layer_is_exact_with_avx2_halves_and_avx512_registers(tmp_pat
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(200_000, generator=gen)
     x[:256] = torch.linspace(-110.0, 88.0, 256)
-    x.numpy().tofile(tmp_path / "in.bin")
+    (tmp_path / "in.bin").write_bytes(x.numpy().tobytes())
     want = tiles_reference(x)
     flags = (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "").split()
     targets = {"x86-64-v3": "avx2" in flags, "x86-64-v4": "avx512f" in flags} if platform.machine() == "x86_64" \
@@ -66,7 +66,7 @@ def test_the_vector_layer_is_exact_with_avx2_halves_and_avx512_registers(tmp_pat
         if not runs:  # this CPU lacks it: built (so it compiles), not run
             continue
         subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
-        got = torch.from_numpy(__import__("numpy").fromfile(tmp_path / "out.bin", dtype="float32")).double()
+        got = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.float32).double()
         assert got.shape == want.shape, march
         e, e_want = got[:256], want[:256]
         normal = e_want >= torch.finfo(torch.float32).tiny
