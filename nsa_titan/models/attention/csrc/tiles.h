@@ -16,6 +16,7 @@ typedef int i16 __attribute__((vector_size(64)));
 inline v16 select(i16 m, v16 a, v16 b) { return m ? a : b; }
 inline i16 to_int(v16 x) { return __builtin_convertvector(x, i16); }
 inline v16 splat(float a) { return v16{} + a; }
+inline i16 splat_int(int a) { return i16{} + a; }
 inline v16 load(const float* p) { v16 x; std::memcpy(&x, p, sizeof(x)); return x; }
 inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 constexpr int REGISTERS = 32;
@@ -73,11 +74,7 @@ inline v16 vexp(v16 x) {
   p = p * f + splat(5.0000001201e-1f);
   p = p * f * f + f + splat(1.0f);
   const i16 tiny = n < splat(-125.0f);  // all ones where the result is subnormal
-#if defined(__AVX512F__)
-  i16 bits = (to_int(n) + (tiny & 64) + 127) << 23;
-#else
   i16 bits = (to_int(n) + (tiny & splat_int(64)) + splat_int(127)) << 23;
-#endif
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const v16 low = select(tiny, splat(5.42101086e-20f), splat(1.0f));  // 2^-64
