@@ -3,6 +3,7 @@
     python benchmarks/recall_probe.py --attn nsa --warm_steps 600 --steps 400 --pairs 96 --lr 1e-3
     python benchmarks/recall_probe.py --attn nsa --branch win --warm_steps 600 --steps 400 --pairs 96 --lr 1e-3
     python benchmarks/recall_probe.py --attn dense --warm_steps 600 --steps 400 --pairs 96 --lr 1e-3
+    python benchmarks/recall_probe.py --attn nsa --warm_steps 300 --steps 300 --pairs 96 --lr 3e-3 model.smear=true
 
 Not the report (`recall_report.py` trains the shipped task through the trainer); a harness that
 asks which signal lets the circuit form within a CPU budget. Each row of a batch draws `pairs`
@@ -13,6 +14,8 @@ drawn from them at random; every value whose key appeared earlier in the row is 
 trained with its AdamW and schedule: first `--warm_steps` steps on short rows (seq 256, 16 pairs,
 batch 32: gaps of about 32 tokens), then `--steps` steps at `--seq` (1,024, batch 8). Every 100
 steps: the accuracy of the labelled values on 4 held-out batches at `--seq`, by distance.
+`--task recall` trains the rows at `--seq` on the shipped task instead (`[recall]` of recall.toml)
+and reports its exact recall by distance (`nsa_titan.evaluate`), with every NSA branch ablated.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import load_config  # noqa: E402
+from nsa_titan.data.recall import recall_layout, recall_sample  # noqa: E402
+from nsa_titan.evaluate import evaluate_recall, recall_ablations, recall_table  # noqa: E402
 from nsa_titan.models.transformer import NSAAttention, Transformer  # noqa: E402
 from nsa_titan.optim import build_lr_scheduler, build_optimizer  # noqa: E402
 
@@ -107,6 +112,8 @@ def main() -> None:
     ap.add_argument("--warm_branch", default="", help="NSA branch(es) on during the short rows, e.g. win")
     ap.add_argument("--warm_task", choices=("pairs", "copy"), default="pairs",
                     help="the short rows: repeated pairs, or a random segment repeated (copy)")
+    ap.add_argument("--task", choices=("pairs", "recall"), default="pairs",
+                    help="the rows at --seq: repeated pairs, or the shipped recall task ([recall] of recall.toml)")
     ap.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.head_dim=64")
     a = ap.parse_args()
     extra = [arg for o in a.overrides for arg in ("--" + o.split("=", 1)[0], o.split("=", 1)[1])]
@@ -123,6 +130,8 @@ def main() -> None:
     print(sum(p.numel() for p in model.parameters()), "params", flush=True)
     gen, held_out = torch.Generator().manual_seed(1), torch.Generator().manual_seed(99)
     evals = [bigram_batch(held_out, 8, a.seq, a.pairs) for _ in range(4)]
+    layout, distances = recall_layout(cfg.recall, a.seq, cfg.model.vocab_size)
+    recall_evals = [32, 96, 256, 512, 960]
     start = time.time()
     warm_off = contextlib.ExitStack()  # during the short rows: the branches not in --warm_branch off
     for layer in range(len(model.layers) if a.warm_branch else 0):
@@ -136,6 +145,9 @@ def main() -> None:
             x, y = copy_batch(gen, a.warm_batch, a.warm_seq)
         elif step <= a.warm_steps:
             x, y, *_ = bigram_batch(gen, a.warm_batch, a.warm_seq, a.warm_pairs, a.min_pairs)
+        elif a.task == "recall":
+            rows = [recall_sample(layout, cfg.data.seed, step * a.batch + i, distances)[0] for i in range(a.batch)]
+            x, y = torch.stack([r.inputs for r in rows]), torch.stack([r.labels for r in rows])
         else:
             x, y, *_ = bigram_batch(gen, a.batch, a.seq, a.pairs, a.min_pairs)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
@@ -145,9 +157,16 @@ def main() -> None:
         opt.step()
         sched.step()
         if step % 50 == 0 or step == 1:
-            report = accuracy_by_distance(model, evals) if step % 100 == 0 else ""
+            report = "" if step % 100 else accuracy_by_distance(model, evals) if a.task == "pairs" else " ".join(
+                f"{d}:{100 * c / max(n, 1):.0f}%" for d, (c, n) in evaluate_recall(model, cfg, recall_evals, 2).items())
             print(f"step {step} loss {loss.item():.3f} {time.time() - start:.0f}s {report}", flush=True)
-    diagnose(model, evals)
+    if a.task == "pairs":
+        diagnose(model, evals)
+    else:  # exact recall of the shipped task by distance, then with each branch of each layer off
+        model.eval()
+        with torch.no_grad():
+            print(recall_table(recall_ablations(model, cfg, recall_evals, 8) if a.attn == "nsa" else
+                               {"all on": evaluate_recall(model, cfg, recall_evals, 8)}))
 
 
 def diagnose(model: Transformer, evals: list) -> None:

@@ -23,19 +23,24 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 AC_COMPILE = ["--activation_checkpoint.mode", "full", "--compile.enable", "true"]
 
 
+# The dense run also mixes in each token's predecessor (`smear`): a rank's first token reads the
+# last token of the other rank's part.
+MODELS = {"nsa": [], "dense": ["--model.attention", "dense", "--model.smear", "true"]}
+
+
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     """2 ranks, cp = 2 (one data-parallel group): NSA and dense, with AC and compile."""
-    specs = [{"name": "nsa", "args": [*COMMON, *CP2, *AC_COMPILE], "save_params": True},
-             {"name": "dense", "args": [*COMMON, *CP2, *AC_COMPILE, "--model.attention", "dense"], "save_params": True}]
+    specs = [{"name": name, "args": [*COMMON, *CP2, *AC_COMPILE, *args], "save_params": True}
+             for name, args in MODELS.items()]
     return launch_ranks(specs, tmp_path_factory.mktemp("cp"))
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("attention", list(MODELS))
 def test_cp2_matches_one_process(cp_runs, attention):
     run = cp_runs[attention]
-    losses, grad_norms, params = single_process_run([*COMMON, "--model.attention", attention])
+    losses, grad_norms, params = single_process_run([*COMMON, *MODELS[attention]])
     assert run["steps"] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(grad_norms), rtol=1e-4, atol=1e-6)

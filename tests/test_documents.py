@@ -26,6 +26,8 @@ CFG = dict(dim=48, n_layers=2, n_heads=6, n_kv_groups=2, head_dim=16, vocab_size
 def build(dtype: torch.dtype, kernels: Kernels | None = None, **overrides) -> Transformer:
     model = Transformer(Model(**{**CFG, **overrides}), 4096, kernels)
     model.init_weights(0)
+    if model.smear is not None:  # a weight per channel around its initial 1
+        torch.nn.init.uniform_(model.smear, 0.5, 1.5, generator=torch.Generator().manual_seed(1))
     return model.to(dtype)
 
 
@@ -86,7 +88,8 @@ def assert_grads_close(got: dict, want: dict, tol: float, context: object) -> No
         assert rel(got[name], g) < per_param, (name, context)
 
 
-IMPLS = {"reference": dict(attn_impl="reference"), "fast": dict(attn_impl="fast"), "dense": dict(attention="dense")}
+IMPLS = {"reference": dict(attn_impl="reference"), "fast": dict(attn_impl="fast"), "dense": dict(attention="dense"),
+         "fast+smear": dict(attn_impl="fast", smear=True)}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -163,7 +166,8 @@ def test_a_change_in_one_document_changes_no_other(impl):
     tokens = torch.randint(0, CFG["vocab_size"], (1, 150), generator=torch.Generator().manual_seed(3))
     before = model(tokens, ids)
     changed = tokens.clone()
-    changed[0, 45] = (changed[0, 45] + 1) % CFG["vocab_size"]  # a token of the third document (43..99)
+    for t in (45, 99):  # tokens of the third document (43..99), 99 just before the fourth (smear)
+        changed[0, t] = (changed[0, t] + 1) % CFG["vocab_size"]
     after = model(changed, ids)
     same = torch.ones(150, dtype=torch.bool)
     same[45:100] = False

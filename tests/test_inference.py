@@ -24,11 +24,19 @@ SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=16, vocab_si
              cmp_stride=4, sel_block_size=8, sel_top_n=3, window_size=12)
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def small_model(attention: str) -> Transformer:
+    """SMALL as NSA, dense, or NSA with `smear` (its weights drawn, not the initial ones)."""
+    model = Transformer(Model(**SMALL, attention=attention.removesuffix("+smear"), smear=attention.endswith("smear")), 128)
+    model.init_weights(0)
+    if model.smear is not None:
+        torch.nn.init.normal_(model.smear, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
 @pytest.mark.parametrize("prompt", [1, 7, 8, 11, 30])
 def test_incremental_decoding_equals_the_full_forward_at_every_position(attention, prompt):
-    model = Transformer(Model(**SMALL, attention=attention), 128)
-    model.init_weights(0)
+    model = small_model(attention)
     tokens = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(prompt))
     with torch.no_grad():
         full = model(tokens)
@@ -37,13 +45,12 @@ def test_incremental_decoding_equals_the_full_forward_at_every_position(attentio
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
 @pytest.mark.parametrize("prompt", [40, 47, 58])
 def test_decoding_with_documents_equals_the_packed_forward(attention, prompt):
     """Rows [20 | 5 | 45 | 30] and [3 | 22 | 45 | 30] (same last two starts, other slots before them):
     the prompt ends inside the third document, steps continue it, `reset` starts the fourth."""
-    model = Transformer(Model(**SMALL, attention=attention), 128)
-    model.init_weights(0)
+    model = small_model(attention)
     tokens = torch.randint(0, 97, (2, 100), generator=torch.Generator().manual_seed(prompt))
     ids = torch.tensor([[0] * 20 + [1] * 5 + [2] * 45 + [3] * 30, [0] * 3 + [1] * 22 + [2] * 45 + [3] * 30])
     with torch.no_grad():

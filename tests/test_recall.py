@@ -14,7 +14,9 @@ from conftest import ROOT, tb_run, torchrun
 
 from nsa_titan.config import ConfigError, Data, Recall, load_config
 from nsa_titan.data import build_dataloader
-from nsa_titan.data.recall import IGNORE, KEY, QUERY, RecallLayout, oracle_logits, recall_accuracy, recall_sample
+from nsa_titan.data.recall import (
+    IGNORE, KEY, QUERY, RecallLayout, oracle_logits, recall_accuracy, recall_layout, recall_sample,
+)
 from nsa_titan.data.tokenizer import ByteTokenizer
 from nsa_titan.evaluate import evaluate_recall
 
@@ -100,10 +102,46 @@ def test_recall_loader_resumes_exactly(workers):
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.labels, b.labels)
 
 
+def test_each_pair_is_asked_asks_times_at_its_drawn_distances():
+    layout = RecallLayout(seq_len=512, vocab_size=64, key_tokens=3, value_tokens=2, pairs=6, asks=3)
+    S, K = layout.span, layout.key_tokens
+    n_pairs = 0
+    for k in range(20):
+        sample, placed = recall_sample(layout, 0, k, list(range(9, 200)))
+        x = sample.inputs
+        pairs = {tuple(x[p + 1:p + S].tolist()): p for p in (x == KEY).nonzero().flatten().tolist()}
+        queries = (x == QUERY).nonzero().flatten().tolist()
+        assert len(queries) == 3 * len(pairs) == len(placed)
+        distances = []
+        for q in queries:
+            p = pairs[tuple(x[q + 1:q + S].tolist())]  # the query repeats a pair before it
+            distances.append(q - p)
+            assert sample.labels[q + K:q + S - 1].tolist() == x[p + K + 1:p + S].tolist()
+        assert sorted(distances) == sorted(placed)
+        assert int((sample.labels != IGNORE).sum()) == len(queries) * layout.value_tokens
+        n_pairs += len(pairs)
+    assert n_pairs >= 20
+
+
+def test_log_scale_draws_every_scale_equally_often():
+    """`distance_scale = log`: as many training distances in [16, 32) as in [512, 1024), the ends
+    included; `linear`: each distance once."""
+    layout, linear = recall_layout(Recall(min_distance=16, max_distance=1006), 1024, 256)
+    assert linear == list(range(16, 1007))
+    _, log = recall_layout(Recall(min_distance=16, max_distance=1006, distance_scale="log"), 1024, 256)
+    assert log[0] == 16 and log[-1] == 1006 and log == sorted(log)
+    octaves = [sum(lo <= d < 2 * lo for d in log) for lo in (16, 32, 64, 128, 256, 512)]
+    assert max(octaves) - min(octaves) <= 2, octaves  # 1006 / 16 = 2^5.97: six octaves, the last one short
+    drawn = [d for k in range(40) for d in recall_sample(layout, 0, k, log)[1]]
+    assert sum(d < 128 for d in drawn) > len(drawn) / 3  # linear: 11% of [16, 1006] lies below 128
+
+
 @pytest.mark.parametrize("override,message", [
     (["--recall.min_distance", "3"], "min_distance = 3: must lie in"),
     (["--recall.max_distance", "300"], "max_distance = 300"),
     (["--recall.pairs", "0"], "pairs = 0: must be >= 1"),
+    (["--recall.asks", "0"], "asks = 0: must be >= 1"),
+    (["--recall.distance_scale", "square"], "distance_scale"),
 ])
 def test_bad_recall_sizes_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):

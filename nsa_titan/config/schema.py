@@ -58,6 +58,10 @@ class Model:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     """Share the token embedding with the output head."""
+    smear: bool = False
+    """Add to each token's embedding its predecessor's, times a learned per-channel weight (0 at
+    first; none at a document's first token): a token then carries the one before it, which lets a
+    single attention layer match "the token after an earlier occurrence of this one" (induction)."""
     # NSA, with the paper's names:
     cmp_block_size: int = 32  # l: length of a compression block
     cmp_stride: int = 16  # d: stride between compression blocks
@@ -142,12 +146,19 @@ class Recall:
     key_tokens: int = 4
     value_tokens: int = 4
     pairs: int = 4
-    """Key-value pairs hidden per sequence (each asked for once)."""
+    """Key-value pairs hidden per sequence."""
+    asks: int = 1
+    """Queries per pair in training, each at its own distance. More than 1 repeats each value in the
+    row, as text repeats what matters: a denser signal for learning the lookup (a later query may
+    copy from an earlier one). The evaluation asks once, at the distance it names."""
     min_distance: int = 16
-    """Training draws each pair's distance (query start - pair start) uniformly from
-    [min_distance, max_distance]."""
+    """Training draws each pair's distance (query start - pair start) from [min_distance, max_distance]."""
     max_distance: int = 0
     """0: as far as seq_len allows."""
+    distance_scale: Literal["linear", "log"] = "linear"
+    """How training draws distances: `linear`, every distance equally often; `log`, every scale
+    equally often (as many pairs in [16, 32) as in [512, 1024)), so that short pairs, which the
+    window alone can recall, come often enough to teach the lookup that long ones need."""
 
 
 @dataclass

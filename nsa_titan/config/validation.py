@@ -172,7 +172,7 @@ def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
 
 def _validate_recall(r: Recall, seq_len: int) -> None:
     """The recall task's sizes: a pair and its query must fit apart in one sequence."""
-    for key in ("key_tokens", "value_tokens", "pairs"):
+    for key in ("key_tokens", "value_tokens", "pairs", "asks"):
         _require(getattr(r, key) >= 1, f"[recall] {key} = {getattr(r, key)}: must be >= 1")
     span = 1 + r.key_tokens + r.value_tokens
     longest = seq_len + 1 - 2 * span

@@ -2,8 +2,8 @@
 
 A sequence of seq_len + 1 tokens is filler (random tokens of their own range) with `pairs` pairs
 written into it: at position p the pair `KEY k_1..k_K v_1..v_V`, and at p + distance the query
-`QUERY k_1..k_K v_1..v_V`. Keys and values are random strings of the key-value alphabet, K and V
-tokens long (several tokens, so that a selection block's score is not one token's). Only the
+`QUERY k_1..k_K v_1..v_V` (`asks` queries, each at a distance of its own). Keys and values are
+random strings of the key-value alphabet, K and V tokens long (several tokens, so that a selection block's score is not one token's). Only the
 query's value tokens are labelled (every other label is IGNORE): the loss and the accuracy are
 about recalling them, which needs the pair `distance` tokens back.
 
@@ -25,6 +25,8 @@ IGNORE = IGNORE_INDEX
 """The label of every position that is not a query's value token (cross-entropy skips it)."""
 KEY, QUERY = 0, 1
 """The two marker tokens."""
+LOG_STEPS = 256
+"""Distances of the `log` scale."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class RecallLayout:
     key_tokens: int = 4
     value_tokens: int = 4
     pairs: int = 4
+    asks: int = 1
 
     @property
     def alphabet(self) -> int:
@@ -55,10 +58,13 @@ class RecallLayout:
 
 
 def recall_layout(cfg: Recall, seq_len: int, vocab_size: int) -> tuple[RecallLayout, list[int]]:
-    """The layout of `[recall]` and the distances training draws from."""
-    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs)
-    longest = seq_len + 1 - 2 * layout.span
-    return layout, list(range(cfg.min_distance, (cfg.max_distance or longest) + 1))
+    """The layout of `[recall]` and the distances training draws from, each equally often (`log`
+    scale: LOG_STEPS distances in a geometric series, rounded)."""
+    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs, cfg.asks)
+    lo, hi = cfg.min_distance, cfg.max_distance or seq_len + 1 - 2 * layout.span
+    if cfg.distance_scale == "log":
+        return layout, [round(lo * (hi / lo) ** (i / (LOG_STEPS - 1))) for i in range(LOG_STEPS)]
+    return layout, list(range(lo, hi + 1))
 
 
 def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int]) -> tuple[Sample, list[int]]:
@@ -71,18 +77,22 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
     used = torch.zeros(L, dtype=torch.bool)
     placed = []
     for _ in range(layout.pairs):
-        d = distances[int(torch.randint(len(distances), (1,), generator=gen))]
-        p = int(torch.randint(L - S - d + 1, (1,), generator=gen))
-        q = p + d
-        if used[p:p + S].any() or used[q:q + S].any():
-            continue  # overlaps a pair placed before: leave this one out
+        ds = [distances[int(torch.randint(len(distances), (1,), generator=gen))] for _ in range(layout.asks)]
+        p = int(torch.randint(L - S - max(ds) + 1, (1,), generator=gen))
+        starts = sorted({p, *(p + d for d in ds)})
+        if len(starts) <= len(ds) or any(b - a < S for a, b in zip(starts, starts[1:])) or \
+                any(used[x:x + S].any() for x in starts):
+            continue  # overlaps itself or a pair placed before: leave this one out
         kv = torch.randint(2, 2 + A, (layout.key_tokens + layout.value_tokens,), generator=gen)
-        tokens[p], tokens[q] = KEY, QUERY
+        tokens[p] = KEY
         tokens[p + 1:p + S] = kv
-        tokens[q + 1:q + S] = kv
-        labels[q + 1 + layout.key_tokens:q + S] = kv[layout.key_tokens:]
-        used[p:p + S] = used[q:q + S] = True
-        placed.append(d)
+        for q in (p + d for d in ds):
+            tokens[q] = QUERY
+            tokens[q + 1:q + S] = kv
+            labels[q + 1 + layout.key_tokens:q + S] = kv[layout.key_tokens:]
+        for x in starts:
+            used[x:x + S] = True
+        placed += ds
     return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long)), placed
 
 

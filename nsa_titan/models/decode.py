@@ -20,7 +20,7 @@ import torch
 
 from .attention import Documents, masked_attention, mix_branches, select_blocks
 from .attention.common import selected_keys
-from .transformer import DenseAttention, NSAAttention, Transformer
+from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
 
 class LayerCache:
@@ -88,11 +88,13 @@ class Decoder:
         self.model = model
         self.caches = [LayerCache() for _ in model.layers]
         self.t = 0  # the next position (in the current document)
+        self.last: torch.Tensor | None = None  # the last token (B, 1) given, read by `smear`
 
     def reset(self) -> None:
         """Start a new document: the next token is at position 0 and reads nothing before it."""
         self.caches = [LayerCache() for _ in self.model.layers]
         self.t = 0
+        self.last = None
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,13 +114,13 @@ class Decoder:
                 raise ValueError(f"the prompts' last documents start at positions {starts.tolist()}: decoding "
                                  f"continues one document per row from a common position; decode rows whose "
                                  f"last documents start elsewhere separately")
-        h = m.tok_embeddings(tokens)
+        h = m.embed(tokens, previous_tokens(tokens, document_ids))
         for block, cache in zip(m.layers.values(), self.caches):
             kv: dict[str, torch.Tensor] = {}
             h = block(h, rope, kv_out=kv, docs=docs)
             for name, value in kv.items():
                 cache.append(name, value if docs is None else self._last_document(name, value, docs, s))
-        self.t = T - s
+        self.t, self.last = T - s, tokens[:, -1:]
         return m.output(m.norm(h))
 
     def _last_document(self, name: str, x: torch.Tensor, docs: Documents, s: int) -> torch.Tensor:
@@ -135,10 +137,10 @@ class Decoder:
         """Logits (B, 1, V) after appending `token` (B, 1) at the next position."""
         m, t = self.model, self.t
         m.check_length(t + 1)
-        h = m.tok_embeddings(token)
+        h = m.embed(token, self.last if t else torch.full_like(token, -1))
         for block, cache in zip(m.layers.values(), self.caches):
             h = block.residual(h, _attend_last(block.attention, block.attention_norm(h), cache, t, m.rope[t:t + 1]))
-        self.t = t + 1
+        self.t, self.last = t + 1, token
         return m.output(m.norm(h))
 
     def keys_read(self, t: int) -> dict[str, int]:

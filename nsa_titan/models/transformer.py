@@ -21,10 +21,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
-from .attention import (
-    Documents, Kernels, NSASpec, cmp_visibility, dense_causal, masked_attention, nsa_fast, nsa_reference, select_blocks,
-)
-from .attention.common import N_FORCED_INITIAL, N_FORCED_LOCAL
+from .attention import Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
+from .nsa_stats import gate_stats, selection_stats
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -48,6 +46,14 @@ def _unwrapped(block: nn.Module) -> "TransformerBlock":
     while not isinstance(block, TransformerBlock):
         block = getattr(block, "_checkpoint_wrapped_module", None) or block._orig_mod
     return block
+
+
+def previous_tokens(tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T): the token before each one in its document; -1 at a row's or a document's first token."""
+    prev = F.pad(tokens[:, :-1], (1, 0), value=-1)
+    if document_ids is None:
+        return prev
+    return prev.masked_fill(F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True), -1)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -215,35 +221,6 @@ class NSAAttention(nn.Module):
         _init_trunc_normal(self.wo.weight, out_std, gen)
 
 
-def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean gate of each branch, and the mean entropy (nats) of the normalised gate mix."""
-    g = gates.detach().float().flatten(0, 2)  # (B*T*H, 3)
-    p = g / g.sum(-1, keepdim=True).clamp_min(1e-12)
-    entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
-    return {"gate_cmp": g[:, 0].mean(), "gate_sel": g[:, 1].mean(), "gate_win": g[:, 2].mean(),
-            "gate_entropy": entropy}
-
-
-def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
-                    docs: Documents | None = None) -> dict[str, torch.Tensor]:
-    """Among the chosen sel blocks: the share picked by score (not forced), and how far back
-    (in blocks from the query's own) the scored ones lie."""
-    with torch.no_grad():
-        T = q.shape[1]
-        t = torch.arange(T, device=q.device)
-        if docs is None:
-            visible = cmp_visibility(spec, T, q.device)
-        else:
-            visible, t = docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None], t - docs.start[:, None, :]
-        _, p_cmp = masked_attention(q, kc, vc, visible)
-        idx, valid = select_blocks(p_cmp, spec, n_groups, docs=docs)  # (B, G, T, n')
-        jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
-        forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
-        scored = valid & ~forced
-        distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
-        return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}
-
-
 class DenseAttention(nn.Module):
     """Plain causal GQA attention with the same q/k/v/o shapes: the baseline."""
 
@@ -319,6 +296,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.max_seq_len, self.kernels = cfg, max_seq_len, kernels
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.smear = nn.Parameter(torch.empty(cfg.dim)) if cfg.smear else None  # weight of the previous token
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kernels) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -347,6 +325,14 @@ class Transformer(nn.Module):
             yield
         finally:
             attention.keep = keep
+
+    def embed(self, tokens: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """(B, T, dim) embeddings of tokens (B, T); with `smear`, plus the weighted embeddings of the
+        previous tokens `prev` (B, T), -1 where there is none (`previous_tokens`)."""
+        h = self.tok_embeddings(tokens)
+        if self.smear is None:
+            return h
+        return h + self.smear * self.tok_embeddings(prev.clamp_min(0)) * (prev >= 0)[..., None]
 
     def documents(self, document_ids: torch.Tensor) -> Documents:
         """The document geometry of `document_ids` (B, T) for this model's attention, on the model's
@@ -387,10 +373,11 @@ class Transformer(nn.Module):
                 document_ids = torch.cat([document_ids, (document_ids[:, -1:] + 1).expand(-1, tokens.shape[1] - T)], 1)
         self.check_length(tokens.shape[1])
         docs, rope = self.positions(document_ids)
+        prev = previous_tokens(tokens, document_ids)
         if self.cp is not None:
             local = self.cp.positions(tokens.shape[1], tokens.device)
-            tokens, rope = tokens[:, local], rope[local] if rope.dim() == 2 else rope[:, local]
-        h = self.tok_embeddings(tokens)
+            tokens, prev, rope = tokens[:, local], prev[:, local], rope[local] if rope.dim() == 2 else rope[:, local]
+        h = self.embed(tokens, prev)
         for block in self.layers.values():
             h = block(h, rope, docs=docs)
         return self.output(self.norm(h))
@@ -399,11 +386,11 @@ class Transformer(nn.Module):
         """Parameter counts by what the parameters are (embedding, queries, cmp K/V, MLP, ...), from
         the module structure (a tied output head counts as the embedding)."""
         parts = [("embedding", self.tok_embeddings), ("norms", self.norm)]
+        counts: dict[str, int] = {"smear": self.smear.numel()} if self.smear is not None else {}
         if not self.cfg.tie_embeddings:
             parts.append(("output head", self.output))
         for block in self.layers.values():
             parts += _unwrapped(block).parts()
-        counts: dict[str, int] = {}
         for name, module in parts:
             counts[name] = counts.get(name, 0) + sum(p.numel() for p in module.parameters())
         return counts
@@ -417,6 +404,8 @@ class Transformer(nn.Module):
         cmp blocks + selected keys + window for NSA (`NSASpec.mean_keys_per_query`).
         """
         n_matmul = sum(p.numel() for p in self.parameters()) - self.tok_embeddings.weight.numel()
+        if self.smear is not None:
+            n_matmul -= self.smear.numel()
         if self.cfg.tie_embeddings:
             n_matmul += self.output.weight.numel()
         n_cmp = sum(p.numel() for m in self.modules() if isinstance(m, Compressor) for p in m.parameters())
@@ -434,6 +423,8 @@ class Transformer(nn.Module):
         self.rope.copy_(rope_tables(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device))
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
         _init_trunc_normal(self.tok_embeddings.weight, std if self.cfg.tie_embeddings else 1.0, gen)
+        if self.smear is not None:
+            nn.init.ones_(self.smear)  # each token starts carrying its predecessor in full
         for block in self.layers.values():
             block.init_weights(std, out_std, gen)
         self.norm.reset_parameters()

@@ -1,0 +1,38 @@
+"""What an NSA layer's forward can report about itself (`[metrics] nsa_stats`): the mean gate of
+each branch, and how the selection picks its blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
+from .attention.common import N_FORCED_INITIAL, N_FORCED_LOCAL
+
+
+def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean gate of each branch, and the mean entropy (nats) of the normalised gate mix."""
+    g = gates.detach().float().flatten(0, 2)  # (B*T*H, 3)
+    p = g / g.sum(-1, keepdim=True).clamp_min(1e-12)
+    entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
+    return {"gate_cmp": g[:, 0].mean(), "gate_sel": g[:, 1].mean(), "gate_win": g[:, 2].mean(),
+            "gate_entropy": entropy}
+
+
+def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
+                    docs: Documents | None = None) -> dict[str, torch.Tensor]:
+    """Among the chosen sel blocks: the share picked by score (not forced), and how far back
+    (in blocks from the query's own) the scored ones lie."""
+    with torch.no_grad():
+        T = q.shape[1]
+        t = torch.arange(T, device=q.device)
+        if docs is None:
+            visible = cmp_visibility(spec, T, q.device)
+        else:
+            visible, t = docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None], t - docs.start[:, None, :]
+        _, p_cmp = masked_attention(q, kc, vc, visible)
+        idx, valid = select_blocks(p_cmp, spec, n_groups, docs=docs)  # (B, G, T, n')
+        jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
+        forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
+        scored = valid & ~forced
+        distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
+        return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}
