@@ -3,9 +3,10 @@
 A sequence of seq_len + 1 tokens is filler (random tokens of their own range) with `pairs` pairs
 written into it: at position p the pair `KEY k_1..k_K v_1..v_V`, and at p + distance the query
 `QUERY k_1..k_K v_1..v_V` (`asks` queries, each at a distance of its own). Keys and values are
-random strings of the key-value alphabet, K and V tokens long (several tokens, so that a selection block's score is not one token's). Only the
-query's value tokens are labelled (every other label is IGNORE): the loss and the accuracy are
-about recalling them, which needs the pair `distance` tokens back.
+random strings of the key-value alphabet, K and V tokens long (several tokens, so that a selection
+block's score is not one token's). Only the queries' value tokens are labelled (every other label
+is IGNORE): the loss and the accuracy are about recalling them, which needs the pair `distance`
+tokens back.
 
 Sample k is a pure function of (seed, k, distances), and ranks and loader workers take samples
 as the synthetic source does (`IndexedSamples`), so a loader resumes exactly from its position.
