@@ -1,10 +1,12 @@
 """Long-range recall at equal parameters: NSA, NSA with its window alone, and dense attention.
 
-    python benchmarks/recall_report.py [--steps N] [--distances 32 96 256 512 960]
+    python benchmarks/recall_report.py [--drill_steps N] [--steps N] [--distances 32 96 256 512 960]
                                        [--out benchmarks/recall_accuracy.png]
 
 Trains `train_configs/recall.toml` (the recall task of `nsa_titan/data/recall.py`) three times on one
-CPU rank, with the same data, steps, seed and optimizer:
+CPU rank, with the same data, steps, seed and optimizer, each in two runs: `--drill_steps` of the
+drill (`[recall] drill`: seq 256, batch 32, 16 single-token pairs; it forms the lookup), then the
+recall task from the drill's final checkpoint (`checkpoint.initial_load_path`, the model only):
   nsa    NSA as configured;
   win    the same model with cmp and sel switched off (`--model.nsa_branch win`);
   dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`).
@@ -12,7 +14,9 @@ Then evaluates each final checkpoint by distance on held-out samples (`evaluate_
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
 marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, logged during
 NSA's training (`[metrics] nsa_stats`). Prints the Markdown tables, with NSA's accuracy when each
-branch of each layer is switched off in turn (which branch does the recall).
+branch of each layer is switched off in turn (which branch does the recall), and per model the
+value tokens predicted right and how often each layer's selection chose the block holding the
+pair (`recall_routing`; in `win` it is computed, gated off and never trained to route: a baseline).
 """
 
 from __future__ import annotations
@@ -27,13 +31,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.evaluate import evaluate_recall, recall_ablations, recall_table  # noqa: E402
+from nsa_titan.evaluate import evaluate_recall, recall_ablations, recall_routing, recall_table, routing_table  # noqa: E402
 from nsa_titan.inference import load_model  # noqa: E402
 from nsa_titan.plots import line_chart  # noqa: E402
 from quality_report import scalars  # noqa: E402
 from sizing import dense_ffn_for, param_count, resolved  # noqa: E402
 
 CONFIG = str(ROOT / "train_configs" / "recall.toml")
+
+
+DRILL = ["--recall.drill", "true", "--recall.pairs", "16", "--training.seq_len", "256",
+         "--training.local_batch_size", "32"]
+"""The drill run's overrides of recall.toml."""
 
 
 def train(name: str, overrides: list[str], dump: Path) -> float:
@@ -55,7 +64,8 @@ def sel_share(dump: Path, n_layers: int) -> dict[int, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=0, help="training steps (0: the config's)")
+    parser.add_argument("--drill_steps", type=int, default=450, help="steps of the drill run")
+    parser.add_argument("--steps", type=int, default=0, help="steps of the recall run (0: the config's)")
     parser.add_argument("--distances", type=int, nargs="+", default=[32, 96, 256, 512, 960])
     parser.add_argument("--batches", type=int, default=8, help="held-out batches per distance")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "recall_accuracy.png",
@@ -72,10 +82,14 @@ def main() -> None:
           f"w = {m.window_size}, layers x w = {m.n_layers * m.window_size}")
     assert param_count(m, seq_len) == n_nsa
     acc: dict[str, dict[int, float]] = {}
+    routing: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in models.items():
-            dump = Path(tmp) / name
-            seconds = train(name, steps + overrides, dump)
+            dump, drill = Path(tmp) / name, Path(tmp) / f"{name}_drill"
+            seconds = train(name, [*DRILL, "--training.steps", str(args.drill_steps), "--checkpoint.interval",
+                                   str(args.drill_steps), *overrides], drill)
+            seconds += train(name, steps + overrides + ["--checkpoint.initial_load_path",
+                                                        str(drill / "checkpoint" / f"step-{args.drill_steps}")], dump)
             model, _, run_cfg = load_model(str(max((dump / "checkpoint").glob("step-*"),
                                                    key=lambda p: int(p.name.split("-")[1]))))
             if name == "nsa":  # which branch of which layer does the recall: each switched off in turn
@@ -84,12 +98,14 @@ def main() -> None:
             else:
                 results = evaluate_recall(model, run_cfg, args.distances, args.batches)
             acc[name] = {dist: c / max(n, 1) for dist, (c, n) in results.items()}
+            routing[name] = recall_routing(model, run_cfg, args.distances, args.batches)
             print(f"{name}: trained in {seconds / 60:.1f} min; " +
                   ", ".join(f"{dist}: {c}/{n}" for dist, (c, n) in results.items()))
             if name == "nsa":
                 share = sel_share(dump, m.n_layers)
     marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size}
-    line_chart(acc, args.out, f"exact recall by distance, equal parameters ({cfg.training.steps} steps)",
+    line_chart(acc, args.out, f"exact recall by distance, equal parameters ({args.drill_steps} drill + "
+               f"{cfg.training.steps} recall steps)",
                "distance (tokens)", "exact recall", (0.0, 1.0), marks)
     gates = args.out.with_name(args.out.stem + "_gates.png")
     line_chart({f"layer {i}": {s: v[i] for s, v in share.items()} for i in range(m.n_layers)}, gates,
@@ -103,6 +119,9 @@ def main() -> None:
     for s in sorted(share)[::max(1, len(share) // 10)]:
         print(f"| {s} | " + " | ".join(f"{v:.3f}" for v in share[s]) + " |")
     print("\nNSA's exact recall by distance with one branch of one layer switched off:\n" + recall_table(ablations))
+    for name, by in routing.items():  # win's selection is computed though gated off: it shows chance picking
+        print(f"\n{name}: value tokens predicted right, and how often each layer's selection held the pair's copy:\n"
+              + routing_table(by))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ torchrun, and each sequence split across `--context_parallel` ranks as training 
 a checkpoint's step it reports the trainer's validation loss. The recall task
 (`nsa_titan/data/recall.py`, sizes from the config's `[recall]`) asks, for each distance, for
 values hidden that many tokens before their query, on held-out samples, and reports the share
-of queries whose value tokens are all predicted exactly; `--ablate` repeats it with each NSA
-branch of each layer switched off in turn, which shows the branch that does the recall.
+of queries whose value tokens are all predicted exactly, then the share of value tokens predicted
+right and, for NSA, how often each layer's selection chose the block holding the pair (where
+the sel branch has to read it); `--ablate` repeats the first with each NSA branch of each layer
+switched off in turn, which shows the branch that does the recall.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,7 @@ from .config import ConfigError, JobConfig, cp_multiple
 from .data import DataError, build_validation_dataloader
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
 from .inference import load_model
-from .loss import cross_entropy_loss
+from .loss import IGNORE_INDEX, cross_entropy_loss
 from .models.transformer import NSAAttention, Transformer
 from .parallel import apply_cp
 from .plots import line_chart
@@ -77,23 +80,64 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
             "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
 
 
+def _recall_batches(cfg: JobConfig, distance: int, batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, labels) of `batches` batches of held-out recall samples (seed [data] seed + 1), every
+    pair `distance` tokens before its query."""
+    r, B = cfg.recall, cfg.training.local_batch_size
+    layout = RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
+    layout.check(distance)
+    for b in range(batches):
+        samples = [recall_sample(layout, cfg.data.seed + 1, b * B + i, [distance])[0] for i in range(B)]
+        yield torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
+
+
 @torch.no_grad()
 def evaluate_recall(model: torch.nn.Module, cfg: JobConfig, distances: list[int], batches: int
                     ) -> dict[int, tuple[int, int]]:
     """{distance: (queries recalled exactly, queries)} over `batches` batches of held-out recall
-    samples (seed [data] seed + 1) with every pair at that distance."""
-    r, B = cfg.recall, cfg.training.local_batch_size
+    samples with every pair at that distance."""
+    r = cfg.recall
     layout = RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
     results = {}
     for d in distances:
-        layout.check(d)
         correct = total = 0
-        for b in range(batches):
-            samples = [recall_sample(layout, cfg.data.seed + 1, b * B + i, [d])[0] for i in range(B)]
-            inputs, labels = torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
+        for inputs, labels in _recall_batches(cfg, d, batches):
             c, n = recall_accuracy(model(inputs), labels, layout)
             correct, total = correct + c, total + n
         results[d] = (correct, total)
+    return results
+
+
+@torch.no_grad()
+def recall_routing(model: torch.nn.Module, cfg: JobConfig, distances: list[int], batches: int
+                   ) -> dict[int, dict[str, float]]:
+    """Where recall fails, by distance: the share of value tokens predicted right ("value tokens"),
+    and for each NSA layer i the share of them whose query chose (in any of its KV groups) the sel
+    block holding the pair's copy of that token ("layer i found"), which is where the selection
+    has to read it from. A value token labelled at position t is input token t + 1; its copy sits
+    `distance` tokens earlier."""
+    attns = [m for m in model.modules() if isinstance(m, NSAAttention)]
+    for m in attns:
+        m.record_selection = True
+    results: dict[int, dict[str, float]] = {}
+    try:
+        for d in distances:
+            counts = torch.zeros(1 + len(attns))
+            asked = 0
+            for inputs, labels in _recall_batches(cfg, d, batches):
+                mask = labels != IGNORE_INDEX  # (B, T)
+                counts[0] += (model(inputs).argmax(-1) == labels)[mask].sum()
+                copy = torch.arange(labels.shape[1]) + 1 - d  # (T,) the copy's position
+                for i, m in enumerate(attns):
+                    idx, valid = m.selection  # (B, G, T, n')
+                    block = (copy // m.spec.l_sel)[None, None, :, None]
+                    counts[1 + i] += ((idx == block) & valid).any(-1).any(1)[mask].sum()
+                asked += int(mask.sum())
+            shares = (counts / max(asked, 1)).tolist()
+            results[d] = {"value tokens": shares[0], **{f"layer {i} found": v for i, v in enumerate(shares[1:])}}
+    finally:
+        for m in attns:
+            m.record_selection, m.selection = False, None
     return results
 
 
@@ -114,6 +158,14 @@ def recall_table(results: dict[str, dict[int, tuple[int, int]]]) -> str:
     lines = ["| | " + " | ".join(f"{d:,}" for d in distances) + " |", "|---|" + "---|" * len(distances)]
     lines += [f"| {name} | " + " | ".join(f"{c / max(n, 1):.1%}" for c, n in by.values()) + " |"
               for name, by in results.items()]
+    return "\n".join(lines)
+
+
+def routing_table(results: dict[int, dict[str, float]]) -> str:
+    """Markdown: a row per distance, a column per `recall_routing` share, in %."""
+    names = list(next(iter(results.values())))
+    lines = ["| distance | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {d:,} | " + " | ".join(f"{v:.1%}" for v in by.values()) + " |" for d, by in results.items()]
     return "\n".join(lines)
 
 
@@ -163,6 +215,8 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
         print("| distance | recalled | queries |\n|---|---|---|")
         for d, (correct, total) in results.items():
             print(f"| {d:,} | {correct / max(total, 1):.1%} | {total} |")
+        print("\nvalue tokens predicted right, and (NSA) how often the query's selection held the pair's "
+              "copy of the token:\n" + routing_table(recall_routing(model, cfg, args.distances, args.batches or 4)))
         if args.ablate:
             print("\nexact recall by distance with one branch switched off:\n" + recall_table(runs))
         if args.plot:

@@ -178,9 +178,10 @@ class Trainer:
         if cfg.job.description:
             logger.info("job: %s", cfg.job.description)
         r = cfg.recall
-        source = {"synthetic": f"synthetic tokens (seed {d.seed})",
-                  "recall": f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and "
-                            f"{r.value_tokens}-token values, distances {r.min_distance}..{r.max_distance or 'max'})",
+        recall = (f"recall drill (seed {d.seed}, rows of {r.pairs} single-token pairs)" if r.drill else
+                  f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and {r.value_tokens}-token "
+                  f"values, each asked {r.asks}x, {r.distance_scale} distances {r.min_distance}..{r.max_distance or 'max'})")
+        source = {"synthetic": f"synthetic tokens (seed {d.seed})", "recall": recall,
                   }.get(d.source, f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
         logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
                     source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",

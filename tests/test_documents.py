@@ -25,9 +25,7 @@ CFG = dict(dim=48, n_layers=2, n_heads=6, n_kv_groups=2, head_dim=16, vocab_size
 
 def build(dtype: torch.dtype, kernels: Kernels | None = None, **overrides) -> Transformer:
     model = Transformer(Model(**{**CFG, **overrides}), 4096, kernels)
-    model.init_weights(0)
-    if model.smear is not None:  # a weight per channel around its initial 1
-        torch.nn.init.uniform_(model.smear, 0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    model.init_weights(0)  # with smear: a random (not identity) smear matrix
     return model.to(dtype)
 
 

@@ -25,11 +25,9 @@ SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=16, vocab_si
 
 
 def small_model(attention: str) -> Transformer:
-    """SMALL as NSA, dense, or NSA with `smear` (its weights drawn, not the initial ones)."""
+    """SMALL as NSA, dense, or NSA with `smear` (its matrix is drawn at random by `init_weights`)."""
     model = Transformer(Model(**SMALL, attention=attention.removesuffix("+smear"), smear=attention.endswith("smear")), 128)
     model.init_weights(0)
-    if model.smear is not None:
-        torch.nn.init.normal_(model.smear, generator=torch.Generator().manual_seed(1))
     return model
 
 

@@ -15,10 +15,11 @@ from conftest import ROOT, tb_run, torchrun
 from nsa_titan.config import ConfigError, Data, Recall, load_config
 from nsa_titan.data import build_dataloader
 from nsa_titan.data.recall import (
-    IGNORE, KEY, QUERY, RecallLayout, oracle_logits, recall_accuracy, recall_layout, recall_sample,
+    IGNORE, KEY, QUERY, RecallLayout, drill_sample, oracle_logits, recall_accuracy, recall_layout, recall_sample,
 )
 from nsa_titan.data.tokenizer import ByteTokenizer
-from nsa_titan.evaluate import evaluate_recall
+from nsa_titan.evaluate import evaluate_recall, recall_routing
+from nsa_titan.models.transformer import Transformer
 
 LAYOUT = RecallLayout(seq_len=256, vocab_size=64, key_tokens=3, value_tokens=2, pairs=4)
 
@@ -87,10 +88,41 @@ def test_the_evaluation_on_models_that_always_and_never_copy():
         evaluate_recall(Copier(True), cfg, [250], batches=1)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_recall_loader_resumes_exactly(workers):
+@pytest.mark.parametrize("top_n", [3, 8])
+def test_routing_finds_the_block_holding_the_pairs_copy_exactly_when_it_is_chosen(top_n):
+    """seq 128 in 16-token sel blocks. With top_n 8 every visible block is chosen, so the copy's block
+    is always found; with top_n 3 only the forced ones (block 0 and the query's two local blocks),
+    so it is found exactly when the copy lies in one of those."""
+    cfg, _ = load_config(["--data.source", "recall", "--training.seq_len", "128", "--model.vocab_size", "64",
+                          "--training.local_batch_size", "4", "--recall.key_tokens", "3", "--recall.value_tokens", "2",
+                          "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_groups", "2",
+                          "--model.head_dim", "16", "--model.cmp_block_size", "16", "--model.cmp_stride", "8",
+                          "--model.sel_block_size", "16", "--model.sel_top_n", str(top_n), "--model.window_size", "32"],
+                         world_size=1)
+    model = Transformer(cfg.model, 128)
+    model.init_weights(0)
+    distances = [20, 40, 100]
+    routing = recall_routing(model, cfg, distances, batches=2)
+    layout = RecallLayout(128, 64, 3, 2, cfg.recall.pairs)
+    for d in distances:
+        forced = []  # per labelled position: is the copy's block one of the forced ones
+        for k in range(8):
+            labels = recall_sample(layout, cfg.data.seed + 1, k, [d])[0].labels
+            t = (labels != IGNORE).nonzero().flatten()
+            block, copy = t // 16, (t + 1 - d) // 16
+            forced += ((copy == 0) | (block - copy < 2)).tolist()
+        expected = 1.0 if top_n == 8 else sum(forced) / len(forced)
+        assert set(routing[d]) == {"value tokens", "layer 0 found", "layer 1 found"}
+        assert routing[d]["layer 0 found"] == routing[d]["layer 1 found"] == pytest.approx(expected, abs=1e-6)
+    if top_n == 3:
+        assert 0 < routing[20]["layer 0 found"] < 1 and routing[100]["layer 0 found"] < routing[20]["layer 0 found"]
+    assert all(m.selection is None for m in model.modules() if hasattr(m, "selection"))
+
+
+@pytest.mark.parametrize("workers,drill", [(0, False), (2, False), (2, True)])
+def test_recall_loader_resumes_exactly(workers, drill):
     data = Data(source="recall", num_workers=workers, seed=5)
-    recall = Recall(key_tokens=3, value_tokens=2, pairs=4, min_distance=8)
+    recall = Recall(key_tokens=3, value_tokens=2, pairs=4, min_distance=8, drill=drill)
     make = lambda: build_dataloader(data, ByteTokenizer(), 128, 64, 2, 1, 2, recall)  # noqa: E731
     reference = [b for b, _ in zip(make(), range(7))]
     first = make()
@@ -108,7 +140,7 @@ def test_each_pair_is_asked_asks_times_at_its_drawn_distances():
     n_pairs = 0
     for k in range(20):
         sample, placed = recall_sample(layout, 0, k, list(range(9, 200)))
-        x = sample.inputs
+        x = torch.cat([sample.inputs, sample.labels[-1:]])  # the whole row: a query may end it
         pairs = {tuple(x[p + 1:p + S].tolist()): p for p in (x == KEY).nonzero().flatten().tolist()}
         queries = (x == QUERY).nonzero().flatten().tolist()
         assert len(queries) == 3 * len(pairs) == len(placed)
@@ -121,6 +153,27 @@ def test_each_pair_is_asked_asks_times_at_its_drawn_distances():
         assert int((sample.labels != IGNORE).sum()) == len(queries) * layout.value_tokens
         n_pairs += len(pairs)
     assert n_pairs >= 20
+
+
+def test_drill_rows_label_every_value_whose_key_came_before():
+    """`[recall] drill`: `k v k v ...` of at most `pairs` pairs from the key-value alphabet, each key
+    always followed by its value; a value is labelled exactly when its key came earlier in the row."""
+    layout = RecallLayout(seq_len=255, vocab_size=64, pairs=6, drill=True)
+    for k in range(10):
+        sample = drill_sample(layout, 0, k)
+        row = torch.cat([sample.inputs, sample.labels[-1:]]).tolist()  # the 256 tokens of the row
+        keys, values = row[0::2], row[1::2]
+        assert all(2 <= t < 2 + layout.alphabet for t in row)
+        value_of = dict(zip(keys, values))
+        assert len(value_of) <= 6 and all(value_of[key] == v for key, v in zip(keys, values))
+        expected = [IGNORE] * 256
+        for i, key in enumerate(keys):
+            if key in keys[:i]:
+                expected[2 * i + 1] = values[i]
+        assert sample.labels.tolist() == expected[1:]
+    assert sum(drill_sample(layout, 0, k).labels.ne(IGNORE).sum() for k in range(10)) > 10 * 100
+    with pytest.raises(ValueError, match="lower \\[recall\\] pairs"):
+        RecallLayout(seq_len=64, vocab_size=64, pairs=40, drill=True).check(20)
 
 
 def test_log_scale_draws_every_scale_equally_often():
@@ -163,9 +216,12 @@ def test_the_shipped_recall_config_trains_and_its_checkpoint_is_evaluated_by_dis
                           str(tmp_path / "recall.png"), "--ablate"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    table, ablations = out.stdout.split("with one branch switched off")
+    table, rest = out.stdout.split("value tokens predicted right")
+    routing, ablations = rest.split("with one branch switched off")
     rows = [line.split("|")[1:4] for line in table.splitlines() if line.startswith("| ") and "%" in line]
     assert [r[0].strip() for r in rows] == ["32", "900"] and all(int(r[2]) >= 8 for r in rows)
+    assert "| distance | value tokens | layer 0 found | layer 1 found |" in routing
+    assert [line.split("|")[1].strip() for line in routing.splitlines() if "%" in line] == ["32", "900"]
     names = [line.split("|")[1].strip() for line in ablations.splitlines() if "%" in line]
     assert names == ["all on"] + [f"layer {i} {b} off" for i in (0, 1) for b in ("cmp", "sel", "win")]
     assert [line.split("|")[2:4] for line in ablations.splitlines() if "all on" in line][0] == \

@@ -59,9 +59,10 @@ class Model:
     tie_embeddings: bool = False
     """Share the token embedding with the output head."""
     smear: bool = False
-    """Add to each token's embedding its predecessor's, times a learned per-channel weight (0 at
-    first; none at a document's first token): a token then carries the one before it, which lets a
-    single attention layer match "the token after an earlier occurrence of this one" (induction)."""
+    """Add to each token's embedding its predecessor's through a learned dim x dim matrix (random at
+    first; nothing at a document's first token): a token then carries the one before it, in
+    directions of its own, which lets a single attention layer match "the token after an earlier
+    occurrence of this one" (induction) without also matching the occurrence itself."""
     # NSA, with the paper's names:
     cmp_block_size: int = 32  # l: length of a compression block
     cmp_stride: int = 16  # d: stride between compression blocks
@@ -159,6 +160,12 @@ class Recall:
     """How training draws distances: `linear`, every distance equally often; `log`, every scale
     equally often (as many pairs in [16, 32) as in [512, 1024)), so that short pairs, which the
     window alone can recall, come often enough to teach the lookup that long ones need."""
+    drill: bool = False
+    """Rows of single-token pairs instead: a dictionary of `pairs` pairs from the key-value
+    alphabet, the row `k v k v ...` of its pairs in random order, every value whose key came before
+    labelled. Each pair recurs many times, so the lookup forms within a few hundred steps, where
+    the sparse answers of the recall rows leave the loss at chance; it then carries over to them
+    (README "Long-range recall": a drill run, then the recall run from its checkpoint)."""
 
 
 @dataclass

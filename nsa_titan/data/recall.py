@@ -28,6 +28,8 @@ KEY, QUERY = 0, 1
 """The two marker tokens."""
 LOG_STEPS = 256
 """Distances of the `log` scale."""
+TRIES = 16
+"""Start positions tried per pair before it is left out."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class RecallLayout:
     value_tokens: int = 4
     pairs: int = 4
     asks: int = 1
+    drill: bool = False
 
     @property
     def alphabet(self) -> int:
@@ -53,6 +56,9 @@ class RecallLayout:
     def check(self, max_distance: int) -> None:
         if self.vocab_size < 8:
             raise ValueError(f"the recall task needs a vocabulary of at least 8 tokens, got {self.vocab_size}")
+        if self.drill and self.pairs > self.alphabet:
+            raise ValueError(f"a recall drill of {self.pairs} pairs needs as many distinct keys, but the key-value "
+                             f"alphabet of vocab_size {self.vocab_size} has {self.alphabet}: lower [recall] pairs")
         if max_distance + 2 * self.span > self.seq_len + 1:
             raise ValueError(f"a recall distance of {max_distance} does not fit in seq_len {self.seq_len} with pairs "
                              f"of {self.span} tokens: use distances <= {self.seq_len + 1 - 2 * self.span}")
@@ -61,7 +67,7 @@ class RecallLayout:
 def recall_layout(cfg: Recall, seq_len: int, vocab_size: int) -> tuple[RecallLayout, list[int]]:
     """The layout of `[recall]` and the distances training draws from, each equally often (`log`
     scale: LOG_STEPS distances in a geometric series, rounded)."""
-    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs, cfg.asks)
+    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs, cfg.asks, cfg.drill)
     lo, hi = cfg.min_distance, cfg.max_distance or seq_len + 1 - 2 * layout.span
     if cfg.distance_scale == "log":
         return layout, [round(lo * (hi / lo) ** (i / (LOG_STEPS - 1))) for i in range(LOG_STEPS)]
@@ -78,12 +84,15 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
     used = torch.zeros(L, dtype=torch.bool)
     placed = []
     for _ in range(layout.pairs):
-        ds = [distances[int(torch.randint(len(distances), (1,), generator=gen))] for _ in range(layout.asks)]
-        p = int(torch.randint(L - S - max(ds) + 1, (1,), generator=gen))
-        starts = sorted({p, *(p + d for d in ds)})
-        if len(starts) <= len(ds) or any(b - a < S for a, b in zip(starts, starts[1:])) or \
-                any(used[x:x + S].any() for x in starts):
-            continue  # overlaps itself or a pair placed before: leave this one out
+        for _ in range(TRIES):  # distances and a start at which no two spans overlap
+            ds = [distances[int(torch.randint(len(distances), (1,), generator=gen))] for _ in range(layout.asks)]
+            p = int(torch.randint(L - S - max(ds) + 1, (1,), generator=gen))
+            starts = sorted({p, *(p + d for d in ds)})
+            if len(starts) > len(ds) and all(b - a >= S for a, b in zip(starts, starts[1:])) and \
+                    not any(used[x:x + S].any() for x in starts):
+                break
+        else:
+            continue  # no room found: leave this pair out
         kv = torch.randint(2, 2 + A, (layout.key_tokens + layout.value_tokens,), generator=gen)
         tokens[p] = KEY
         tokens[p + 1:p + S] = kv
@@ -97,6 +106,23 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
     return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long)), placed
 
 
+def drill_sample(layout: RecallLayout, seed: int, k: int) -> Sample:
+    """Sample k of the drill (`[recall] drill`): `pairs` single-token pairs (distinct keys) drawn
+    from the key-value alphabet, the row `k v k v ...` of them in random order; a value is labelled
+    when its key came earlier in the row."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
+    L, A, P = layout.seq_len + 1, layout.alphabet, layout.pairs
+    keys = torch.randperm(A, generator=gen)[:P] + 2
+    values = torch.randint(2, 2 + A, (P,), generator=gen)
+    pick = torch.randint(P, ((L + 1) // 2,), generator=gen)  # the pair at each key position
+    tokens = torch.stack([keys[pick], values[pick]], 1).flatten()[:L]
+    order = torch.arange(len(pick))
+    first = torch.full((P,), len(pick)).scatter_reduce(0, pick, order, "amin")  # each pair's first row slot
+    labels = torch.stack([torch.full_like(pick, IGNORE), torch.where(order > first[pick], values[pick], IGNORE)],
+                         1).flatten()[:L]
+    return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long))
+
+
 class RecallTokens(IndexedSamples):
     """Yields recall `Sample`s for one data-parallel rank, distances drawn from `distances`; resumable."""
 
@@ -107,6 +133,8 @@ class RecallTokens(IndexedSamples):
         self.layout, self.seed, self.distances = layout, seed, distances
 
     def sample(self, k: int) -> Sample:
+        if self.layout.drill:
+            return drill_sample(self.layout, self.seed, k)
         return recall_sample(self.layout, self.seed, k, self.distances)[0]
 
 

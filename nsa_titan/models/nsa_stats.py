@@ -18,10 +18,10 @@ def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
             "gate_entropy": entropy}
 
 
-def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
-                    docs: Documents | None = None) -> dict[str, torch.Tensor]:
-    """Among the chosen sel blocks: the share picked by score (not forced), and how far back
-    (in blocks from the query's own) the scored ones lie."""
+def selected_blocks(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
+                    docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sel blocks each query's KV group chose, idx (B, G, T, n') and valid, and the query
+    positions t (T,) or (B, 1, T) they count from (within its document with `docs`)."""
     with torch.no_grad():
         T = q.shape[1]
         t = torch.arange(T, device=q.device)
@@ -30,9 +30,16 @@ def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: N
         else:
             visible, t = docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None], t - docs.start[:, None, :]
         _, p_cmp = masked_attention(q, kc, vc, visible)
-        idx, valid = select_blocks(p_cmp, spec, n_groups, docs=docs)  # (B, G, T, n')
-        jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
-        forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
-        scored = valid & ~forced
-        distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
-        return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}
+        return *select_blocks(p_cmp, spec, n_groups, docs=docs), t
+
+
+def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
+                    docs: Documents | None = None) -> dict[str, torch.Tensor]:
+    """Among the chosen sel blocks: the share picked by score (not forced), and how far back
+    (in blocks from the query's own) the scored ones lie."""
+    idx, valid, t = selected_blocks(q, kc, vc, spec, n_groups, docs)  # (B, G, T, n')
+    jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
+    forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
+    scored = valid & ~forced
+    distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
+    return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}

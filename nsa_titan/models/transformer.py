@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
-from .nsa_stats import gate_stats, selection_stats
+from .nsa_stats import gate_stats, selected_blocks, selection_stats
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -132,7 +132,8 @@ class NSAAttention(nn.Module):
     One shared query projection; each branch has its own key and value projection (`wkv_cmp`,
     `wkv_sel`, `wkv_win`); compressed keys/values come from their own phi. The pieces
     (`project`, `compress`, `gates`) are what training and decoding share. With `record_stats`
-    set, a forward also leaves gate and selection statistics in `stats`.
+    set, a forward also leaves gate and selection statistics in `stats`; with `record_selection`,
+    the sel blocks each query's group chose in `selection`.
     """
 
     BRANCHES = ("cmp", "sel", "win")
@@ -148,6 +149,8 @@ class NSAAttention(nn.Module):
         self.record_stats = False
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
+        self.record_selection = False  # evaluation (no cp): keep the last forward's sel blocks
+        self.selection: tuple[torch.Tensor, torch.Tensor] | None = None  # idx, valid (B, G, T, n')
         H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
         hidden = cfg.cmp_mlp_hidden or 4 * D
         self.wq = nn.Linear(cfg.dim, H * D, bias=False)
@@ -199,6 +202,8 @@ class NSAAttention(nn.Module):
             kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
             self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
+        if self.record_selection:
+            self.selection = selected_blocks(q, kc, vc, self.spec, self.n_groups, docs)[:2]
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
         o = attend_in_parts(self.cp, kv["k_sel"].shape[1], lambda rows, **q0: self.attn_fn(
             q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, **q0))
@@ -296,7 +301,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.max_seq_len, self.kernels = cfg, max_seq_len, kernels
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.smear = nn.Parameter(torch.empty(cfg.dim)) if cfg.smear else None  # weight of the previous token
+        self.smear = nn.Linear(cfg.dim, cfg.dim, bias=False) if cfg.smear else None  # maps the previous token in
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kernels) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
@@ -327,12 +332,12 @@ class Transformer(nn.Module):
             attention.keep = keep
 
     def embed(self, tokens: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """(B, T, dim) embeddings of tokens (B, T); with `smear`, plus the weighted embeddings of the
-        previous tokens `prev` (B, T), -1 where there is none (`previous_tokens`)."""
+        """(B, T, dim) embeddings of tokens (B, T); with `smear`, plus the embeddings of the previous
+        tokens `prev` (B, T), -1 where there is none (`previous_tokens`), through the smear matrix."""
         h = self.tok_embeddings(tokens)
         if self.smear is None:
             return h
-        return h + self.smear * self.tok_embeddings(prev.clamp_min(0)) * (prev >= 0)[..., None]
+        return h + self.smear(self.tok_embeddings(prev.clamp_min(0))) * (prev >= 0)[..., None]
 
     def documents(self, document_ids: torch.Tensor) -> Documents:
         """The document geometry of `document_ids` (B, T) for this model's attention, on the model's
@@ -386,7 +391,7 @@ class Transformer(nn.Module):
         """Parameter counts by what the parameters are (embedding, queries, cmp K/V, MLP, ...), from
         the module structure (a tied output head counts as the embedding)."""
         parts = [("embedding", self.tok_embeddings), ("norms", self.norm)]
-        counts: dict[str, int] = {"smear": self.smear.numel()} if self.smear is not None else {}
+        counts: dict[str, int] = {"smear": self.smear.weight.numel()} if self.smear is not None else {}
         if not self.cfg.tie_embeddings:
             parts.append(("output head", self.output))
         for block in self.layers.values():
@@ -404,8 +409,6 @@ class Transformer(nn.Module):
         cmp blocks + selected keys + window for NSA (`NSASpec.mean_keys_per_query`).
         """
         n_matmul = sum(p.numel() for p in self.parameters()) - self.tok_embeddings.weight.numel()
-        if self.smear is not None:
-            n_matmul -= self.smear.numel()
         if self.cfg.tie_embeddings:
             n_matmul += self.output.weight.numel()
         n_cmp = sum(p.numel() for m in self.modules() if isinstance(m, Compressor) for p in m.parameters())
@@ -424,7 +427,10 @@ class Transformer(nn.Module):
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
         _init_trunc_normal(self.tok_embeddings.weight, std if self.cfg.tie_embeddings else 1.0, gen)
         if self.smear is not None:
-            nn.init.ones_(self.smear)  # each token starts carrying its predecessor in full
+            # A random map (about norm-preserving), not the identity: "my token" and "the token
+            # before" then sit in different directions, so one attention layer can look up "the
+            # position after an earlier occurrence of me" without also matching the occurrence itself.
+            _init_trunc_normal(self.smear.weight, self.cfg.dim**-0.5, gen)
         for block in self.layers.values():
             block.init_weights(std, out_std, gen)
         self.norm.reset_parameters()
