@@ -80,11 +80,17 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
             "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
 
 
-def _recall_batches(cfg: JobConfig, distance: int, batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _eval_layout(cfg: JobConfig) -> RecallLayout:
+    """The recall rows the evaluation reads: `[recall]`'s sizes, each pair asked once, no drill."""
+    r = cfg.recall
+    return RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
+
+
+def _recall_batches(cfg: JobConfig, layout: RecallLayout, distance: int, batches: int
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) of `batches` batches of held-out recall samples (seed [data] seed + 1), every
     pair `distance` tokens before its query."""
-    r, B = cfg.recall, cfg.training.local_batch_size
-    layout = RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
+    B = cfg.training.local_batch_size
     layout.check(distance)
     for b in range(batches):
         samples = [recall_sample(layout, cfg.data.seed + 1, b * B + i, [distance])[0] for i in range(B)]
@@ -96,12 +102,11 @@ def evaluate_recall(model: torch.nn.Module, cfg: JobConfig, distances: list[int]
                     ) -> dict[int, tuple[int, int]]:
     """{distance: (queries recalled exactly, queries)} over `batches` batches of held-out recall
     samples with every pair at that distance."""
-    r = cfg.recall
-    layout = RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
+    layout = _eval_layout(cfg)
     results = {}
     for d in distances:
         correct = total = 0
-        for inputs, labels in _recall_batches(cfg, d, batches):
+        for inputs, labels in _recall_batches(cfg, layout, d, batches):
             c, n = recall_accuracy(model(inputs), labels, layout)
             correct, total = correct + c, total + n
         results[d] = (correct, total)
@@ -116,7 +121,7 @@ def recall_routing(model: torch.nn.Module, cfg: JobConfig, distances: list[int],
     block holding the pair's copy of that token ("layer i found"), which is where the selection
     has to read it from. A value token labelled at position t is input token t + 1; its copy sits
     `distance` tokens earlier."""
-    attns = [m for m in model.modules() if isinstance(m, NSAAttention)]
+    layout, attns = _eval_layout(cfg), [m for m in model.modules() if isinstance(m, NSAAttention)]
     for m in attns:
         m.record_selection = True
     results: dict[int, dict[str, float]] = {}
@@ -124,7 +129,7 @@ def recall_routing(model: torch.nn.Module, cfg: JobConfig, distances: list[int],
         for d in distances:
             counts = torch.zeros(1 + len(attns))
             asked = 0
-            for inputs, labels in _recall_batches(cfg, d, batches):
+            for inputs, labels in _recall_batches(cfg, layout, d, batches):
                 mask = labels != IGNORE_INDEX  # (B, T)
                 counts[0] += (model(inputs).argmax(-1) == labels)[mask].sum()
                 copy = torch.arange(labels.shape[1]) + 1 - d  # (T,) the copy's position
