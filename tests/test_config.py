@@ -42,6 +42,8 @@ BAD = [
     (["--activation_checkpoint.mode=partial"], 1, ["mode = 'partial'", "one of 'none', 'full', 'selective'"]),
     (["--model.attention", "flash"], 1, ["one of 'nsa', 'dense'"]),
     (["--training.steps", "0"], 1, ["[training] steps = 0: must be a positive integer"]),
+    (["--model.sel_score_grad", "-1"], 1, ["[model] sel_score_grad = -1.0", "must be >= 0"]),
+    (["--model.attention", "dense", "--model.sel_score_grad", "0.5"], 1, ["sel_score_grad = 0.5", "0 for attention = 'dense'"]),
     (["--model.n_heads", "6", "--model.n_kv_groups", "4"], 1,
      ["n_heads = 6 is not divisible by n_kv_groups = 4"]),
     (["--model.head_dim", "31"], 1, ["head_dim = 31: must be even"]),

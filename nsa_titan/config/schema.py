@@ -72,6 +72,11 @@ class Model:
     window_size: int = 512  # w: sliding-window length
     nsa_branch: Literal["all", "cmp", "sel", "win"] = "all"
     """Diagnostics: `cmp`, `sel` or `win` keeps that branch alone (the others' gates are 0)."""
+    sel_score_grad: float = 0.0
+    """Off-paper (`models/attention/routing.py`): give the block scores that choose the sel blocks the
+    gradient they would get if they biased the sel logits of their blocks' keys (straight-through),
+    times this weight; in the paper (0) they learn only through the cmp output. It recomputes the
+    cmp probabilities densely, a (T, T/d) matrix per layer."""
 
 
 @dataclass

@@ -57,6 +57,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
                  f"[training] seq_len = {t.seq_len} is shorter than the NSA blocks (cmp_block_size = {l}, "
                  f"sel_block_size = {ls}): no compressed block would ever be complete; use seq_len >= "
                  f"{max(l, ls)} or smaller blocks")
+    _require(m.sel_score_grad >= 0 and (m.sel_score_grad == 0 or m.attention == "nsa"),
+             f"[model] sel_score_grad = {m.sel_score_grad}: the weight of the block scores' gradient must be >= 0, and 0 "
+             f"for attention = '{m.attention}' (only NSA layers choose blocks)")
     _require(t.max_norm >= 0, f"[training] max_norm = {t.max_norm}: must be >= 0 (0 disables clipping)")
     _require(cfg.optimizer.lr > 0, f"[optimizer] lr = {cfg.optimizer.lr}: must be > 0")
     _require(0 <= cfg.optimizer.beta1 < 1 and 0 <= cfg.optimizer.beta2 < 1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
-from .attention.common import N_FORCED_INITIAL, N_FORCED_LOCAL
+from .attention.common import forced_blocks
 
 
 def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -39,7 +39,6 @@ def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: N
     (in blocks from the query's own) the scored ones lie."""
     idx, valid, t = selected_blocks(q, kc, vc, spec, n_groups, docs)  # (B, G, T, n')
     jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
-    forced = (idx < N_FORCED_INITIAL) | (idx > jt - N_FORCED_LOCAL)
-    scored = valid & ~forced
+    scored = valid & ~forced_blocks(idx, t, spec)
     distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
     return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}

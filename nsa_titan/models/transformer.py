@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
+from .attention.routing import with_score_grad
 from .nsa_stats import gate_stats, selected_blocks, selection_stats
 
 
@@ -149,6 +150,7 @@ class NSAAttention(nn.Module):
         self.record_stats = False
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
+        self.score_grad = cfg.sel_score_grad  # the block scores' straight-through gradient, times this (0: none)
         self.record_selection = False  # evaluation (no cp): keep the last forward's sel blocks
         self.selection: tuple[torch.Tensor, torch.Tensor] | None = None  # idx, valid (B, G, T, n')
         H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
@@ -205,8 +207,16 @@ class NSAAttention(nn.Module):
         if self.record_selection:
             self.selection = selected_blocks(q, kc, vc, self.spec, self.n_groups, docs)[:2]
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
-        o = attend_in_parts(self.cp, kv["k_sel"].shape[1], lambda rows, **q0: self.attn_fn(
-            q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, **q0))
+        score_grad = self.score_grad if self.training and torch.is_grad_enabled() else 0.0
+
+        def attend(rows: slice, **q0: int) -> torch.Tensor:
+            o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, **q0)
+            if score_grad:
+                o = with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
+                                    docs, **q0)
+            return o
+
+        o = attend_in_parts(self.cp, kv["k_sel"].shape[1], attend)
         return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:

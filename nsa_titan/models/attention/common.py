@@ -132,6 +132,37 @@ def _pooled(p_group: torch.Tensor, spec: NSASpec, Ns: int) -> torch.Tensor:
     return scores
 
 
+def block_scores(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
+                 slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sel blocks' importance scores (B, G, C, Ns) from group-summed cmp probabilities p_group
+    (B, G, C, Nv) (Eq. 9: the sum of each block's cmp members), differentiable; and the positions t of
+    queries t0 .. t0 + C - 1 that blocks count from: (1, C), or (B, C) from each query's document start
+    with `docs`. See `choose_blocks` for the arguments."""
+    B, G, C, Nv = p_group.shape
+    dev = p_group.device
+    t = torch.arange(t0, t0 + C, device=dev)[None, :]  # (1, C)
+    Ns = spec.num_sel_blocks(T)
+    if docs is None and spec.l % spec.d == 0 and spec.l_sel % spec.d == 0:
+        return _pooled(p_group, spec, Ns), t
+    padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)
+    if docs is None:
+        members = sel_members(spec, T, dev).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
+        return padded[..., members].sum(-1), t  # (B, G, C, Ns)
+    # With documents, the members counted inside the document, as slots.
+    members = sel_members(spec, Ns * spec.l_sel + spec.l, dev)[:Ns]  # (Ns, K), unclipped by T
+    absent = members == spec.num_cmp_blocks(Ns * spec.l_sel + spec.l)
+    slots = torch.where(absent, Nv, docs.first_slot[:, t0:t0 + C, None, None] - slot0 + members).clamp(max=Nv)
+    scores = padded.gather(-1, slots.view(B, 1, C, -1).expand(B, G, C, -1)).view(B, G, C, Ns, -1).sum(-1)
+    return scores, t - docs.start[:, t0:t0 + C]  # (B, C): positions in the document
+
+
+def forced_blocks(j: torch.Tensor, t: torch.Tensor, spec: NSASpec) -> torch.Tensor:
+    """Whether blocks j (broadcastable to (..., C, n)) are forced for queries at positions t (..., C):
+    block 0 and the 2 local blocks."""
+    jt = torch.div(t, spec.l_sel, rounding_mode="floor")[..., None]  # the block holding t
+    return (j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL))
+
+
 def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
                   slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
@@ -146,30 +177,14 @@ def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: D
     flows through the choice.
     """
     with torch.no_grad():
-        B, G, C, Nv = p_group.shape
-        dev = p_group.device
-        padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)
-        t = torch.arange(t0, t0 + C, device=dev)[None, :]  # (1, C)
-        Ns = spec.num_sel_blocks(T)
-        if docs is None and spec.l % spec.d == 0 and spec.l_sel % spec.d == 0:
-            scores = _pooled(p_group, spec, Ns)
-        elif docs is None:
-            members = sel_members(spec, T, dev).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
-            scores = padded[..., members].sum(-1)  # (B, G, C, Ns)
-        else:  # the members counted inside the document, as slots
-            members = sel_members(spec, Ns * spec.l_sel + spec.l, dev)[:Ns]  # (Ns, K), unclipped by T
-            absent = members == spec.num_cmp_blocks(Ns * spec.l_sel + spec.l)
-            slots = torch.where(absent, Nv, docs.first_slot[:, t0:t0 + C, None, None] - slot0 + members).clamp(max=Nv)
-            scores = padded.gather(-1, slots.view(B, 1, C, -1).expand(B, G, C, -1)).view(B, G, C, Ns, -1).sum(-1)
-            t = t - docs.start[:, t0:t0 + C]  # (B, C): positions in the document
-        j = torch.arange(Ns, device=dev)[None, None, :]
-        jt = (t // spec.l_sel)[:, :, None]  # the block holding t
-        candidate = (j <= jt)[:, None]  # (B or 1, 1, C, Ns)
-        forced = ((j < N_FORCED_INITIAL) | ((j <= jt) & (j > jt - N_FORCED_LOCAL)))[:, None]
+        scores, t = block_scores(p_group, spec, t0, T, docs, slot0)
+        Ns = scores.shape[-1]
+        j = torch.arange(Ns, device=p_group.device)[None, None, :]
+        candidate = (j <= torch.div(t, spec.l_sel, rounding_mode="floor")[:, :, None])[:, None]  # (B or 1, 1, C, Ns)
+        forced = forced_blocks(j, t, spec)[:, None]
         scores = scores.masked_fill(forced, float("inf")).masked_fill(~candidate, float("-inf"))
-        n = min(spec.n, Ns)
-        idx = top_n(scores, n)
-        valid = candidate.expand(B, G, C, Ns).gather(-1, idx)
+        idx = top_n(scores, min(spec.n, Ns))
+        valid = candidate.expand(scores.shape).gather(-1, idx)
     return idx, valid
 
 
