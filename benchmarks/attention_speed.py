@@ -19,6 +19,10 @@ layer *module* on x (1, T, 768), projections included:
   fast-torch-core
              nsa_fast with every branch in PyTorch (`kernels = "torch"`: on CPUs the PyTorch sel
              tiles and win chunks instead of NSA's C++ kernels, on GPUs instead of the Triton kernels)
+  fast-own-core
+             nsa_fast with NSA's C++ kernels (CPUs) and their own backward for win and cmp however
+             long the runs (`fast-core` leaves runs of `cpu_attention.FUSED_BACKWARD_KEYS` keys or more
+             to ATen's fused attention)
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
 one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,
@@ -47,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import MALLOC_TUNING  # noqa: E402
-from nsa_titan.models.attention import Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference  # noqa: E402
+from nsa_titan.models.attention import Kernels, NSASpec, cpu_attention, dense_causal, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
@@ -74,6 +78,9 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
         return inputs, lambda x: flash_attn_func(*inputs, causal=True)
     if impl == "fast-torch":  # every branch in PyTorch (on GPUs: the block-centric sel tiles, no Triton)
         return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels())
+    if impl == "fast-own":  # the C++ kernel's own backward for win and cmp however long their runs
+        cpu_attention.FUSED_BACKWARD_KEYS = 1 << 30
+        return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels("cpp", "cpp", "cpp"))
     return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)
 
 

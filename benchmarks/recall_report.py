@@ -1,7 +1,7 @@
 """Long-range recall at equal parameters: NSA, NSA with its window alone, and dense attention.
 
     python benchmarks/recall_report.py [--drill_steps N] [--steps N] [--distances 32 96 256 512 960]
-                                       [--out benchmarks/recall_accuracy.png]
+                                       [--models nsa win dense] [--out benchmarks/recall_accuracy.png]
 
 Trains `train_configs/recall.toml` (the recall task of `nsa_titan/data/recall.py`) three times on one
 CPU rank, with the same data, steps, seed and optimizer, each in two runs: `--drill_steps` of the
@@ -11,6 +11,7 @@ lookup), then the recall task from the drill's final checkpoint (`checkpoint.ini
   win    the same model with cmp and sel switched off (`--model.nsa_branch win`);
   dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`), no block
          scores to train (`sel_score_grad` 0).
+(`--models` trains a subset: a change to NSA alone cannot move win or dense.)
 Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
 marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, logged during
@@ -44,6 +45,7 @@ CONFIG = str(ROOT / "train_configs" / "recall.toml")
 DRILL = ["--recall.drill", "true", "--recall.pairs", "16", "--training.seq_len", "256",
          "--training.local_batch_size", "32", "--model.sel_score_grad", "0"]
 """The drill run's overrides of recall.toml."""
+MODELS = ("nsa", "win", "dense")
 
 
 def train(name: str, overrides: list[str], dump: Path) -> float:
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="steps of the recall run (0: the config's)")
     parser.add_argument("--distances", type=int, nargs="+", default=[32, 96, 256, 512, 960])
     parser.add_argument("--batches", type=int, default=8, help="held-out batches per distance")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+                        help="which models to train (a change to NSA alone cannot move win or dense)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "recall_accuracy.png",
                         help="the accuracy chart; the gate-share chart goes beside it (*_gates.png)")
     args = parser.parse_args()
@@ -78,6 +82,7 @@ def main() -> None:
     hidden, n_dense, n_nsa = dense_ffn_for(m, seq_len)
     models = {"nsa": [], "win": ["--model.nsa_branch", "win"],
               "dense": ["--model.attention", "dense", "--model.ffn_hidden_dim", str(hidden), "--model.sel_score_grad", "0"]}
+    models = {name: models[name] for name in args.models}
     print(f"parameters: NSA and win {n_nsa:,} (win: cmp and sel present, gated off), dense {n_dense:,} (MLP hidden "
           f"{m.ffn_hidden_dim or 'default'} -> {hidden}; {100 * (n_dense / n_nsa - 1):+.2f}%); "
           f"w = {m.window_size}, layers x w = {m.n_layers * m.window_size}")
@@ -108,18 +113,19 @@ def main() -> None:
     line_chart(acc, args.out, f"exact recall by distance, equal parameters ({args.drill_steps} drill + "
                f"{cfg.training.steps} recall steps)",
                "distance (tokens)", "exact recall", (0.0, 1.0), marks)
-    gates = args.out.with_name(args.out.stem + "_gates.png")
-    line_chart({f"layer {i}": {s: v[i] for s, v in share.items()} for i in range(m.n_layers)}, gates,
-               "NSA during recall training: sel gate / (cmp + sel + win)", "step", "sel share", (0.0, 1.0))
-    print(f"plots: {args.out}, {gates}\n")
+    print(f"plot: {args.out}\n")
     print("| distance | " + " | ".join(acc) + " |\n|---|" + "---|" * len(acc))
     for dist in args.distances:
         print(f"| {dist:,} | " + " | ".join(f"{acc[name][dist]:.1%}" for name in acc) + " |")
-    print("\n| step | " + " | ".join(f"sel share, layer {i}" for i in range(m.n_layers)) + " |\n|---|" +
-          "---|" * m.n_layers)
-    for s in sorted(share)[::max(1, len(share) // 10)]:
-        print(f"| {s} | " + " | ".join(f"{v:.3f}" for v in share[s]) + " |")
-    print("\nNSA's exact recall by distance with one branch of one layer switched off:\n" + recall_table(ablations))
+    if "nsa" in acc:
+        gates = args.out.with_name(args.out.stem + "_gates.png")
+        line_chart({f"layer {i}": {s: v[i] for s, v in share.items()} for i in range(m.n_layers)}, gates,
+                   "NSA during recall training: sel gate / (cmp + sel + win)", "step", "sel share", (0.0, 1.0))
+        print(f"\nplot: {gates}\n\n| step | " + " | ".join(f"sel share, layer {i}" for i in range(m.n_layers)) +
+              " |\n|---|" + "---|" * m.n_layers)
+        for s in sorted(share)[::max(1, len(share) // 10)]:
+            print(f"| {s} | " + " | ".join(f"{v:.3f}" for v in share[s]) + " |")
+        print("\nNSA's exact recall by distance with one branch of one layer switched off:\n" + recall_table(ablations))
     for name, by in routing.items():  # win's selection is computed though gated off: it shows chance picking
         print(f"\n{name}: value tokens predicted right, and how often each layer's selection held the pair's copy:\n"
               + routing_table(by))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from nsa_titan import export
@@ -46,12 +48,26 @@ def step_dirs(dump: Path) -> list[str]:
     return sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-"))
 
 
+def saved_rng(step: Path, rank: int) -> dict:
+    """The generator states rank `rank` saved in the checkpoint at `step`."""
+    state = {f"rng.rank_{rank}.pickle": None}
+    dcp.load(state, checkpoint_id=str(step), no_dist=True)
+    return pickle.loads(state[f"rng.rank_{rank}.pickle"])
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to load in a single process")
 def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
     fast = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
     ok(run(tmp_path / "a", *fast, "--training.steps", "20"))
     ok(run(tmp_path / "b", *fast, "--training.steps", "10", tb="tb1"))
-    out = ok(run(tmp_path / "b", *fast, "--training.steps", "20", tb="tb2"))
+    # Another seed on resume: only a restored RNG state brings the generators back to run a's.
+    out = ok(run(tmp_path / "b", *fast, "--training.steps", "20", "--debug.seed", "1", tb="tb2"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-10'} at step 10" in out
+    assert "no RNG state" not in out
+    for rank in (0, 1):
+        # torch's generator, which the seed sets (python's and numpy's start from OS entropy)
+        ra, rb = (saved_rng(tmp_path / x / "checkpoint" / "step-20", rank)["torch"] for x in "ab")
+        assert ra == rb, f"rank {rank}'s torch generator was not restored on resume"
     a = tb_losses(tmp_path / "a" / "tb")
     b = {**tb_losses(tmp_path / "b" / "tb1"), **tb_losses(tmp_path / "b" / "tb2")}
     assert sorted(a) == sorted(b) == list(range(1, 21))

@@ -15,6 +15,7 @@ import torch
 from nsa_titan import hostcpu
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_kernels, cpu_attention, fast_sel, fast_shared, ops
+from nsa_titan.models.attention import fused_attention
 from nsa_titan.models.attention import nsa_fast, nsa_reference
 
 from test_nsa_fast import SPEC, random_parts_inputs, whole_and_parts
@@ -100,6 +101,13 @@ SHAPES = [  # (B, G, T, r, D, spec): T not a multiple of l'; every r and D the k
     (1, 1, 90, 4, 32, SPEC),
     (1, 2, 120, 8, 16, SPEC),
 ]
+
+
+@pytest.fixture(autouse=True)
+def own_backward(monkeypatch) -> None:
+    """The kernel's own backward for every run length (long ones go to ATen's fused attention in
+    training: `test_long_runs_go_backward_through_atens_fused_attention`)."""
+    monkeypatch.setattr(cpu_attention, "FUSED_BACKWARD_KEYS", 1 << 30)
 
 
 @pytest.fixture(params=["rows", "blocks", "blocks-chunked"])
@@ -217,6 +225,34 @@ def test_nsa_fast_runs_every_branch_through_the_kernels_by_default(monkeypatch):
     count = len(calls)  # cmp forward: one call per chunk
     nsa_fast(*[x.double() for x in args], SPEC)  # fp64: the PyTorch kernels
     assert len(calls) == count
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_long_runs_go_backward_through_atens_fused_attention(monkeypatch, with_docs):
+    """win and cmp over at least FUSED_BACKWARD_KEYS keys: the kernel's forward, ATen's fused backward
+    (faster there), and the gradients of the kernel's own backward; shorter runs keep the kernel's."""
+    monkeypatch.undo()  # the default FUSED_BACKWARD_KEYS
+    assert not cpu_attention.own_backward("win", M7C, 32768) and not cpu_attention.own_backward("cmp", M7C, 2047)
+    assert cpu_attention.own_backward("win", SPEC, 10**6) and cpu_attention.own_backward("cmp", M7C, 127)
+    calls = []
+    for module, name in ((cpu_attention, "cmp_backward"), (cpu_attention, "window_backward"),
+                         (fused_attention, "attend_backward")):
+        def counted(*a, _fn=getattr(module, name), _name=name):
+            calls.append(_name)
+            return _fn(*a)
+        monkeypatch.setattr(module, name, counted)
+    args, docs = random_parts_inputs(203, with_docs, torch.float32)
+    grads = {}
+    for keys in (1 << 30, 24):  # every run the kernel's own; from w = 24 and 24 compressed keys, ATen's
+        monkeypatch.setattr(cpu_attention, "FUSED_BACKWARD_KEYS", keys)
+        calls.clear()
+        x = [a.detach().requires_grad_() for a in args]
+        nsa_fast(*x, SPEC, Kernels("cpp", "cpp", "cpp"), docs).square().sum().backward()
+        grads[keys] = [a.grad for a in x]
+        assert ("attend_backward" in calls) == (keys == 24)
+        assert ("window_backward" in calls and "cmp_backward" in calls) == (keys != 24)
+    for own, fused in zip(*grads.values()):
+        torch.testing.assert_close(fused, own, rtol=1e-4, atol=1e-5)
 
 
 def test_the_op_passes_opcheck():

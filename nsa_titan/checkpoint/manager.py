@@ -165,7 +165,8 @@ class CheckpointManager:
                            "beginning (model, optimizer, schedule and step are restored)", path,
                            saved.dp_world_size, self.dp_world_size)
             exclude = exclude | {"dataloader", "rng"}
-        if f"rng.rank_{self.rank}" not in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        saved_keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if not any(k.startswith(f"rng.rank_{self.rank}.") for k in saved_keys):  # stored as rng.rank_R.pickle
             # Saved by fewer ranks (another context-parallel degree): no RNG state for this rank to
             # restore. Training draws nothing from it (the data's randomness is in the loader state).
             logger.info("checkpoint %s has no RNG state for rank %d (saved by fewer ranks): not restored", path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -41,7 +42,7 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
                                     data.seed, dp_rank)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
                               persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
-                              worker_init_fn=ignore_stop_signals)
+                              worker_init_fn=ignore_stop_signals, generator=own_generator(data.seed, dp_rank))
 
 
 def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
@@ -50,7 +51,13 @@ def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer,
     stream = split_dataset_by_node(open_text_stream(v.path or data.path, data.name, v.split, data.text_column),
                                    rank=dp_rank, world_size=dp_size)
     dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1)
-    return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0)
+    return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
+
+
+def own_generator(seed: int, dp_rank: int) -> torch.Generator:
+    """The loader's own generator: each new iterator draws its base seed from it, not from the global
+    torch generator, which a resumed run restores and must then find where the stopped run left it."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + dp_rank)
 
 
 def shutdown_workers(loader: StatefulDataLoader) -> None:

@@ -8,7 +8,8 @@ For cmp it also returns each query's probabilities summed over the group's heads
 blocks are chosen from (`choose_blocks`, per chunk of queries). The backward goes query by query,
 each thread adding into its own dk, dv; the sel backward of longer sequences goes block by block
 instead, through the reverse index (`block_readers`), a chunk of queries at a time, so that its
-working set does not grow with T.
+working set does not grow with T. The win and cmp backward of long runs of keys is left to ATen's
+fused attention (`own_backward`), faster there.
 
 Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
 builds it; a cached build loads in a fraction of a second). Where it cannot be built or cannot take
@@ -37,6 +38,12 @@ ROWS_MAX_KEYS = 4096
 """The sel backward goes query by query up to this many keys per (batch, group), block by block
 beyond (2-core AMD EPYC, M7C shape: 0.079 against 0.079 s at 2k, 0.41 against 0.37 s at 8k, 1.06
 against 0.79 s at 16k)."""
+FUSED_BACKWARD_KEYS = 256
+"""win and cmp runs of this many keys or more (w; the compressed keys of the sequence) go backward
+through ATen's fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query
+backward there; shorter ones, as the scaled-down configs have, stay here. 2-core AMD EPYC (AVX2), M7C
+shape: win (w = 512) 0.46 against 0.52 s at 8k, 1.42 against 2.43 s at 32k; cmp (2,047 keys at
+32k) 2.67 against 4.27 s; but w = 64 (recall.toml) 28 against 22 ms (`benchmarks/README.md`)."""
 CHUNK_BYTES = 1 << 20
 """The block-by-block sel backward takes the queries in chunks of this many bytes of q (as many of
 dO and dq), so that a chunk's rows stay in cache while the blocks they chose pass (at 32k: 2.41 s
@@ -80,6 +87,12 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
         return (f"NSA's C++ kernels take {HEADS} query heads per KV group, head_dim in {HEAD_DIMS} and "
                 f"sel_block_size a multiple of 16 (they are {heads_per_group}, {head_dim} and {spec.l_sel})")
     return _build_problem()
+
+
+def own_backward(kind: str, spec: NSASpec, n_keys: int) -> bool:
+    """Whether this kernel's backward takes a win or cmp branch over `n_keys` keys (else ATen's fused
+    attention does: `FUSED_BACKWARD_KEYS`)."""
+    return (spec.w if kind == "win" else n_keys) < FUSED_BACKWARD_KEYS
 
 
 def _keys(x: torch.Tensor, reach: int = 0) -> torch.Tensor:
