@@ -87,7 +87,7 @@ def gathered_bytes_per_token(cfg: JobConfig) -> float:
     G, D = m.n_kv_groups, m.head_dim
     if m.attention != "nsa":
         return 2 * G * D * size
-    hidden = m.cmp_mlp_hidden or 4 * D
+    hidden = (m.cmp_mlp_hidden or 4 * D) if m.cmp_phi == "mlp" else 0
     compressor = 2 * G * (m.cmp_block_size * D + 2 * hidden) / m.cmp_stride  # K and V, per token
     return (6 * G * D + compressor) * size
 

@@ -60,6 +60,26 @@ def test_compressor_blocks_follow_l_and_d():
     assert comp(torch.randn(2, 7, 3, 2)).shape == (2, 0, 3, 2)  # T < l: no block
 
 
+def test_mean_compressor_is_the_block_mean_and_has_no_parameters():
+    comp = Compressor(l=8, d=4, head_dim=2, hidden=4, out_bias=True, mlp=False)
+    assert list(comp.parameters()) == []
+    x = torch.randn(2, 23, 3, 2)
+    out = comp(x)
+    assert out.shape == (2, 4, 3, 2)
+    for i in range(4):
+        torch.testing.assert_close(out[:, i], x[:, 4 * i:4 * i + 8].mean(1))
+    starts = torch.tensor([[0, 5, 9], [3, 4, 30]])  # document slots; past T - l: clamped, unused
+    slots = comp(x, starts)
+    torch.testing.assert_close(slots[:, :2], torch.stack([x[b, s:s + 8].mean(0) for b in range(2)
+                                                          for s in starts[b, :2].tolist()]).view(2, 2, 3, 2))
+    model = build(Model(**{**TINY, "cmp_phi": "mean"}))
+    assert model.parameter_parts()["cmp compression MLPs"] == 0
+    assert build(Model(**TINY)).parameter_parts()["cmp compression MLPs"] > 0
+    tokens = torch.randint(0, 50, (2, 64))
+    model(tokens).logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_dense_baseline_and_tied_embeddings():
     dense = build(Model(**{**TINY, "attention": "dense"}))
     tokens = torch.randint(0, 50, (2, 40))

@@ -67,6 +67,10 @@ class Model:
     cmp_block_size: int = 32  # l: length of a compression block
     cmp_stride: int = 16  # d: stride between compression blocks
     cmp_mlp_hidden: int = 0  # hidden size of the compression MLP phi; 0 means 4 * head_dim
+    cmp_phi: Literal["mlp", "mean"] = "mlp"
+    """phi, the compression of a block of l keys (values) to one: `mlp`, the paper's MLP with an
+    intra-block position table; `mean` (off-paper, as fla's NSA), the block's mean, no parameters: a
+    block's score is then its keys' mean logit, the same for a key wherever it sits in the block."""
     sel_block_size: int = 64  # l': length of a selection block
     sel_top_n: int = 16  # n: selected blocks per query, the initial block and the 2 local blocks included
     window_size: int = 512  # w: sliding-window length

@@ -93,18 +93,21 @@ class FeedForward(nn.Module):
 
 
 class Compressor(nn.Module):
-    """phi: a block of l keys (plus a learned intra-block position table) -> one key, by an MLP.
+    """phi: a block of l keys -> one key. `mlp`: the paper's MLP over the block (plus a learned
+    intra-block position table); otherwise the block's mean (as fla's NSA), no parameters.
 
     (B, T, G, D) -> (B, Nc, G, D), block i covering positions [i*d, i*d + l), or with `starts`
     (B, Nc) the positions [starts[b, i], starts[b, i] + l) (documents' slots; past T: unused).
     """
 
-    def __init__(self, l: int, d: int, head_dim: int, hidden: int, out_bias: bool):
+    def __init__(self, l: int, d: int, head_dim: int, hidden: int, out_bias: bool, mlp: bool = True):
         super().__init__()
         self.l, self.d = l, d
-        self.pos = nn.Parameter(torch.empty(l, head_dim))  # intra-block position encoding
-        self.fc1 = nn.Linear(l * head_dim, hidden)
-        self.fc2 = nn.Linear(hidden, head_dim, bias=out_bias)
+        if mlp:
+            self.pos = nn.Parameter(torch.empty(l, head_dim))  # intra-block position encoding
+            self.fc1 = nn.Linear(l * head_dim, hidden)
+            self.fc2 = nn.Linear(hidden, head_dim, bias=out_bias)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         B, T, G, D = x.shape
@@ -115,10 +118,14 @@ class Compressor(nn.Module):
         else:
             pos = (starts.clamp(max=T - self.l)[:, :, None] + torch.arange(self.l, device=x.device)).view(B, -1)
             blocks = x.gather(1, pos[:, :, None, None].expand(-1, -1, G, D)).view(B, -1, self.l, G, D).transpose(2, 3)
+        if not self.mlp:
+            return blocks.mean(-2)
         blocks = (blocks + self.pos.to(x.dtype)).flatten(-2)  # (B, Nc, G, l*D)
         return self.fc2(F.silu(self.fc1(blocks)))
 
     def init_weights(self, std: float, gen: torch.Generator) -> None:
+        if not self.mlp:
+            return
         _init_trunc_normal(self.pos, std, gen)
         _init_trunc_normal(self.fc1.weight, std, gen)
         _init_trunc_normal(self.fc2.weight, std, gen)
@@ -161,8 +168,9 @@ class NSAAttention(nn.Module):
         self.wkv_win = nn.Linear(cfg.dim, 2 * G * D, bias=False)
         # A bias on the compressed keys would shift every score of a query equally: softmax
         # ignores it and its gradient is 0, so the key compressor has none.
-        self.compress_k = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=False)
-        self.compress_v = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=True)
+        mlp = cfg.cmp_phi == "mlp"
+        self.compress_k = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=False, mlp=mlp)
+        self.compress_v = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=True, mlp=mlp)
         self.gate = nn.Linear(cfg.dim, 3 * H)  # g^cmp, g^sel, g^win per head
         self.wo = nn.Linear(H * D, cfg.dim, bias=False)
 
