@@ -93,21 +93,18 @@ class FeedForward(nn.Module):
 
 
 class Compressor(nn.Module):
-    """phi: a block of l keys -> one key. `mlp`: the paper's MLP over the block (plus a learned
-    intra-block position table); otherwise the block's mean (as fla's NSA), no parameters.
-
-    (B, T, G, D) -> (B, Nc, G, D), block i covering positions [i*d, i*d + l), or with `starts`
-    (B, Nc) the positions [starts[b, i], starts[b, i] + l) (documents' slots; past T: unused).
-    """
+    """phi: a block of l keys -> one key, by the paper's MLP (plus a learned intra-block position
+    table), or without `mlp` the block's mean (as fla's NSA). (B, T, G, D) -> (B, Nc, G, D), block i
+    covering positions [i*d, i*d + l), or with `starts` (B, Nc) the positions [starts[b, i],
+    starts[b, i] + l) (documents' slots; past T: unused)."""
 
     def __init__(self, l: int, d: int, head_dim: int, hidden: int, out_bias: bool, mlp: bool = True):
         super().__init__()
-        self.l, self.d = l, d
+        self.l, self.d, self.mlp = l, d, mlp
         if mlp:
             self.pos = nn.Parameter(torch.empty(l, head_dim))  # intra-block position encoding
             self.fc1 = nn.Linear(l * head_dim, hidden)
             self.fc2 = nn.Linear(hidden, head_dim, bias=out_bias)
-        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         B, T, G, D = x.shape
@@ -124,14 +121,12 @@ class Compressor(nn.Module):
         return self.fc2(F.silu(self.fc1(blocks)))
 
     def init_weights(self, std: float, gen: torch.Generator) -> None:
-        if not self.mlp:
-            return
-        _init_trunc_normal(self.pos, std, gen)
-        _init_trunc_normal(self.fc1.weight, std, gen)
-        _init_trunc_normal(self.fc2.weight, std, gen)
-        nn.init.zeros_(self.fc1.bias)
-        if self.fc2.bias is not None:
-            nn.init.zeros_(self.fc2.bias)
+        if self.mlp:
+            for weight in (self.pos, self.fc1.weight, self.fc2.weight):
+                _init_trunc_normal(weight, std, gen)
+            for bias in (self.fc1.bias, self.fc2.bias):
+                if bias is not None:
+                    nn.init.zeros_(bias)
 
 
 class NSAAttention(nn.Module):
@@ -168,9 +163,8 @@ class NSAAttention(nn.Module):
         self.wkv_win = nn.Linear(cfg.dim, 2 * G * D, bias=False)
         # A bias on the compressed keys would shift every score of a query equally: softmax
         # ignores it and its gradient is 0, so the key compressor has none.
-        mlp = cfg.cmp_phi == "mlp"
-        self.compress_k = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=False, mlp=mlp)
-        self.compress_v = Compressor(self.spec.l, self.spec.d, D, hidden, out_bias=True, mlp=mlp)
+        self.compress_k, self.compress_v = (Compressor(self.spec.l, self.spec.d, D, hidden, bias, cfg.cmp_phi == "mlp")
+                                            for bias in (False, True))
         self.gate = nn.Linear(cfg.dim, 3 * H)  # g^cmp, g^sel, g^win per head
         self.wo = nn.Linear(H * D, cfg.dim, bias=False)
 
