@@ -83,7 +83,8 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
 def _eval_layout(cfg: JobConfig) -> RecallLayout:
     """The recall rows the evaluation reads: `[recall]`'s sizes, each pair asked once, no drill."""
     r = cfg.recall
-    return RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs)
+    return RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs,
+                        distinct=r.distinct)
 
 
 def _recall_batches(cfg: JobConfig, layout: RecallLayout, distance: int, batches: int

@@ -155,6 +155,42 @@ def test_each_pair_is_asked_asks_times_at_its_drawn_distances():
     assert n_pairs >= 20
 
 
+def one_token_lookup(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, T, vocab) one-hot logits of the lookup one attention layer with `smear` can do: at each
+    position, the token that followed the latest earlier occurrence of this position's token."""
+    logits = torch.zeros(*tokens.shape, vocab_size)
+    for b, row in enumerate(tokens.tolist()):
+        after: dict[int, int] = {}
+        for t, token in enumerate(row):
+            if token in after:
+                logits[b, t, after[token]] = 1.0
+            if t:
+                after[row[t - 1]] = token
+    return logits
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_distinct_rows_make_the_one_token_lookup_exact(distinct):
+    """`[recall] distinct`: no key or value token is shared by two pairs of a row, so a key's last
+    token names its pair and the one-token lookup recalls every query exactly; with repeats (the
+    default), it does not."""
+    layout = RecallLayout(seq_len=512, vocab_size=64, key_tokens=3, value_tokens=2, pairs=6, asks=2, distinct=distinct)
+    S, correct, total, shared = layout.span, 0, 0, 0
+    for k in range(20):
+        sample, placed = recall_sample(layout, 0, k, list(range(9, 200)))
+        x = torch.cat([sample.inputs, sample.labels[-1:]])
+        kv = [x[p + 1:p + S].tolist() for p in (x == KEY).nonzero().flatten().tolist()]
+        tokens = [t for pair in kv for t in pair]
+        shared += len(tokens) - len(set(tokens))
+        assert len(placed) == 2 * len(kv) >= 4
+        c, n = recall_accuracy(one_token_lookup(sample.inputs[None], 64), sample.labels[None], layout)
+        correct, total = correct + c, total + n
+    if distinct:
+        assert shared == 0 and correct == total
+    else:
+        assert shared > 0 and correct < total
+
+
 def test_drill_rows_label_every_value_whose_key_came_before():
     """`[recall] drill`: `k v k v ...` of at most `pairs` pairs from the key-value alphabet, each key
     always followed by its value; a value is labelled exactly when its key came earlier in the row."""
@@ -195,6 +231,8 @@ def test_log_scale_draws_every_scale_equally_often():
     (["--recall.pairs", "0"], "pairs = 0: must be >= 1"),
     (["--recall.asks", "0"], "asks = 0: must be >= 1"),
     (["--recall.distance_scale", "square"], "distance_scale"),
+    (["--recall.distinct", "true", "--recall.pairs", "40", "--model.vocab_size", "64"],
+     "distinct needs pairs x \\(key_tokens \\+ value_tokens\\) = 320 distinct tokens.*raise \\[model\\] vocab_size to at least 642"),
 ])
 def test_bad_recall_sizes_are_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -169,6 +169,11 @@ class Recall:
     """How training draws distances: `linear`, every distance equally often; `log`, every scale
     equally often (as many pairs in [16, 32) as in [512, 1024)), so that short pairs, which the
     window alone can recall, come often enough to teach the lookup that long ones need."""
+    distinct: bool = False
+    """Every key and value token of a row distinct (drawn without replacement from the key-value
+    alphabet, so pairs * (key_tokens + value_tokens) must fit in it). A key's last token then names
+    its pair, and a one-layer lookup on it is not ambiguous; with repeats, a token of one pair's key
+    recurs in another pair of a 10-pair row about half the time."""
     drill: bool = False
     """Rows of single-token pairs instead: a dictionary of `pairs` pairs from the key-value
     alphabet, the row `k v k v ...` of its pairs in random order, every value whose key came before

@@ -75,7 +75,7 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(dt.source != "datasets" or bool(dt.path),
              "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
     if dt.source == "recall":
-        _validate_recall(cfg.recall, t.seq_len)
+        _validate_recall(cfg.recall, t.seq_len, cfg.model.vocab_size)
 
     f = cfg.fault
     for key in ("step_timeout_seconds", "first_step_timeout_seconds", "collective_timeout_seconds"):
@@ -173,8 +173,9 @@ def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
     return replicate, shard
 
 
-def _validate_recall(r: Recall, seq_len: int) -> None:
-    """The recall task's sizes: a pair and its query must fit apart in one sequence."""
+def _validate_recall(r: Recall, seq_len: int, vocab_size: int) -> None:
+    """The recall task's sizes: a pair and its query must fit apart in one sequence, and distinct
+    pairs in the key-value alphabet (`data/recall.py`: half of the tokens after the two markers)."""
     for key in ("key_tokens", "value_tokens", "pairs", "asks"):
         _require(getattr(r, key) >= 1, f"[recall] {key} = {getattr(r, key)}: must be >= 1")
     span = 1 + r.key_tokens + r.value_tokens
@@ -185,3 +186,8 @@ def _validate_recall(r: Recall, seq_len: int) -> None:
     _require(r.max_distance == 0 or r.min_distance <= r.max_distance <= longest,
              f"[recall] max_distance = {r.max_distance}: must be 0 (as far as seq_len allows: {longest}) or lie in "
              f"[min_distance, {longest}]")
+    kv = r.pairs * (r.key_tokens + r.value_tokens)
+    _require(not r.distinct or r.drill or kv <= (vocab_size - 2) // 2,
+             f"[recall] distinct needs pairs x (key_tokens + value_tokens) = {kv} distinct tokens, but the key-value "
+             f"alphabet of vocab_size {vocab_size} has {(vocab_size - 2) // 2}: lower [recall] pairs or raise "
+             f"[model] vocab_size to at least {2 * kv + 2}")

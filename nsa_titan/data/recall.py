@@ -43,6 +43,7 @@ class RecallLayout:
     pairs: int = 4
     asks: int = 1
     drill: bool = False
+    distinct: bool = False
 
     @property
     def alphabet(self) -> int:
@@ -67,7 +68,8 @@ class RecallLayout:
 def recall_layout(cfg: Recall, seq_len: int, vocab_size: int) -> tuple[RecallLayout, list[int]]:
     """The layout of `[recall]` and the distances training draws from, each equally often (`log`
     scale: LOG_STEPS distances in a geometric series, rounded)."""
-    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs, cfg.asks, cfg.drill)
+    layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs, cfg.asks, cfg.drill,
+                          cfg.distinct)
     lo, hi = cfg.min_distance, cfg.max_distance or seq_len + 1 - 2 * layout.span
     if cfg.distance_scale == "log":
         return layout, [round(lo * (hi / lo) ** (i / (LOG_STEPS - 1))) for i in range(LOG_STEPS)]
@@ -83,7 +85,9 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
     labels = torch.full((L,), IGNORE, dtype=torch.long)
     used = torch.zeros(L, dtype=torch.bool)
     placed = []
-    for _ in range(layout.pairs):
+    KV = layout.key_tokens + layout.value_tokens
+    pool = torch.randperm(A, generator=gen)[:layout.pairs * KV].view(layout.pairs, KV) + 2 if layout.distinct else None
+    for i in range(layout.pairs):
         for _ in range(TRIES):  # distances and a start at which no two spans overlap
             ds = [distances[int(torch.randint(len(distances), (1,), generator=gen))] for _ in range(layout.asks)]
             p = int(torch.randint(L - S - max(ds) + 1, (1,), generator=gen))
@@ -93,7 +97,7 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
                 break
         else:
             continue  # no room found: leave this pair out
-        kv = torch.randint(2, 2 + A, (layout.key_tokens + layout.value_tokens,), generator=gen)
+        kv = pool[i] if pool is not None else torch.randint(2, 2 + A, (KV,), generator=gen)
         tokens[p] = KEY
         tokens[p + 1:p + S] = kv
         for q in (p + d for d in ds):
