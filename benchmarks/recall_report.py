@@ -5,12 +5,12 @@
 
 Trains `train_configs/recall.toml` (the recall task of `nsa_titan/data/recall.py`) three times on one
 CPU rank, with the same data, steps, seed and optimizer, each in two runs: `--drill_steps` of the
-drill (`[recall] drill`: seq 256, batch 32, 16 single-token pairs, `sel_score_grad` 0; it forms the
+drill (`[recall] drill`: seq 256, batch 32, 16 single-token pairs, `sel_score_grad` and `sel_score_explore` 0; it forms the
 lookup), then the recall task from the drill's final checkpoint (`checkpoint.initial_load_path`, the model only):
   nsa    NSA as configured;
   win    the same model with cmp and sel switched off (`--model.nsa_branch win`);
   dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`), no block
-         scores to train (`sel_score_grad` 0).
+         scores to train (`sel_score_grad`, `sel_score_explore` 0).
 (`--models` trains a subset: a change to NSA alone cannot move win or dense.)
 Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
@@ -43,7 +43,7 @@ CONFIG = str(ROOT / "train_configs" / "recall.toml")
 
 
 DRILL = ["--recall.drill", "true", "--recall.pairs", "16", "--training.seq_len", "256",
-         "--training.local_batch_size", "32", "--model.sel_score_grad", "0"]
+         "--training.local_batch_size", "32", "--model.sel_score_grad", "0", "--model.sel_score_explore", "0"]
 """The drill run's overrides of recall.toml."""
 MODELS = ("nsa", "win", "dense")
 
@@ -81,7 +81,8 @@ def main() -> None:
     m, seq_len = cfg.model, cfg.training.seq_len
     hidden, n_dense, n_nsa = dense_ffn_for(m, seq_len)
     models = {"nsa": [], "win": ["--model.nsa_branch", "win"],
-              "dense": ["--model.attention", "dense", "--model.ffn_hidden_dim", str(hidden), "--model.sel_score_grad", "0"]}
+              "dense": ["--model.attention", "dense", "--model.ffn_hidden_dim", str(hidden), "--model.sel_score_grad", "0",
+                        "--model.sel_score_explore", "0"]}
     models = {name: models[name] for name in args.models}
     print(f"parameters: NSA and win {n_nsa:,} (win: cmp and sel present, gated off), dense {n_dense:,} (MLP hidden "
           f"{m.ffn_hidden_dim or 'default'} -> {hidden}; {100 * (n_dense / n_nsa - 1):+.2f}%); "

@@ -34,6 +34,7 @@ from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak_flops, peak_memory_gib
 from .models.attention import Kernels, choose_kernels
+from .models.attention.routing import set_explore_step
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
@@ -232,6 +233,7 @@ class Trainer:
         which the non-finite check needs before it lets the optimizer step.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        set_explore_step(self.model, self.state.step)  # `sel_score_explore` draws other blocks each step
         losses = [self.forward_backward(*self.next_batch(batches)) for _ in range(self.grad_accum_steps)]
         if self.state.step == self.first_step and self.cfg.debug.report_missing_grads:
             self.report_missing_grads()

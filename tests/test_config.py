@@ -44,6 +44,8 @@ BAD = [
     (["--training.steps", "0"], 1, ["[training] steps = 0: must be a positive integer"]),
     (["--model.sel_score_grad", "-1"], 1, ["[model] sel_score_grad = -1.0", "must be >= 0"]),
     (["--model.attention", "dense", "--model.sel_score_grad", "0.5"], 1, ["sel_score_grad = 0.5", "0 for attention = 'dense'"]),
+    (["--model.sel_score_explore", "4"], 1, ["[model] sel_score_explore = 4", "only with sel_score_grad > 0"]),
+    (["--model.sel_score_grad", "1", "--model.sel_score_explore", "-1"], 1, ["sel_score_explore = -1", "must be >= 0"]),
     (["--model.n_heads", "6", "--model.n_kv_groups", "4"], 1,
      ["n_heads = 6 is not divisible by n_kv_groups = 4"]),
     (["--model.head_dim", "31"], 1, ["head_dim = 31: must be even"]),

@@ -12,7 +12,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
-from nsa_titan.models.attention.routing import score_grad, with_score_grad
+from nsa_titan.models.attention.common import forced_blocks
+from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
 from nsa_titan.models.transformer import NSAAttention, rope_tables
 
 from test_nsa_reference import random_inputs
@@ -20,107 +21,177 @@ from test_nsa_reference import random_inputs
 SPEC = NSASpec(l=8, d=4, l_sel=8, n=5, w=16)  # 1 initial + 2 local + 2 chosen by score
 
 
-def biased_sel_gradient(q, kc, ks, vs, g_sel, d_o, spec: NSASpec, docs: Documents | None) -> torch.Tensor:
-    """Autograd's dL/dbias (B, G, T, n) through sel attention written with dense masks, the logits of
-    chosen block j's keys plus bias[j] (0), for L = sum(d_o * g_sel * o_sel)."""
+def chosen_blocks(q, kc, spec: NSASpec, G: int, docs: Documents | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx, valid (B, G, T, n): the sel blocks the cmp probabilities choose."""
+    T = q.shape[1]
+    mask = cmp_visibility(spec, T, q.device) if docs is None else docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None]
+    return select_blocks(masked_attention(q, kc, kc, mask)[1], spec, G, docs=docs)
+
+
+def weight_gradient(q, ks, vs, g_sel, d_o, idx, valid, read: torch.Tensor, spec: NSASpec, docs: Documents | None
+                    ) -> torch.Tensor:
+    """Autograd's dL/de (B, G, T, n) through sel attention written with dense masks, the keys of block
+    idx[j] weighted by e_j in the softmax (exp(z) e_j), at e = `read` (n,) (1: read, 0: not); at e_j = 1
+    it is the gradient of a bias log s_j on the block's logits. L = sum(d_o g_sel o_sel)."""
     B, T, H, D = q.shape
     G = ks.shape[2]
-    mask = cmp_visibility(spec, T, q.device) if docs is None else docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None]
-    _, p_cmp = masked_attention(q, kc, kc, mask)
-    idx, valid = select_blocks(p_cmp, spec, G, docs=docs)  # (B, G, T, n)
-    bias = torch.zeros(idx.shape, dtype=q.dtype, requires_grad=True)
+    e = read.to(q.dtype).expand(idx.shape).clone().requires_grad_()
     t = torch.arange(T)
     start = torch.zeros(B, T, dtype=torch.long) if docs is None else docs.start
     key_block = (t[None, None, :] - start[:, :, None]) // spec.l_sel  # (B, T, S): key s's block, from t's document
     same = (t[None, None, :] >= start[:, :, None]) & (t[None, None, :] <= t[None, :, None])
-    hit = (key_block[:, None, :, :, None] == idx[..., None, :]) & valid[..., None, :]  # (B, G, T, S, n)
-    key_bias = (hit * bias[..., None, :]).sum(-1)  # (B, G, T, S)
+    hit = (key_block[:, None, :, :, None] == idx[..., None, :]) & valid[..., None, :] & same[:, None, :, :, None]
+    key_weight = (hit * e[..., None, :]).sum(-1)  # (B, G, T, S)
     qg = q.view(B, T, G, H // G, D).transpose(1, 2)  # (B, G, T, r, D)
-    logits = torch.einsum("bgtrd,bsgd->bgtrs", qg, ks) * D**-0.5 + key_bias[:, :, :, None]
-    p = torch.softmax(logits.masked_fill(~(hit.any(-1) & same[:, None])[:, :, :, None], float("-inf")), -1)
+    z = torch.einsum("bgtrd,bsgd->bgtrs", qg, ks) * D**-0.5
+    w = torch.exp(z - z.amax(-1, keepdim=True).detach()) * key_weight[:, :, :, None]
+    p = w / w.sum(-1, keepdim=True)
     o_sel = torch.einsum("bgtrs,bsgd->bgtrd", p, vs).transpose(1, 2).reshape(B, T, H, D)
     (o_sel * g_sel[..., None] * d_o).sum().backward()
-    return bias.grad
+    return e.grad
 
 
-@pytest.mark.parametrize("with_docs", [False, True])
-def test_the_scores_get_the_gradient_of_a_bias_on_their_blocks_logits(with_docs):
-    T, B, H, G, D = 70, 2, 4, 2, 8
+def routing_inputs(with_docs: bool, T: int = 70, B: int = 2, H: int = 4, G: int = 2, D: int = 8):
+    """q, kc, sel keys and values, sel gates, an output gradient and documents (or None)."""
     q, kc, _, ks, vs, *_ = random_inputs(B, T, H, G, D, SPEC, seed=3)
     docs = Documents.of(torch.stack([torch.arange(T) // 45, torch.arange(T) // 30]), SPEC) if with_docs else None
     gen = torch.Generator().manual_seed(4)
     if docs is not None:  # the compressed keys of each document's own slots
         kc = torch.randn(B, docs.cmp_start.shape[1], G, D, dtype=torch.float64, generator=gen)
     g_sel, d_o = torch.rand(B, T, H, dtype=torch.float64, generator=gen), torch.randn(q.shape, dtype=torch.float64, generator=gen)
-    want = biased_sel_gradient(q, kc, ks, vs, g_sel, d_o, SPEC, docs)
-    mask = cmp_visibility(SPEC, T, q.device) if docs is None else docs.cmp_visible(SPEC, 0, T, kc.shape[1])[:, None, None]
-    idx, valid = select_blocks(masked_attention(q, kc, kc, mask)[1], SPEC, G, docs=docs)
+    return q, kc, ks, vs, g_sel, d_o, docs
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_the_scores_get_the_gradient_of_a_bias_on_their_blocks_logits(with_docs):
+    q, kc, ks, vs, g_sel, d_o, docs = routing_inputs(with_docs)
+    B, T, H, D = q.shape
+    G = ks.shape[2]
+    idx, valid = chosen_blocks(q, kc, SPEC, G, docs)
+    want = weight_gradient(q, ks, vs, g_sel, d_o, idx, valid, torch.ones(idx.shape[-1]), SPEC, docs)
     got = score_grad(d_o, q.view(B, T, G, H // G, D).transpose(1, 2), ks, vs, g_sel, idx, valid, SPEC, docs, 0)
     assert float(want.abs().sum()) > 1.0
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def scores_gradient(q, kc, ks, vs, gates, d_o, spec: NSASpec, parts) -> torch.Tensor:
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_explored_blocks_get_the_gradient_of_their_weight_in_the_softmax_at_0(with_docs):
+    """`sel_score_explore`: the explored blocks are unchosen, unforced candidates, distinct, spread over
+    all of them, another draw for another step; their gradient is autograd's dL/de_j at e_j = 0 (through
+    the dense sel softmax), the chosen blocks' unchanged."""
+    T, m = 120, 3
+    q, kc, ks, vs, g_sel, d_o, docs = routing_inputs(with_docs, T=T)
+    B, _, H, D = q.shape
+    G = ks.shape[2]
+    idx, valid = chosen_blocks(q, kc, SPEC, G, docs)
+    t = torch.arange(T)[None] if docs is None else torch.arange(T)[None] - docs.start
+    extra, ok = explore_blocks(idx, t, SPEC.num_sel_blocks(T), SPEC, m)
+    jt = (t // SPEC.l_sel)[:, None, :, None]
+    assert ok.any() and not (ok & ((extra > jt) | forced_blocks(extra, t[:, None], SPEC))).any()
+    assert not (ok[..., None] & (extra[..., None] == idx[..., None, :])).any()  # not chosen
+    assert not (ok[..., :, None] & ok[..., None, :] & (extra[..., :, None] == extra[..., None, :])
+                & ~torch.eye(m, dtype=torch.bool)).any()  # distinct
+    free = (jt - 2).clamp(min=0)  # candidates neither forced nor chosen: blocks 1 .. jt - 2, less n - 3
+    assert torch.equal(ok.sum(-1), (free - (SPEC.n - 3)).clamp(0, m)[..., 0].expand_as(ok[..., 0]))
+    assert len(extra[ok].unique()) == int((jt - 2).max())  # every block 1 .. max(jt) - 2 is drawn somewhere
+    other, same_ok = explore_blocks(idx, t, SPEC.num_sel_blocks(T), SPEC, m, seed=1)  # another step's draw
+    assert torch.equal(same_ok, ok) and (with_docs or (other != extra)[ok].double().mean() > 0.5)  # docs: 1 candidate
+    n = idx.shape[-1]
+    all_idx, all_valid = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1)
+    got = score_grad(d_o, q.view(B, T, G, H // G, D).transpose(1, 2), ks, vs, g_sel, all_idx, all_valid, SPEC, docs, 0,
+                     n_read=n)
+    want = weight_gradient(q, ks, vs, g_sel, d_o, all_idx, all_valid, (torch.arange(n + m) < n).double(), SPEC, docs)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert float(got[..., n:].abs().sum()) > 1.0
+
+
+def scores_gradient(q, kc, ks, vs, gates, d_o, spec: NSASpec, parts, explore: int = 0) -> torch.Tensor:
     """kc's gradient from the scores alone (the output's own gradient path cut), the queries in `parts`."""
     kc = kc.clone().requires_grad_()
     for a, b in parts:
         o = torch.zeros_like(q[:, a:b], requires_grad=True)  # the output's value does not matter
-        with_score_grad(o, q[:, a:b], kc, ks, vs, gates[:, a:b], spec, 2.0, q0=a).backward(d_o[:, a:b])
+        with_score_grad(o, q[:, a:b], kc, ks, vs, gates[:, a:b], spec, 2.0, q0=a, explore=explore).backward(d_o[:, a:b])
     return kc.grad
 
 
-def test_context_parallel_parts_give_the_whole_sequences_gradient():
+@pytest.mark.parametrize("explore", [0, 2])
+def test_context_parallel_parts_give_the_whole_sequences_gradient(explore):
+    """Also with explored blocks: they are drawn by position, not by part."""
     T = 96
     q, kc, _, ks, vs, _, _, gates = random_inputs(2, T, 4, 2, 8, SPEC, seed=5)
     d_o = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    whole = scores_gradient(q, kc, ks, vs, gates, d_o, SPEC, [(0, T)])
-    parts = scores_gradient(q, kc, ks, vs, gates, d_o, SPEC, [(0, 24), (24, 72), (72, 96)])
+    whole = scores_gradient(q, kc, ks, vs, gates, d_o, SPEC, [(0, T)], explore)
+    parts = scores_gradient(q, kc, ks, vs, gates, d_o, SPEC, [(0, 24), (24, 72), (72, 96)], explore)
     assert float(whole.abs().sum()) > 0
+    if explore:  # the explored blocks add to the chosen ones' gradient
+        assert not torch.allclose(whole, scores_gradient(q, kc, ks, vs, gates, d_o, SPEC, [(0, T)]))
     torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-14)
 
 
-def test_training_the_scores_on_it_brings_the_block_whose_values_the_loss_wants():
-    """The late queries' loss rewards the values of block 3 (its keys are no more attractive than any
-    other's); the compressed keys start random, so block 3 is chosen for 7 of the 16 late queries.
-    Trained on the scores' gradient alone, the choice moves to block 3 for all of them."""
-    T, D = 64, 8
+def train_the_scores(T: int, noise: float, explore: int, hide: bool = False, steps: int = 200
+                     ) -> tuple[float, float, torch.Tensor]:
+    """Queries T - 16 .. T - 1 (the late ones, in the last two blocks) are rewarded by the first channel
+    of block 3's values (1; elsewhere `noise` x N(0, 1)); the compressed keys start random and are
+    trained on the scores' gradient alone, exploring `explore` blocks, drawn anew each step (`hide`: block
+    3's cmp members start facing away from the late queries' mean). Returns how
+    often block 3 is chosen by the late queries before and after, and the compressed keys' change."""
+    D = 8
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, T, 2, D, dtype=torch.float64, generator=gen)
     ks = torch.randn(1, T, 1, D, dtype=torch.float64, generator=gen)
-    vs = torch.randn(1, T, 1, D, dtype=torch.float64, generator=gen) * 0.1
+    vs = torch.randn(1, T, 1, D, dtype=torch.float64, generator=gen) * noise
     vs[:, 24:32, :, 0] = 1.0  # block 3's values: what the loss wants
-    kc = torch.randn(1, SPEC.num_cmp_blocks(T), 1, D, dtype=torch.float64, generator=gen).requires_grad_()
-    late = slice(48, 64)  # blocks 6-7: block 3 is a candidate and not forced
+    kc0 = torch.randn(1, SPEC.num_cmp_blocks(T), 1, D, dtype=torch.float64, generator=gen)
+    late = slice(T - 16, T)  # block 3 is a candidate and not forced
+    if hide:
+        kc0[:, 5:8] = -2 * q[:, late].mean((1, 2))[:, None, None]  # cmp blocks 5-7 hold block 3's keys 24-31
+    kc = kc0.clone().requires_grad_()
     gates = torch.zeros(1, T, 2, 3, dtype=torch.float64)
     gates[..., 1] = 1.0
 
     def chosen():
         _, p = masked_attention(q, kc, kc, cmp_visibility(SPEC, T, q.device))
-        return select_blocks(p, SPEC, 1)[0]
+        return float((select_blocks(p, SPEC, 1)[0][..., late, :] == 3).any(-1).double().mean())
 
-    before = float((chosen()[..., late, :] == 3).any(-1).double().mean())
+    before = chosen()
     optimizer = torch.optim.Adam([kc], lr=0.05)
-    for _ in range(200):
+    for step in range(steps):
         optimizer.zero_grad()
         o = torch.zeros(1, T, 2, D, dtype=torch.float64, requires_grad=True)
         d_o = torch.zeros_like(o)
         d_o[:, late, :, 0] = -1.0  # L = -sum of the late outputs' first channel
-        with_score_grad(o, q, kc, ks, vs, gates, SPEC, 1.0).backward(d_o)
+        with_score_grad(o, q, kc, ks, vs, gates, SPEC, 1.0, explore=explore, seed=step).backward(d_o)
         optimizer.step()
-    after = float((chosen()[..., late, :] == 3).any(-1).double().mean())
+    return before, chosen(), (kc - kc0).detach()
+
+
+def test_training_the_scores_on_it_brings_the_block_whose_values_the_loss_wants():
+    """Block 3's keys are no more attractive than any other's: at the start it is chosen for 7 of the 16
+    late queries. Trained on the scores' gradient alone, the choice moves to block 3 for all of them."""
+    before, after, _ = train_the_scores(64, noise=0.1, explore=0)
     assert before == 7 / 16 and after == 1.0
+
+
+def test_exploring_brings_a_block_that_is_never_chosen():
+    """32 blocks; block 3 is chosen by none of the late queries, and no other block's values move the
+    loss (0), so the chosen blocks get no gradient: without exploration nothing moves. Exploring one
+    block per query a step (about 1 in 27 candidates), block 3 is found by most of them."""
+    before, after, moved = train_the_scores(256, noise=0.0, explore=0, hide=True)
+    assert before == after == 0.0 and not moved.any()
+    before, after, moved = train_the_scores(256, noise=0.0, explore=1, hide=True)
+    assert before == 0.0 and after > 0.5
 
 
 CFG = Model(dim=48, n_heads=4, n_kv_groups=2, head_dim=16, cmp_block_size=SPEC.l, cmp_stride=SPEC.d,
             sel_block_size=SPEC.l_sel, sel_top_n=SPEC.n, window_size=SPEC.w, attn_impl="fast")
 
 
-@pytest.mark.parametrize("wrap", ["eager", "ac", "compile", "inductor"])
-def test_the_layer_adds_the_scores_gradient_and_keeps_its_output(wrap):
-    """With sel_score_grad w, a layer's output is unchanged and its parameters' gradients are the plain
-    ones plus w x the scores' gradient carried back through the cmp probabilities, eager, under the
-    AC wrapper and compiled fullgraph (dynamo's graph, and through inductor as `apply_compile` runs
-    it); in eval mode nothing is added."""
+@pytest.mark.parametrize("wrap, explore", [("eager", 0), ("eager", 2), ("ac", 2), ("compile", 2), ("inductor", 2)])
+def test_the_layer_adds_the_scores_gradient_and_keeps_its_output(wrap, explore):
+    """With sel_score_grad w (and sel_score_explore), a layer's output is unchanged and its parameters'
+    gradients are the plain ones plus w x the scores' gradient carried back through the cmp
+    probabilities, eager, under the AC wrapper and compiled fullgraph (dynamo's graph, and through
+    inductor as `apply_compile` runs it); in eval mode nothing is added."""
     layer = NSAAttention(CFG).double()
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
     T, w = 72, 0.7
@@ -138,20 +209,22 @@ def test_the_layer_adds_the_scores_gradient_and_keeps_its_output(wrap):
     o = layer.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, layer.spec)
     d_o = torch.autograd.grad(layer.wo(o.reshape(2, T, -1)).square().sum(), o)[0]
     added = torch.autograd.grad(with_score_grad(torch.zeros_like(o, requires_grad=True), q, kc, kv["k_sel"], kv["v_sel"],
-                                                gates, layer.spec, w), params, d_o, allow_unused=True)
-    layer.score_grad = w
+                                                gates, layer.spec, w, explore=explore, seed=7), params, d_o,
+                                allow_unused=True)
+    layer.score_grad, layer.explore = w, explore
+    set_explore_step(layer, 7)  # what the trainer does each step: the draw of step 7
     torch._dynamo.reset()
     fn = {"eager": layer, "ac": checkpoint_wrapper(layer),
           "compile": torch.compile(layer, backend="eager", fullgraph=True),
           "inductor": torch.compile(layer, fullgraph=True)}[wrap]
     out = fn(x, rope)
     got = torch.autograd.grad(out.square().sum(), params)
-    exact = {"rtol": 1e-10, "atol": 1e-12} if wrap == "inductor" else {"rtol": 0, "atol": 0}  # inductor reorders sums
+    exact = {"rtol": 1e-9, "atol": 1e-10} if wrap == "inductor" else {"rtol": 0, "atol": 0}  # inductor reorders sums
     torch.testing.assert_close(out, plain, **exact)
     for name, g, v, a in zip([n for n, _ in layer.named_parameters()], got, plain_grads, added):
         if name.split(".")[0] in ("wq", "wkv_cmp", "compress_k"):  # what the cmp probabilities depend on
             assert float(a.abs().sum()) > 0, name
-            torch.testing.assert_close(g, v + a, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g, v + a, **(exact if wrap == "inductor" else {"rtol": 1e-10, "atol": 1e-12}))
         else:
             assert a is None or not a.any(), name
             torch.testing.assert_close(g, v, **exact)

@@ -81,6 +81,10 @@ class Model:
     gradient they would get if they biased the sel logits of their blocks' keys (straight-through),
     times this weight; in the paper (0) they learn only through the cmp output. It recomputes the
     cmp probabilities densely, a (T, T/d) matrix per layer."""
+    sel_score_explore: int = 0
+    """Off-paper, with sel_score_grad: this many unchosen candidate blocks per query (a fixed hash,
+    uniform over the candidates) also get that gradient, as if blended into the sel softmax at weight
+    0; the forward reads nothing more. A block that is never chosen otherwise never learns it helps."""
 
 
 @dataclass

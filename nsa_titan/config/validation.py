@@ -60,6 +60,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(m.sel_score_grad >= 0 and (m.sel_score_grad == 0 or m.attention == "nsa"),
              f"[model] sel_score_grad = {m.sel_score_grad}: the weight of the block scores' gradient must be >= 0, and 0 "
              f"for attention = '{m.attention}' (only NSA layers choose blocks)")
+    _require(m.sel_score_explore >= 0 and (m.sel_score_explore == 0 or m.sel_score_grad > 0),
+             f"[model] sel_score_explore = {m.sel_score_explore}: the explored blocks per query must be >= 0, and "
+             f"they get the block scores' gradient only with sel_score_grad > 0 (set it, or sel_score_explore = 0)")
     _require(t.max_norm >= 0, f"[training] max_norm = {t.max_norm}: must be >= 0 (0 disables clipping)")
     _require(cfg.optimizer.lr > 0, f"[optimizer] lr = {cfg.optimizer.lr}: must be > 0")
     _require(0 <= cfg.optimizer.beta1 < 1 and 0 <= cfg.optimizer.beta2 < 1,

@@ -38,8 +38,7 @@ def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) ->
 
 def nsa_spec(cfg: ModelConfig) -> NSASpec:
     """The NSA hyper-parameters of a model config."""
-    return NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size, n=cfg.sel_top_n,
-                   w=cfg.window_size)
+    return NSASpec(l=cfg.cmp_block_size, d=cfg.cmp_stride, l_sel=cfg.sel_block_size, n=cfg.sel_top_n, w=cfg.window_size)
 
 
 def _unwrapped(block: nn.Module) -> "TransformerBlock":
@@ -153,6 +152,8 @@ class NSAAttention(nn.Module):
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
         self.score_grad = cfg.sel_score_grad  # the block scores' straight-through gradient, times this (0: none)
+        self.explore = cfg.sel_score_explore  # ... also for this many unchosen blocks per query, drawn by the step:
+        self.register_buffer("explore_step", torch.zeros((), dtype=torch.long), persistent=False)  # set_explore_step
         self.record_selection = False  # evaluation (no cp): keep the last forward's sel blocks
         self.selection: tuple[torch.Tensor, torch.Tensor] | None = None  # idx, valid (B, G, T, n')
         H, G, D = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
@@ -213,10 +214,8 @@ class NSAAttention(nn.Module):
 
         def attend(rows: slice, **q0: int) -> torch.Tensor:
             o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, **q0)
-            if score_grad:
-                o = with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
-                                    docs, **q0)
-            return o
+            return with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
+                                   docs, explore=self.explore, seed=self.explore_step, **q0) if score_grad else o
 
         o = attend_in_parts(self.cp, kv["k_sel"].shape[1], attend)
         return self.wo(o.reshape(B, T, -1))
@@ -231,12 +230,12 @@ class NSAAttention(nn.Module):
         _init_trunc_normal(self.wq.weight, std, gen)
         for wkv in (self.wkv_cmp, self.wkv_sel, self.wkv_win):
             _init_trunc_normal(wkv.weight, std, gen)
-        self.compress_k.init_weights(std, gen)
-        self.compress_v.init_weights(std, gen)
+        for compressor in (self.compress_k, self.compress_v):
+            compressor.init_weights(std, gen)
         _init_trunc_normal(self.gate.weight, std, gen)
         nn.init.zeros_(self.gate.bias)  # every branch starts at weight 0.5
         _init_trunc_normal(self.wo.weight, out_std, gen)
-
+        self.explore_step.zero_()  # a buffer, materialised empty
 
 class DenseAttention(nn.Module):
     """Plain causal GQA attention with the same q/k/v/o shapes: the baseline."""

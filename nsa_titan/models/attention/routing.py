@@ -17,6 +17,19 @@ more, would lower the loss gets a higher score, one whose keys mislead a lower o
 chosen by score get it (forced blocks are chosen whatever their score). The scores' gradient then
 reaches the queries and the compressed keys through the cmp probabilities, recomputed densely here:
 a (T, T/d) matrix per layer, so this is for research runs at moderate T.
+
+Exploration (`[model] sel_score_explore` = m): a block that is never chosen never learns that it
+would help. m unchosen candidate blocks per query (drawn by a hash of the step, row, group, position
+and block: no RNG state, the same under AC recompute, compile and context parallelism) also get
+dL/dlog s_j, as the gradient of a weight e_j on the block's keys in the sel softmax (exp(z) e_j) at
+e_j = 0, where they are now (a chosen block's bias gradient is the same derivative at e_j = 1):
+
+    dL/de_j = sum over h, keys k of block j:  exp(z_hk - lse_h) (dL/do_h . (v_k - o_h)),
+
+z_hk the sel logit, lse_h the log-sum-exp over the chosen keys: what adding a little of the block
+would do, largest for a useful block whose keys match (the derivative at e_j = 1, as if the block
+were read, fades as its keys dominate: it learned less in a recall run). The forward reads nothing
+more.
 """
 
 from __future__ import annotations
@@ -31,10 +44,11 @@ CHUNK = 256
 
 
 def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
-                    gates: torch.Tensor, spec: NSASpec, weight: float, docs: Documents | None = None, q0: int = 0
-                    ) -> torch.Tensor:
+                    gates: torch.Tensor, spec: NSASpec, weight: float, docs: Documents | None = None, q0: int = 0,
+                    explore: int = 0, seed: torch.Tensor | int = 0) -> torch.Tensor:
     """o (B, Tq, H, D), the attention output of the queries q (B, Tq, H, D) at q0 .. q0 + Tq - 1,
-    unchanged; in backward the block scores also get the straight-through gradient, times `weight`.
+    unchanged; in backward the block scores also get the straight-through gradient, times `weight`,
+    the chosen blocks' and that of `explore` unchosen candidates per query, drawn by `seed` (the step).
 
     kc: (B, Nc, G, D) compressed keys (with `docs`: the slots of `docs.cmp_start`); k_sel, v_sel:
     (B, T, G, D) the sel keys and values of the whole sequence; gates (B, Tq, H, 3)."""
@@ -51,31 +65,72 @@ def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: t
     scores, t = block_scores(p_group, spec, q0, T, docs)
     idx, valid = choose_blocks(p_group.detach(), spec, q0, T, docs)  # (B, G, Tq, n)
     free = valid & ~forced_blocks(idx, t[:, None], spec)
+    n_read = idx.shape[-1]
+    if explore:
+        extra, ok = explore_blocks(idx, t, scores.shape[-1], spec, explore, seed)
+        idx, valid, free = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1), torch.cat([free, ok], -1)
     log_s = torch.log(scores.gather(-1, idx).clamp_min(1e-30))
     return _ScoreStraightThrough.apply(o, log_s, qg.detach(), k_sel.detach(), v_sel.detach(),
-                                       gates[..., 1].detach(), idx, valid, free, spec, docs, q0, weight)
+                                       gates[..., 1].detach(), idx, valid, free, spec, docs, q0, weight, n_read)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """Integers (int64, >= 0) -> integers in [0, 2^32), well mixed (a 32-bit integer hash)."""
+    x = x & 0xFFFFFFFF
+    for _ in range(2):
+        x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def set_explore_step(model: torch.nn.Module, step: int) -> None:
+    """Seed every NSA layer's draw of explored blocks (`sel_score_explore`) with the training step, so
+    that each step explores other blocks (a buffer: no recompile, the same in AC's recompute)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "explore_step", None), torch.Tensor):
+            module.explore_step.fill_(step)
+
+
+def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m: int, seed: torch.Tensor | int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """m unchosen, unforced candidate blocks per query, drawn uniformly by a hash of (seed, row, group, t, j):
+    extra (B, G, C, m') long, m' = min(m, Ns), and whether each is real (fewer candidates: False).
+
+    idx (B, G, C, n): the chosen blocks of Ns; t (1 or B, C): the query positions blocks count from."""
+    B, G, C, _ = idx.shape
+    dev = idx.device
+    j = torch.arange(Ns, device=dev)
+    candidate = (j <= torch.div(t, spec.l_sel, rounding_mode="floor")[..., None]) & ~forced_blocks(j, t, spec)
+    candidate = candidate[:, None].expand(B, G, C, Ns).clone()
+    candidate.scatter_(-1, idx, False)
+    row = torch.arange(B * G, device=dev).view(B, G, 1, 1)
+    key = _hash32(_hash32(seed * 0x27D4EB2F + row) * 0x9E3779B1 ^ t[:, None, :, None] * 0x85EBCA77 ^ j * 0xC2B2AE3D)
+    key = key.double() / 2**32  # uniform in [0, 1)
+    key, extra = torch.topk(torch.where(candidate, key, -1.0), min(m, Ns), dim=-1)
+    return extra, key >= 0
 
 
 class _ScoreStraightThrough(torch.autograd.Function):
     """o unchanged; backward: `score_grad` into log_s."""
 
     @staticmethod
-    def forward(ctx, o, log_s, qg, k_sel, v_sel, g_sel, idx, valid, free, spec, docs, q0, weight):
+    def forward(ctx, o, log_s, qg, k_sel, v_sel, g_sel, idx, valid, free, spec, docs, q0, weight, n_read):
         ctx.save_for_backward(qg, k_sel, v_sel, g_sel, idx, valid, free)
-        ctx.spec, ctx.docs, ctx.q0, ctx.weight = spec, docs, q0, weight
+        ctx.spec, ctx.docs, ctx.q0, ctx.weight, ctx.n_read = spec, docs, q0, weight, n_read
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, d_o):
         qg, k_sel, v_sel, g_sel, idx, valid, free = ctx.saved_tensors
-        d_log_s = score_grad(d_o, qg, k_sel, v_sel, g_sel, idx, valid, ctx.spec, ctx.docs, ctx.q0) * free * ctx.weight
-        return d_o, d_log_s, *(None,) * 11
+        d_log_s = score_grad(d_o, qg, k_sel, v_sel, g_sel, idx, valid, ctx.spec, ctx.docs, ctx.q0, ctx.n_read)
+        return d_o, d_log_s * free * ctx.weight, *(None,) * 12
 
 
 @torch.no_grad()
 def score_grad(d_o: torch.Tensor, qg: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, g_sel: torch.Tensor,
-               idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, docs: Documents | None, q0: int) -> torch.Tensor:
-    """dL/dlog s_j (B, G, Tq, n) for the chosen blocks idx, valid (B, G, Tq, n): d_o (B, Tq, H, D) the
+               idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, docs: Documents | None, q0: int,
+               n_read: int | None = None) -> torch.Tensor:
+    """dL/dlog s_j (B, G, Tq, n) for the blocks idx, valid (B, G, Tq, n), of which the first n_read
+    (default all) are the chosen ones the sel branch reads, the rest explored: d_o (B, Tq, H, D) the
     gradient of the layer's attention output, qg (B, G, Tq, r, D), k_sel, v_sel (B, T, G, D), g_sel
     (B, Tq, H) the sel gates."""
     B, G, Tq, r, D = qg.shape
@@ -91,9 +146,16 @@ def score_grad(d_o: torch.Tensor, qg: torch.Tensor, k_sel: torch.Tensor, v_sel: 
         ok = valid[:, :, c0:c1].repeat_interleave(L, -1) & (pos <= t[:, None])  # (B, G, C, n L)
         gathered = kv.gather(2, pos.clamp(max=T - 1).flatten(2)[..., None].expand(-1, -1, -1, 2 * D))
         k, v = gathered.view(B, G, c1 - c0, n * L, 2 * D).split(D, -1)
-        p = masked_softmax(torch.einsum("bgcrd,bgckd->bgcrk", qg[:, :, c0:c1], k) * D**-0.5, ok[:, :, :, None])
+        z = torch.einsum("bgcrd,bgckd->bgcrk", qg[:, :, c0:c1], k) * D**-0.5  # (B, G, C, r, n L)
         d = d_sel[:, :, c0:c1]
-        o_h = torch.einsum("bgcrk,bgckd->bgcrd", p, v)
-        contrib = p * (torch.einsum("bgcrd,bgckd->bgcrk", d, v) - (d * o_h).sum(-1, keepdim=True))
+        dv = torch.einsum("bgcrd,bgckd->bgcrk", d, v)
+        ok, R = ok[:, :, :, None], (n if n_read is None else n_read) * L  # the first R keys are read
+        p = masked_softmax(z[..., :R], ok[..., :R])
+        d_o_h = (d * torch.einsum("bgcrk,bgckd->bgcrd", p, v[..., :R, :])).sum(-1, keepdim=True)  # dL/do_h . o_h
+        contrib = p * (dv[..., :R] - d_o_h)
+        if R < n * L:  # explored keys: their weight in the read keys' softmax, were they added at weight 0
+            lse = z[..., :R].masked_fill(~ok[..., :R], float("-inf")).logsumexp(-1, keepdim=True)
+            e = torch.where(ok[..., R:], torch.exp(z[..., R:] - lse), 0.0)  # e^z / Z, unbounded
+            contrib = torch.cat([contrib, e * (dv[..., R:] - d_o_h)], -1)
         out.append(contrib.view(B, G, c1 - c0, r, n, L).sum((3, 5)))
     return torch.cat(out, 2)
