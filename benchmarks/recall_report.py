@@ -5,20 +5,22 @@
 
 Trains `train_configs/recall.toml` (the recall task of `nsa_titan/data/recall.py`) three times on one
 CPU rank, with the same data, steps, seed and optimizer, each in two runs: `--drill_steps` of the
-drill (`[recall] drill`: seq 256, batch 32, 16 single-token pairs, `sel_score_grad` and `sel_score_explore` 0; it forms the
-lookup), then the recall task from the drill's final checkpoint (`checkpoint.initial_load_path`, the model only):
+drill (`[recall] drill`: seq 256, batch 32, 16 single-token pairs, `sel_score_grad` and `sel_score_explore` 0, a constant
+lr; it forms the lookup), then the recall task from the drill's final checkpoint (`checkpoint.initial_load_path`, the model only):
   nsa    NSA as configured;
-  win    the same model with cmp and sel switched off (`--model.nsa_branch win`);
+  win    the same model with cmp and sel switched off (`--model.nsa_branch win`; the scores' gradient, exactly 0
+         with sel gated off, is then skipped);
   dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`), no block
          scores to train (`sel_score_grad`, `sel_score_explore` 0).
 (`--models` trains a subset: a change to NSA alone cannot move win or dense.)
 Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
 marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, logged during
-NSA's training (`[metrics] nsa_stats`). Prints the Markdown tables, with NSA's accuracy when each
-branch of each layer is switched off in turn (which branch does the recall), and per model the
-value tokens predicted right and how often each layer's selection chose the block holding the
-pair (`recall_routing`; in `win` it is computed, gated off and never trained to route: a baseline).
+NSA's drill and recall run (`[metrics] nsa_stats`; the recall steps follow the drill's). Prints the
+Markdown tables, with NSA's accuracy when each branch of each layer is switched off in turn (which
+branch does the recall), and per model the value tokens predicted right and how often each layer's
+selection chose the block holding the pair (`recall_routing`; in `win` it is computed, gated off and
+never trained to route: a baseline).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ CONFIG = str(ROOT / "train_configs" / "recall.toml")
 
 
 DRILL = ["--recall.drill", "true", "--recall.pairs", "16", "--training.seq_len", "256",
-         "--training.local_batch_size", "32", "--model.sel_score_grad", "0", "--model.sel_score_explore", "0"]
+         "--training.local_batch_size", "32", "--model.sel_score_grad", "0", "--model.sel_score_explore", "0",
+         "--lr_scheduler.decay_type", "constant"]
 """The drill run's overrides of recall.toml."""
 MODELS = ("nsa", "win", "dense")
 
@@ -108,8 +111,9 @@ def main() -> None:
             routing[name] = recall_routing(model, run_cfg, args.distances, args.batches)
             print(f"{name}: trained in {seconds / 60:.1f} min; " +
                   ", ".join(f"{dist}: {c}/{n}" for dist, (c, n) in results.items()))
-            if name == "nsa":
-                share = sel_share(dump, m.n_layers)
+            if name == "nsa":  # the drill's steps, then the recall run's after them
+                share = sel_share(drill, m.n_layers) | {args.drill_steps + s: v for s, v in
+                                                        sel_share(dump, m.n_layers).items()}
     marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size}
     line_chart(acc, args.out, f"exact recall by distance, equal parameters ({args.drill_steps} drill + "
                f"{cfg.training.steps} recall steps)",
@@ -121,7 +125,8 @@ def main() -> None:
     if "nsa" in acc:
         gates = args.out.with_name(args.out.stem + "_gates.png")
         line_chart({f"layer {i}": {s: v[i] for s, v in share.items()} for i in range(m.n_layers)}, gates,
-                   "NSA during recall training: sel gate / (cmp + sel + win)", "step", "sel share", (0.0, 1.0))
+                   "NSA during the drill and the recall run: sel gate / (cmp + sel + win)", "step", "sel share",
+                   (0.0, 1.0), {"recall run": args.drill_steps})
         print(f"\nplot: {gates}\n\n| step | " + " | ".join(f"sel share, layer {i}" for i in range(m.n_layers)) +
               " |\n|---|" + "---|" * m.n_layers)
         for s in sorted(share)[::max(1, len(share) // 10)]:

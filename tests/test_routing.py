@@ -6,6 +6,8 @@ on it moves the choice to the block whose values the loss wants."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -14,6 +16,7 @@ from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
 from nsa_titan.models.attention.common import forced_blocks
 from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
+from nsa_titan.models import transformer
 from nsa_titan.models.transformer import NSAAttention, rope_tables
 
 from test_nsa_reference import random_inputs
@@ -231,3 +234,15 @@ def test_the_layer_adds_the_scores_gradient_and_keeps_its_output(wrap, explore):
     layer.eval()
     for g, v in zip(torch.autograd.grad(layer(x, rope).square().sum(), params), plain_grads):
         torch.testing.assert_close(g, v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("branch", ["all", "win"])
+def test_a_layer_whose_sel_is_gated_off_skips_the_scores_gradient(branch, monkeypatch):
+    """With `nsa_branch` cmp or win the sel gate is 0, so the scores' gradient is exactly 0: a
+    window-only run (the recall report's baseline) does not pay for computing it."""
+    calls = []
+    monkeypatch.setattr(transformer, "with_score_grad", lambda o, *a, **k: calls.append(1) or o)
+    layer = NSAAttention(dataclasses.replace(CFG, nsa_branch=branch, sel_score_grad=1.0, sel_score_explore=2))
+    layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
+    layer(torch.randn(1, 40, 48), rope_tables(16, 40, 10000.0)).sum().backward()
+    assert len(calls) == (branch == "all")

@@ -151,7 +151,7 @@ class NSAAttention(nn.Module):
         self.record_stats = False
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
-        self.score_grad = cfg.sel_score_grad  # the block scores' straight-through gradient, times this (0: none)
+        self.score_grad = cfg.sel_score_grad * self.keep[1]  # the scores' straight-through gradient (0: none, sel off)
         self.explore = cfg.sel_score_explore  # ... also for this many unchosen blocks per query, drawn by the step:
         self.register_buffer("explore_step", torch.zeros((), dtype=torch.long), persistent=False)  # set_explore_step
         self.record_selection = False  # evaluation (no cp): keep the last forward's sel blocks
