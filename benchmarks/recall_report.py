@@ -8,8 +8,8 @@ CPU rank, with the same data, steps, seed and optimizer, each in two runs: `--dr
 drill (`[recall] drill`: seq 256, batch 32, 16 single-token pairs, `sel_score_grad` and `sel_score_explore` 0, a constant
 lr; it forms the lookup), then the recall task from the drill's final checkpoint (`checkpoint.initial_load_path`, the model only):
   nsa    NSA as configured;
-  win    the same model with cmp and sel switched off (`--model.nsa_branch win`; the scores' gradient, exactly 0
-         with sel gated off, is then skipped);
+  win    the same model with cmp and sel switched off (`--model.nsa_branch win`: their parameters are there,
+         the branches are not computed, nor the scores' gradient);
   dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`), no block
          scores to train (`sel_score_grad`, `sel_score_explore` 0).
 (`--models` trains a subset: a change to NSA alone cannot move win or dense.)
@@ -87,7 +87,7 @@ def main() -> None:
               "dense": ["--model.attention", "dense", "--model.ffn_hidden_dim", str(hidden), "--model.sel_score_grad", "0",
                         "--model.sel_score_explore", "0"]}
     models = {name: models[name] for name in args.models}
-    print(f"parameters: NSA and win {n_nsa:,} (win: cmp and sel present, gated off), dense {n_dense:,} (MLP hidden "
+    print(f"parameters: NSA and win {n_nsa:,} (win: cmp and sel present, not computed), dense {n_dense:,} (MLP hidden "
           f"{m.ffn_hidden_dim or 'default'} -> {hidden}; {100 * (n_dense / n_nsa - 1):+.2f}%); "
           f"w = {m.window_size}, layers x w = {m.n_layers * m.window_size}")
     assert param_count(m, seq_len) == n_nsa

@@ -169,6 +169,8 @@ class Trainer:
                         f", each sequence split across {cp} context-parallel ranks" if cp > 1 else "")
         except BaseException:
             self.watchdog.stop()
+            if hasattr(self, "dataloader"):  # a checkpoint load starts its workers: they would hold the exit
+                shutdown_workers(self.dataloader)
             if self.owns_stop:
                 self.stop.close()
             raise
@@ -237,6 +239,9 @@ class Trainer:
         losses = [self.forward_backward(*self.next_batch(batches)) for _ in range(self.grad_accum_steps)]
         if self.state.step == self.first_step and self.cfg.debug.report_missing_grads:
             self.report_missing_grads()
+        for p in self.params:  # unused (a branch switched off): a 0 gradient keeps its optimizer state, which
+            if p.grad is None:  # a checkpoint needs to load into a fresh optimizer (DCP initialises every state)
+                p.grad = torch.zeros_like(p)
         grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
         loss = torch.stack(losses).mean()
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()

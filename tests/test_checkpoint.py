@@ -80,6 +80,19 @@ def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
             assert torch.equal(sa[k], sb[k]), f"{prefix}.{k} differs after resume"
 
 
+@pytest.mark.parametrize("branch", ["win", "sel"])
+def test_a_run_with_unused_parameters_resumes_exactly(tmp_path, branch):
+    """`nsa_branch` win leaves cmp's and sel's parameters out of the graph, sel leaves cmp's: they get
+    no gradient, yet their optimizer state is saved, so the checkpoint loads into a fresh optimizer."""
+    args = ["--model.nsa_branch", branch, "--checkpoint.interval", "2"]
+    ok(run(tmp_path / "a", *args, "--training.steps", "4"))
+    ok(run(tmp_path / "b", *args, "--training.steps", "2", tb="tb1"))
+    out = ok(run(tmp_path / "b", *args, "--training.steps", "4", tb="tb2"))
+    assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-2'} at step 2" in out
+    a, b = tb_losses(tmp_path / "a" / "tb"), {**tb_losses(tmp_path / "b" / "tb1"), **tb_losses(tmp_path / "b" / "tb2")}
+    assert sorted(b) == [1, 2, 3, 4] and [a[s] for s in sorted(a)] == [b[s] for s in sorted(b)]
+
+
 def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path):
     args = ["--training.steps", "30", "--checkpoint.interval", "10"]
     crashed = run(tmp_path, *args, "--debug.fault_kill_in_save_step", "20")
@@ -144,11 +157,11 @@ def saved_run(tmp_path_factory):
 
 def single(dump: Path, *args: str) -> subprocess.CompletedProcess:
     """One plain process, no torchrun (a fresh process: forked loader workers elsewhere in this
-    test session must not inherit the threads a trainer leaves behind)."""
+    test session must not inherit the threads a trainer leaves behind), with CK's 2 loader workers:
+    a load that fails once they run must still end the process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port())}
-    return subprocess.run([sys.executable, "-m", "nsa_titan.train", *CK, "--data.num_workers", "0",
-                           "--job.dump_folder", str(dump), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "nsa_titan.train", *CK, "--job.dump_folder", str(dump), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_incompatible_model_stops_and_overwrites_nothing(saved_run):
@@ -174,6 +187,33 @@ def test_truncated_file_stops_naming_checkpoint_and_file(saved_run, tmp_path):
     err = proc.stderr
     assert f"checkpoint {dump / 'checkpoint' / 'step-4'} cannot be used: file __0_0.distcp is truncated" in err
     assert "--checkpoint.load_step 2" in err  # the way out
+    assert tree_digest(dump / "checkpoint") == before
+
+
+def test_checkpoint_without_part_of_the_state_stops_and_the_loader_workers_end(saved_run, tmp_path):
+    """A complete checkpoint without an entry this run expects (one parameter's optimizer state, as an
+    earlier nsa_titan saved for parameters that never got a gradient). The load fails after it started
+    the 2 loader workers (to read their position): the process still exits at once with code 2,
+    naming the missing entry and the ways out."""
+    import json
+    import shutil
+
+    dump = tmp_path / "copy"
+    shutil.copytree(saved_run, dump)
+    step = dump / "checkpoint" / "step-4"
+    meta = pickle.loads((step / ".metadata").read_bytes())
+    gone = next(k for k in meta.state_dict_metadata if k.startswith("optimizer.state.") and k.endswith(".exp_avg"))
+    del meta.state_dict_metadata[gone]
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    manifest = json.loads((step / ".complete").read_text())
+    manifest["files"][".metadata"] = (step / ".metadata").stat().st_size
+    (step / ".complete").write_text(json.dumps(manifest))
+    before = tree_digest(dump / "checkpoint")
+    proc = single(dump, "--training.steps", "6")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"checkpoint {step} has no {gone} (the optimizer state this run expects): resume from another checkpoint "
+            "with --checkpoint.load_step, or without its optimizer with --checkpoint.exclude_from_loading optimizer"
+            in proc.stderr), proc.stderr[-3000:]
     assert tree_digest(dump / "checkpoint") == before
 
 

@@ -99,7 +99,7 @@ def test_forced_branches_train_and_missing_params_report_names_the_cut_off_ones(
         cut = {p for b, ps in BRANCH_PARAMS.items() if b != kept for p in ps}
         if kept == "sel":  # selection reads the cmp scores, but no gradient flows through the choice
             cut |= {"compress_k", "compress_v", "wkv_cmp"}
-        expected = sorted(n for n in run["grads"] if cut & set(n.split(".")))
+        expected = sorted(n for n in run["placements"] if cut & set(n.split(".")))  # every parameter's name
         assert sorted(run["missing_report"]) == expected and expected, kept
 
 

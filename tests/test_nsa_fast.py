@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from nsa_titan.models.attention import Documents, NSASpec, nsa_fast, nsa_referen
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Kernels, choose_kernels
 from nsa_titan.models.attention import kernels as kernels_module
+from nsa_titan.models.attention import ops
 from nsa_titan.models.transformer import NSAAttention, rope_tables
 
 from test_nsa_reference import random_inputs
@@ -90,6 +93,43 @@ def test_fast_equals_reference_on_raw_branch_inputs_in_fp64(T):
     torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
     for name, gf, gr in zip(NAMES, grads_fast, grads_ref):
         torch.testing.assert_close(gf, gr, rtol=1e-9, atol=1e-11, msg=name)
+
+
+BRANCH_OF = {"q": None, "k_cmp": 0, "v_cmp": 0, "k_sel": 1, "v_sel": 1, "k_win": 2, "v_win": 2, "gates": None}
+"""The branch whose keys and values each input is (None: all branches read it)."""
+
+
+@pytest.mark.parametrize("branches", [(False, False, True), (True, False, False), (False, True, False),
+                                      (True, True, False), (False, True, True)])
+def test_branches_left_out_add_nothing_and_are_not_computed(monkeypatch, branches):
+    """`branches` (what `nsa_branch` and `branch_off` pass): the output and every gradient are those
+    of all branches with the others' gates at 0, in both implementations; in nsa_fast a branch left
+    out runs no op and its inputs get no gradient (cmp's op still runs for sel, whose blocks it picks)."""
+    args = random_inputs(2, 70, 12, 2, 16, SPEC, seed=3)
+    for a in args:
+        a.requires_grad_(True)
+    gated = nsa_reference(*args[:-1], args[-1] * torch.tensor(branches, dtype=torch.float64), SPEC)
+    expected = torch.autograd.grad(gated.square().sum(), args)
+    ran = []
+
+    def counted(op, kind: Callable[[tuple], str]) -> Callable:
+        def run(*a):
+            ran.append(kind(a))
+            return op(*a)
+        return run
+
+    monkeypatch.setattr(ops, "shared", counted(ops.shared, lambda a: a[3]))  # its kind: cmp or win
+    monkeypatch.setattr(ops, "selected", counted(ops.selected, lambda a: "sel"))
+    torch.testing.assert_close(nsa_reference(*args, SPEC, branches=branches), gated, rtol=1e-12, atol=1e-14)
+    out = nsa_fast(*args, SPEC, kernels=Kernels("torch", "torch", "torch"), branches=branches)
+    torch.testing.assert_close(out, gated, rtol=1e-10, atol=1e-12)
+    assert ran == [kind for kind, on in zip(("cmp", "sel", "win"), (branches[0] or branches[1], *branches[1:])) if on]
+    grads = torch.autograd.grad(out.square().sum(), args, allow_unused=True)
+    for name, g, want in zip(NAMES, grads, expected):
+        if BRANCH_OF[name] is not None and not branches[BRANCH_OF[name]]:
+            assert g is None and not want.any(), name  # gated off, its gradient is 0: here not computed at all
+        else:
+            torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-11, msg=name)
 
 
 @pytest.mark.parametrize("T", [70, 200])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -198,7 +199,13 @@ class CheckpointManager:
     def _dcp_load(self, parts: dict[str, Any], path: Path) -> None:
         try:
             dcp.load(parts, checkpoint_id=str(path), process_group=self.pg)
-        except Exception as e:  # DCP wraps reader errors; name the folder and the problem
+        except (Exception, CheckpointException) as e:  # DCP wraps reader errors; name the folder and the problem
+            if missing := re.search(r"Missing key in checkpoint state_dict: ([\w.]+?)\.?$", str(e), re.MULTILINE):
+                key = missing.group(1)
+                part = key.split(".")[0]
+                raise CheckpointError(f"checkpoint {path} has no {key} (the {part} state this run expects): resume "
+                                      f"from another checkpoint with --checkpoint.load_step, or without its {part} "
+                                      f"with --checkpoint.exclude_from_loading {part}") from None
             raise CheckpointError(f"checkpoint {path} cannot be loaded: {type(e).__name__}: {e}".strip()) from None
 
     # ----------------------------------------------------------------- saving

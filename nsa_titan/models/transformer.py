@@ -146,7 +146,7 @@ class NSAAttention(nn.Module):
         self.n_heads, self.n_groups, self.head_dim = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
         self.spec = nsa_spec(cfg)
         self.attn_fn = functools.partial(nsa_fast, kernels=kernels) if cfg.attn_impl == "fast" else nsa_reference
-        # Diagnostics: a forced branch keeps its gate, the others are multiplied by 0.
+        # Diagnostics: a forced branch keeps its gate, the others are multiplied by 0 and not computed.
         self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)
         self.record_stats = False
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
@@ -212,8 +212,10 @@ class NSAAttention(nn.Module):
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
         score_grad = self.score_grad if self.training and torch.is_grad_enabled() else 0.0
 
+        branches = tuple(k != 0 for k in self.keep) if any(self.keep) else (False, False, True)  # gated off: not computed
+
         def attend(rows: slice, **q0: int) -> torch.Tensor:
-            o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, **q0)
+            o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches, **q0)
             return with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
                                    docs, explore=self.explore, seed=self.explore_step, **q0) if score_grad else o
 

@@ -200,10 +200,12 @@ def selected_keys(idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, t: torc
     return pos, ok
 
 
-def mix_branches(g: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
+def mix_branches(g: torch.Tensor, o_cmp: torch.Tensor | None, o_sel: torch.Tensor | None, o_win: torch.Tensor | None
+                 ) -> torch.Tensor:
     """The gated sum g_cmp * o_cmp + g_sel * o_sel + g_win * o_win; g (..., 3) in the branch order,
-    each output (..., D)."""
-    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win
+    each output (..., D), or None for a branch not computed (it adds nothing; at least one is given)."""
+    terms = [g[..., i:i + 1] * o for i, o in enumerate((o_cmp, o_sel, o_win)) if o is not None]
+    return sum(terms[1:], terms[0])
 
 
 def block_readers(idx32: torch.Tensor, start32: torch.Tensor, L: int, Tk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,8 @@ from .kernels import Kernels
 
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
              k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
-             kernels: Kernels | None = None, docs: Documents | None = None, q0: int = 0) -> torch.Tensor:
+             kernels: Kernels | None = None, docs: Documents | None = None, q0: int = 0,
+             branches: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
     """Same contract as `nsa_reference` (see there), computed branch by branch in chunks, each branch
     by its kernel in `kernels` (None: `auto` for these tensors).
 
@@ -52,20 +53,24 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     # as they are (tensor cores), and the cmp scores that pick the sel blocks are still fp32.
     low = q.dtype if q.device.type == "cuda" else acc
     qs = heads(low)
-    o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs, kernels.cmp)
-    if kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
+    o_cmp = o_sel = o_win = None
+    if branches[0] or branches[1]:  # sel reads the cmp scores
+        o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs,
+                                       kernels.cmp)
+    if branches[1] and kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
         o_sel = ops.selected_kernel(qs if low == q.dtype else heads(q.dtype), grouped(k_sel, q.dtype),
                                     grouped(v_sel, q.dtype), idx, valid, spec, q0, docs, "triton")
-    elif kernels.sel == "cpp":
+    elif branches[1] and kernels.sel == "cpp":
         o_sel = ops.selected_kernel(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx,
                                     valid, spec, q0, docs, "cpp")
-    else:
+    elif branches[1]:
         o_sel = ops.selected(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx, valid,
                              spec, q0, docs)
-    if kernels.win == "flash":
+    if branches[2] and kernels.win == "flash":
         o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0)
-    else:
+    elif branches[2]:
         o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs, kernels.win)
     g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
-    out = mix_branches(g, o_cmp.to(acc), o_sel.to(acc), o_win.to(acc))  # (B, G, Tq, r, D)
+    outs = [o.to(acc) if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)]  # cmp's scores only: None
+    out = mix_branches(g, *outs)  # (B, G, Tq, r, D)
     return out.transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)

@@ -136,7 +136,8 @@ def score_grad(d_o: torch.Tensor, qg: torch.Tensor, k_sel: torch.Tensor, v_sel: 
     B, G, Tq, r, D = qg.shape
     T, n, L = k_sel.shape[1], idx.shape[-1], spec.l_sel
     d_sel = (d_o.to(qg.dtype) * g_sel.to(qg.dtype)[..., None]).view(B, Tq, G, r, D).transpose(1, 2)  # (B, G, Tq, r, D)
-    kv = torch.cat([k_sel, v_sel], -1).to(qg.dtype).transpose(1, 2)  # (B, G, T, 2D)
+    kv = torch.cat([k_sel, v_sel], -1).to(qg.dtype).transpose(1, 2).reshape(B * G * T, 2 * D)  # rows (b, g, s)
+    row0 = torch.arange(B * G, device=qg.device).view(B, G, 1) * T
     out = []
     for c0 in range(0, Tq, CHUNK):
         c1 = min(Tq, c0 + CHUNK)
@@ -144,7 +145,7 @@ def score_grad(d_o: torch.Tensor, qg: torch.Tensor, k_sel: torch.Tensor, v_sel: 
         start = 0 if docs is None else docs.start[:, None, q0 + c0:q0 + c1, None]  # (B, 1, C, 1)
         pos = ((start + idx[:, :, c0:c1] * L)[..., None] + torch.arange(L, device=qg.device)).flatten(-2)
         ok = valid[:, :, c0:c1].repeat_interleave(L, -1) & (pos <= t[:, None])  # (B, G, C, n L)
-        gathered = kv.gather(2, pos.clamp(max=T - 1).flatten(2)[..., None].expand(-1, -1, -1, 2 * D))
+        gathered = kv.index_select(0, (row0 + pos.clamp(max=T - 1).flatten(2)).flatten())  # whole rows: fast copies
         k, v = gathered.view(B, G, c1 - c0, n * L, 2 * D).split(D, -1)
         z = torch.einsum("bgcrd,bgckd->bgcrk", qg[:, :, c0:c1], k) * D**-0.5  # (B, G, C, r, n L)
         d = d_sel[:, :, c0:c1]
