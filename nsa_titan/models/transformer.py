@@ -146,8 +146,7 @@ class NSAAttention(nn.Module):
         self.n_heads, self.n_groups, self.head_dim = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
         self.spec = nsa_spec(cfg)
         self.attn_fn = functools.partial(nsa_fast, kernels=kernels) if cfg.attn_impl == "fast" else nsa_reference
-        # Diagnostics: a forced branch keeps its gate, the others are multiplied by 0 and not computed.
-        self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)
+        self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)  # nsa_branch: others x 0
         self.record_stats = False
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
@@ -211,8 +210,7 @@ class NSAAttention(nn.Module):
             self.selection = selected_blocks(q, kc, vc, self.spec, self.n_groups, docs)[:2]
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
         score_grad = self.score_grad if self.training and torch.is_grad_enabled() else 0.0
-
-        branches = tuple(k != 0 for k in self.keep) if any(self.keep) else (False, False, True)  # gated off: not computed
+        branches = tuple(k != 0 for k in self.keep) if any(self.keep) else (False, False, True)  # gated off: not run
 
         def attend(rows: slice, **q0: int) -> torch.Tensor:
             o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches, **q0)
