@@ -15,8 +15,9 @@ lr; it forms the lookup), then the recall task from the drill's final checkpoint
 (`--models` trains a subset: a change to NSA alone cannot move win or dense.)
 Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
-marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, logged during
-NSA's drill and recall run (`[metrics] nsa_stats`; the recall steps follow the drill's). Prints the
+marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, over all tokens and over
+the answers alone (`gate_sel_labelled`), logged during NSA's drill and recall run (`[metrics] nsa_stats`;
+the recall steps follow the drill's). Prints the
 Markdown tables, with NSA's accuracy when each branch of each layer is switched off in turn (which
 branch does the recall), and per model the value tokens predicted right and how often each layer's
 selection chose the block holding the pair (`recall_routing`; in `win` it is computed, gated off and
@@ -61,9 +62,14 @@ def train(name: str, overrides: list[str], dump: Path) -> float:
     return time.perf_counter() - start
 
 
-def sel_share(dump: Path, n_layers: int) -> dict[int, list[float]]:
-    """{step: [sel gate / sum of gates, per layer]} from the NSA run's TensorBoard log."""
-    gates = {b: [scalars(dump, f"nsa/layer{i}/gate_{b}") for i in range(n_layers)] for b in ("cmp", "sel", "win")}
+TOKENS = {"": "all tokens", "_labelled": "answers"}
+"""The gate statistics' tokens: every token's gates, or the answers' alone (`gate_sel_labelled`)."""
+
+
+def sel_share(dump: Path, n_layers: int, tokens: str) -> dict[int, list[float]]:
+    """{step: [sel gate / sum of gates, per layer]} over `tokens` (a key of TOKENS), from the NSA run's
+    TensorBoard log."""
+    gates = {b: [scalars(dump, f"nsa/layer{i}/gate_{b}{tokens}") for i in range(n_layers)] for b in ("cmp", "sel", "win")}
     steps = sorted(gates["sel"][0])
     return {s: [gates["sel"][i][s] / sum(gates[b][i][s] for b in gates) for i in range(n_layers)] for s in steps}
 
@@ -112,8 +118,9 @@ def main() -> None:
             print(f"{name}: trained in {seconds / 60:.1f} min; " +
                   ", ".join(f"{dist}: {c}/{n}" for dist, (c, n) in results.items()))
             if name == "nsa":  # the drill's steps, then the recall run's after them
-                share = sel_share(drill, m.n_layers) | {args.drill_steps + s: v for s, v in
-                                                        sel_share(dump, m.n_layers).items()}
+                share = {kind: sel_share(drill, m.n_layers, kind) | {args.drill_steps + s: v for s, v in
+                                                                     sel_share(dump, m.n_layers, kind).items()}
+                         for kind in TOKENS}
     marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size}
     line_chart(acc, args.out, f"exact recall by distance, equal parameters ({args.drill_steps} drill + "
                f"{cfg.training.steps} recall steps)",
@@ -124,13 +131,15 @@ def main() -> None:
         print(f"| {dist:,} | " + " | ".join(f"{acc[name][dist]:.1%}" for name in acc) + " |")
     if "nsa" in acc:
         gates = args.out.with_name(args.out.stem + "_gates.png")
-        line_chart({f"layer {i}": {s: v[i] for s, v in share.items()} for i in range(m.n_layers)}, gates,
-                   "NSA during the drill and the recall run: sel gate / (cmp + sel + win)", "step", "sel share",
-                   (0.0, 1.0), {"recall run": args.drill_steps})
-        print(f"\nplot: {gates}\n\n| step | " + " | ".join(f"sel share, layer {i}" for i in range(m.n_layers)) +
-              " |\n|---|" + "---|" * m.n_layers)
-        for s in sorted(share)[::max(1, len(share) // 10)]:
-            print(f"| {s} | " + " | ".join(f"{v:.3f}" for v in share[s]) + " |")
+        columns = [(kind, i) for kind in TOKENS for i in range(m.n_layers)]
+        line_chart({f"layer {i}, {TOKENS[kind]}": {s: v[i] for s, v in share[kind].items()} for kind, i in columns},
+                   gates, "NSA during the drill and the recall run: sel gate / (cmp + sel + win)", "step",
+                   "sel share", (0.0, 1.0), {"recall run": args.drill_steps})
+        print(f"\nplot: {gates}\n\n| step | " + " | ".join(f"sel share, layer {i}, {TOKENS[kind]}" for kind, i in columns)
+              + " |\n|---|" + "---|" * len(columns))
+        steps_logged = sorted(share[""])
+        for s in sorted({*steps_logged[::max(1, len(steps_logged) // 10)], steps_logged[-1]}):
+            print(f"| {s} | " + " | ".join(f"{share[kind][s][i]:.3f}" for kind, i in columns) + " |")
         print("\nNSA's exact recall by distance with one branch of one layer switched off:\n" + recall_table(ablations))
     for name, by in routing.items():  # win's selection is computed though gated off: it shows chance picking
         print(f"\n{name}: value tokens predicted right, and how often each layer's selection held the pair's copy:\n"

@@ -29,6 +29,8 @@ LINE = re.compile(r"step +(\d+)/\d+ \| loss +([\d.]+) .*\| tok/s ([\d,]+) (?:\| 
 
 VARIANTS = {
     "nsa-eager": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "none"],
+    "nsa-eager-torch": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "none",
+                        "--model.kernels", "torch"],  # the PyTorch kernels (auto: NSA's C++ kernel on CPUs)
     "nsa-eager-ac": ["--model.attention", "nsa", "--compile.enable", "false", "--activation_checkpoint.mode", "full"],
     "nsa-compiled": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "none"],
     "nsa-compiled-ac": ["--model.attention", "nsa", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
@@ -61,7 +63,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME",
-                        help="a subset of: " + ", ".join(VARIANTS) + " (ac: activation checkpointing full)")
+                        help="a subset of: " + ", ".join(VARIANTS) + " (ac: activation checkpointing full; torch: the "
+                             "PyTorch kernels)")
     parser.add_argument("--allocators", nargs="+", choices=["tuned", "default"], default=["tuned"])
     parser.add_argument("overrides", nargs="*", help="extra --section.key value overrides for every variant")
     opts = parser.parse_args()

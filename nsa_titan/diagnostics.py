@@ -68,20 +68,21 @@ def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer, compute_dty
             f"(reduced in {reduce_dtype}) | optimizer state {fmt(states)}")
 
 
-def nsa_stats(model: nn.Module, inputs: torch.Tensor, document_ids: torch.Tensor | None = None) -> dict[str, float]:
+def nsa_stats(model: nn.Module, inputs: torch.Tensor, document_ids: torch.Tensor | None = None,
+              tokens: torch.Tensor | None = None) -> dict[str, float]:
     """Per-layer gate and selection statistics from one no-grad forward over `inputs` (documents masked
-    as in training)."""
+    as in training); with `tokens` (B, T) bool, also the mean gates over those tokens alone (`*_labelled`)."""
     attns = [(i, m) for i, m in enumerate(m for m in model.modules() if hasattr(m, "record_stats"))]
     if not attns:
         return {}
     for _, m in attns:
-        m.record_stats = True
+        m.record_stats, m.stats_tokens = True, tokens
     try:
         with torch.no_grad():
             model(inputs, document_ids)
     finally:
         for _, m in attns:
-            m.record_stats = False
+            m.record_stats, m.stats_tokens = False, None
     keys = sorted(attns[0][1].stats)
     values = torch.stack([m.stats[k].float() for _, m in attns for k in keys])
     dist.all_reduce(values)

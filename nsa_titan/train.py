@@ -31,7 +31,7 @@ from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
 from .env import allocator_setup, set_deterministic
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
-from .loss import cross_entropy_loss
+from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak_flops, peak_memory_gib
 from .models.attention import Kernels, choose_kernels
 from .models.attention.routing import set_explore_step
@@ -90,8 +90,7 @@ class Trainer:
         self.stopped_by: str | None = None  # the stop signal that ended the run early
         self.last_validation: tuple[int, float] | None = None
         self.history: list[StepStats] = []
-        self.last_inputs: torch.Tensor | None = None  # the NSA statistics' forward input
-        self.last_documents: torch.Tensor | None = None  # and its document ids (None: not masked)
+        self.last_batch: tuple | None = None  # the NSA statistics' forward: inputs, labels, document ids (or None)
         self.skips_in_a_row = self.skips_total = 0
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
@@ -220,8 +219,8 @@ class Trainer:
             raise DataError(f"rank {self.rank} ran out of training data: its share of [data] path = "
                             f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
                             f"x workers?)") from None
-        self.last_inputs, self.last_documents = inputs.to(self.device), self.documents(document_ids)
-        return self.last_inputs, labels.to(self.device), self.last_documents
+        self.last_batch = inputs.to(self.device), labels.to(self.device), self.documents(document_ids)
+        return self.last_batch
 
     def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
         """The batch's document ids (on the host, where the model measures them) when `[training]
@@ -306,7 +305,9 @@ class Trainer:
                           peak_memory_gib(self.device), step_time, data_wait)
         self.metrics.log(stats)
         if self.cfg.metrics.nsa_stats:
-            self.metrics.log_scalars(self.state.step, nsa_stats(self.model, self.last_inputs, self.last_documents))
+            inputs, labels, documents = self.last_batch  # a recall batch's labels are its answers: their gates too
+            answers = labels != IGNORE_INDEX if self.cfg.data.source == "recall" else None
+            self.metrics.log_scalars(self.state.step, nsa_stats(self.model, inputs, documents, answers))
         self.history.append(stats)
 
     def train(self) -> list[StepStats]:

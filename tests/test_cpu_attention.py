@@ -100,6 +100,7 @@ SHAPES = [  # (B, G, T, r, D, spec): T not a multiple of l'; every r and D the k
     (2, 2, 130, 3, 16, SPEC),
     (1, 1, 90, 4, 32, SPEC),
     (1, 2, 120, 8, 16, SPEC),
+    (2, 2, 203, 2, 32, NSASpec(l=4, d=2, l_sel=8, n=16, w=64)),  # recall.toml's: l' = 8, half a vector
 ]
 
 
@@ -267,10 +268,11 @@ def test_the_choice_takes_the_kernel_where_it_runs_and_says_why_not(monkeypatch)
     assert choose_kernels("auto", CPU, torch.bfloat16, M7C, 64, 6).describe() == "cmp C++, sel C++, win C++"
     assert choose_kernels("cpp", CPU, torch.float32, M7C, 64, 6) == Kernels("cpp", "cpp", "cpp")
     assert choose_kernels("torch", CPU, torch.float32, M7C, 64, 6) == Kernels()
+    assert choose_kernels("auto", CPU, torch.float32, NSASpec(l=4, d=2, l_sel=8), 32, 2) == Kernels("cpp", "cpp", "cpp")
     for dtype, spec, r, D, why in [(torch.float64, M7C, 6, 64, "compute in float32, and the compute dtype is torch.float64"),
-                                   (torch.float32, M7C, 16, 64, r"\(they are 16, 64 and 64\)"),
-                                   (torch.float32, M7C, 6, 48, r"\(they are 6, 48 and 64\)"),
-                                   (torch.float32, NSASpec(l=8, d=4, l_sel=8), 6, 64, r"\(they are 6, 64 and 8\)")]:
+                                   (torch.float32, M7C, 16, 64, r"\(they are 16 and 64\)"),
+                                   (torch.float32, M7C, 6, 48, r"\(they are 6 and 48\)"),
+                                   (torch.float32, NSASpec(l=8, d=4, l_sel=8), 5, 64, r"\(they are 5 and 64\)")]:
         assert choose_kernels("auto", CPU, dtype, spec, D, r) == Kernels()  # auto falls back to the tiles
         with pytest.raises(ConfigError, match=f"kernels = 'cpp' cannot run: .*{why}"):
             choose_kernels("cpp", CPU, dtype, spec, D, r)

@@ -118,6 +118,7 @@ def test_heartbeat_nsa_stats_and_profiler(tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for layer in (0, 1):
+        assert f"nsa/layer{layer}/gate_sel_labelled" not in tags  # text: every token is labelled
         for key in ("gate_cmp", "gate_sel", "gate_win", "gate_entropy", "sel_scored_fraction", "sel_scored_distance"):
             assert f"nsa/layer{layer}/{key}" in tags
     assert [e.step for e in events.Scalars("nsa/layer0/gate_entropy")] == [1, 3, 6]

@@ -19,6 +19,7 @@ from nsa_titan.data.recall import (
 )
 from nsa_titan.data.tokenizer import ByteTokenizer
 from nsa_titan.evaluate import evaluate_recall, recall_routing
+from nsa_titan.models.nsa_stats import gate_stats
 from nsa_titan.models.transformer import Transformer
 
 LAYOUT = RecallLayout(seq_len=256, vocab_size=64, key_tokens=3, value_tokens=2, pairs=4)
@@ -225,6 +226,21 @@ def test_log_scale_draws_every_scale_equally_often():
     assert sum(d < 128 for d in drawn) > len(drawn) / 3  # linear: 11% of [16, 1006] lies below 128
 
 
+def test_gate_statistics_of_the_labelled_tokens_average_their_gates_alone():
+    """`[metrics] nsa_stats` on a recall batch: `gate_*_labelled` is each branch's mean gate over the answers."""
+    gates = torch.full((2, 6, 4, 3), 0.25)  # (B, T, H, branch)
+    answers = torch.zeros(2, 6, dtype=torch.bool)
+    answers[0, 4], answers[1, 1] = True, True
+    gates[..., 1][answers] = 0.75  # the sel gate is 0.75 at the answers, 0.25 elsewhere
+    gates[1, 1, 0] = torch.tensor([0.5, 0.25, 1.0])
+    stats = gate_stats(gates, answers)
+    assert float(stats["gate_sel"]) == pytest.approx((40 * 0.25 + 7 * 0.75 + 0.25) / 48)
+    assert float(stats["gate_sel_labelled"]) == pytest.approx((7 * 0.75 + 0.25) / 8)
+    assert float(stats["gate_cmp_labelled"]) == pytest.approx((7 * 0.25 + 0.5) / 8)
+    assert float(stats["gate_win_labelled"]) == pytest.approx((7 * 0.25 + 1.0) / 8)
+    assert "gate_sel_labelled" not in gate_stats(gates)
+
+
 @pytest.mark.parametrize("override,message", [
     (["--recall.min_distance", "3"], "min_distance = 3: must lie in"),
     (["--recall.max_distance", "300"], "max_distance = 300"),
@@ -249,6 +265,8 @@ def test_the_shipped_recall_config_trains_and_its_checkpoint_is_evaluated_by_dis
     events = EventAccumulator(tb_run(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("nsa/layer1/gate_sel")] == [1, 2, 3]
+    answers = [e.value for e in events.Scalars("nsa/layer0/gate_sel_labelled")]  # the gates at the answers alone
+    assert len(answers) == 3 and answers != [e.value for e in events.Scalars("nsa/layer0/gate_sel")]
     out = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", str(tmp_path / "checkpoint" / "step-3"),
                           "--task", "recall", "--distances", "32", "900", "--batches", "1", "--plot",
                           str(tmp_path / "recall.png"), "--ablate"],

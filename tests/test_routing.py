@@ -14,7 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
-from nsa_titan.models.attention.common import forced_blocks
+from nsa_titan.models.attention.common import forced_blocks, masked_softmax
+from nsa_titan.models.attention import routing
 from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
 from nsa_titan.models import transformer
 from nsa_titan.models.transformer import NSAAttention, rope_tables
@@ -65,8 +66,11 @@ def routing_inputs(with_docs: bool, T: int = 70, B: int = 2, H: int = 4, G: int 
     return q, kc, ks, vs, g_sel, d_o, docs
 
 
+@pytest.mark.parametrize("chunk_logits", [routing.CHUNK_LOGITS, 1200])
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_the_scores_get_the_gradient_of_a_bias_on_their_blocks_logits(with_docs):
+def test_the_scores_get_the_gradient_of_a_bias_on_their_blocks_logits(with_docs, chunk_logits, monkeypatch):
+    """Whole, and a few queries at a time (1,200 logits: 2 queries of 2 rows x 2 groups x 2 heads x 70 keys)."""
+    monkeypatch.setattr(routing, "CHUNK_LOGITS", chunk_logits)
     q, kc, ks, vs, g_sel, d_o, docs = routing_inputs(with_docs)
     B, T, H, D = q.shape
     G = ks.shape[2]
@@ -106,6 +110,27 @@ def test_explored_blocks_get_the_gradient_of_their_weight_in_the_softmax_at_0(wi
     want = weight_gradient(q, ks, vs, g_sel, d_o, all_idx, all_valid, (torch.arange(n + m) < n).double(), SPEC, docs)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert float(got[..., n:].abs().sum()) > 1.0
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_the_group_probabilities_and_their_gradient_are_autograds_softmax(with_docs):
+    """`_GroupProbabilities` (the cmp probabilities summed over a group's heads, Eq. 10, in place) against
+    autograd through `masked_softmax`; the first queries see no compressed block (all 0, no NaN)."""
+    q, kc, *_, docs = routing_inputs(with_docs)
+    B, T, H, D = q.shape
+    G = kc.shape[2]
+    qg = q.view(B, T, G, H // G, D).transpose(1, 2).clone().requires_grad_()  # (B, G, T, r, D)
+    kcg = kc.transpose(1, 2).clone().requires_grad_()  # (B, G, Nc, D)
+    visible = (cmp_visibility(SPEC, T, q.device)[:, None, :] if docs is None
+               else docs.cmp_visible(SPEC, 0, T, kc.shape[1])[:, None, :, None])
+    want = masked_softmax(torch.einsum("bgtrd,bgsd->bgtrs", qg, kcg) * D**-0.5, visible).sum(3)
+    got = routing._GroupProbabilities.apply(qg, kcg, visible)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert not got[:, :, :SPEC.l - 1].any() and not got.isnan().any()
+    d_group = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(8))
+    for a, b in zip(torch.autograd.grad(got, (qg, kcg), d_group), torch.autograd.grad(want, (qg, kcg), d_group)):
+        assert float(b.abs().sum()) > 1.0
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def scores_gradient(q, kc, ks, vs, gates, d_o, spec: NSASpec, parts, explore: int = 0) -> torch.Tensor:

@@ -8,14 +8,20 @@ import torch
 from .attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
 from .attention.common import forced_blocks
 
+BRANCHES = ("cmp", "sel", "win")
 
-def gate_stats(gates: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean gate of each branch, and the mean entropy (nats) of the normalised gate mix."""
+
+def gate_stats(gates: torch.Tensor, tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Mean gate of each branch, and the mean entropy (nats) of the normalised gate mix, of gates (B, T, H, 3);
+    with `tokens` (B, T) bool, also each branch's mean gate over those tokens (`gate_sel_labelled`, ...)."""
     g = gates.detach().float().flatten(0, 2)  # (B*T*H, 3)
     p = g / g.sum(-1, keepdim=True).clamp_min(1e-12)
     entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
-    return {"gate_cmp": g[:, 0].mean(), "gate_sel": g[:, 1].mean(), "gate_win": g[:, 2].mean(),
-            "gate_entropy": entropy}
+    stats = {f"gate_{b}": g[:, i].mean() for i, b in enumerate(BRANCHES)}
+    if tokens is not None:
+        at = gates.detach().float()[tokens].flatten(0, 1)  # (tokens x H, 3)
+        stats |= {f"gate_{b}_labelled": at[:, i].mean() for i, b in enumerate(BRANCHES)}
+    return stats | {"gate_entropy": entropy}
 
 
 def selected_blocks(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,

@@ -23,7 +23,7 @@ from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
 from .attention.routing import with_score_grad
-from .nsa_stats import gate_stats, selected_blocks, selection_stats
+from .nsa_stats import BRANCHES, gate_stats, selected_blocks, selection_stats
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -138,7 +138,7 @@ class NSAAttention(nn.Module):
     the sel blocks each query's group chose in `selection`.
     """
 
-    BRANCHES = ("cmp", "sel", "win")
+    BRANCHES = BRANCHES
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         """`kernels`: the fast path's kernel per branch (None: chosen per call, `auto`)."""
@@ -147,7 +147,7 @@ class NSAAttention(nn.Module):
         self.spec = nsa_spec(cfg)
         self.attn_fn = functools.partial(nsa_fast, kernels=kernels) if cfg.attn_impl == "fast" else nsa_reference
         self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)  # nsa_branch: others x 0
-        self.record_stats = False
+        self.record_stats, self.stats_tokens = False, None  # stats_tokens (B, T): also their gates apart
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
         self.stats: dict[str, torch.Tensor] = {}
         self.score_grad = cfg.sel_score_grad * self.keep[1]  # the scores' straight-through gradient (0: none, sel off)
@@ -205,7 +205,7 @@ class NSAAttention(nn.Module):
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
-            self.stats = {**gate_stats(gates), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
+            self.stats = {**gate_stats(gates, self.stats_tokens), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
         if self.record_selection:
             self.selection = selected_blocks(q, kc, vc, self.spec, self.n_groups, docs)[:2]
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])

@@ -83,9 +83,9 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
         return f"NSA's C++ kernels run on CPUs and this run is on {device.type}"
     if torch.promote_types(dtype, torch.float32) != torch.float32:  # bf16 / fp16: sel and win in fp32 on CPUs
         return f"NSA's C++ kernels compute in float32, and the compute dtype is {dtype}"
-    if heads_per_group not in HEADS or head_dim not in HEAD_DIMS or spec.l_sel % 16:
-        return (f"NSA's C++ kernels take {HEADS} query heads per KV group, head_dim in {HEAD_DIMS} and "
-                f"sel_block_size a multiple of 16 (they are {heads_per_group}, {head_dim} and {spec.l_sel})")
+    if heads_per_group not in HEADS or head_dim not in HEAD_DIMS:
+        return (f"NSA's C++ kernels take {HEADS} query heads per KV group and head_dim in {HEAD_DIMS} (they are "
+                f"{heads_per_group} and {head_dim})")
     return _build_problem()
 
 

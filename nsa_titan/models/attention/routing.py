@@ -15,8 +15,9 @@ p_hk the sel attention probability, v_k the sel value, o_h the sel output, dL/do
 reaching the sel output (the layer's gradient times the sel gate). A chosen block whose keys, read
 more, would lower the loss gets a higher score, one whose keys mislead a lower one. Only the blocks
 chosen by score get it (forced blocks are chosen whatever their score). The scores' gradient then
-reaches the queries and the compressed keys through the cmp probabilities, recomputed densely here:
-a (T, T/d) matrix per layer, so this is for research runs at moderate T.
+reaches the queries and the compressed keys through the cmp probabilities, recomputed densely here
+(a (T, T/d) matrix per layer), and backward takes the sel logits of every earlier key (T^2 / 2 products
+per head, a chunk of queries at a time): this is for research runs at moderate T.
 
 Exploration (`[model] sel_score_explore` = m): a block that is never chosen never learns that it
 would help. m unchosen candidate blocks per query (drawn by a hash of the step, row, group, position
@@ -39,8 +40,9 @@ import torch
 from .common import NSASpec, block_scores, choose_blocks, cmp_visibility, forced_blocks, masked_softmax
 from .documents import Documents
 
-CHUNK = 256
-"""Queries whose selected keys and values are gathered at once in backward (memory: CHUNK x n x l' x 2 keys)."""
+CHUNK_LOGITS = 2**23
+"""How many logits (batch x group heads x queries x keys) backward takes at once: it takes the queries a chunk
+at a time (256 at the recall task's shape), 2 x 32 MiB of fp32 products a chunk."""
 
 
 def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
@@ -60,8 +62,7 @@ def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: t
         visible = cmp_visibility(spec, T, q.device)[q0:q0 + Tq, None, :]  # (Tq, 1, Nc)
     else:
         visible = docs.cmp_visible(spec, q0, q0 + Tq, kc.shape[1])[:, None, :, None]  # (B, 1, Tq, 1, Nc)
-    logits = torch.einsum("bgtrd,bsgd->bgtrs", qg, kc.to(acc)) * D**-0.5
-    p_group = masked_softmax(logits, visible).sum(3)  # (B, G, Tq, Nc): Eq. 10's sum over the group's heads
+    p_group = _GroupProbabilities.apply(qg, kc.to(acc).transpose(1, 2), visible)  # (B, G, Tq, Nc)
     scores, t = block_scores(p_group, spec, q0, T, docs)
     idx, valid = choose_blocks(p_group.detach(), spec, q0, T, docs)  # (B, G, Tq, n)
     free = valid & ~forced_blocks(idx, t[:, None], spec)
@@ -109,6 +110,35 @@ def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m
     return extra, key >= 0
 
 
+class _GroupProbabilities(torch.autograd.Function):
+    """The cmp probabilities summed over a group's heads (Eq. 10), p_group (B, G, Tq, Nc), from qg (B, G,
+    Tq, r, D), kc (B, G, Nc, D) and `visible` (broadcast to (B, G, Tq, r, Nc)): autograd's softmax with
+    fewer passes over the (B, G, Tq, r, Nc) probabilities, which are all it keeps for backward."""
+
+    @staticmethod
+    def forward(ctx, qg, kc, visible):
+        B, G, Tq, r, D = qg.shape
+        p = (qg.reshape(B, G, Tq * r, D) @ kc.transpose(2, 3)).view(B, G, Tq, r, -1).mul_(D**-0.5)
+        p.masked_fill_(~visible, float("-inf"))
+        m = p.amax(-1, keepdim=True)
+        p.sub_(torch.where(torch.isfinite(m), m, 0.0)).exp_()  # a row with nothing visible: all 0
+        denom = p.sum(-1, keepdim=True)
+        p.div_(torch.where(denom > 0, denom, 1.0))
+        ctx.save_for_backward(qg, kc, p)
+        return p.sum(3)
+
+    @staticmethod
+    def backward(ctx, d_group):
+        qg, kc, p = ctx.saved_tensors
+        B, G, Tq, r, D = qg.shape
+        d_logits = p * d_group[:, :, :, None]  # softmax backward: p (dp - sum p dp), dp = d_group for every head
+        d_logits.addcmul_(p, d_logits.sum(-1, keepdim=True), value=-1.0)
+        d_logits = d_logits.view(B, G, Tq * r, -1)
+        dq = (d_logits @ kc).view(B, G, Tq, r, D) * D**-0.5
+        dk = (d_logits.transpose(2, 3) @ qg.reshape(B, G, Tq * r, D)) * D**-0.5
+        return dq, dk, None
+
+
 class _ScoreStraightThrough(torch.autograd.Function):
     """o unchanged; backward: `score_grad` into log_s."""
 
@@ -132,31 +162,35 @@ def score_grad(d_o: torch.Tensor, qg: torch.Tensor, k_sel: torch.Tensor, v_sel: 
     """dL/dlog s_j (B, G, Tq, n) for the blocks idx, valid (B, G, Tq, n), of which the first n_read
     (default all) are the chosen ones the sel branch reads, the rest explored: d_o (B, Tq, H, D) the
     gradient of the layer's attention output, qg (B, G, Tq, r, D), k_sel, v_sel (B, T, G, D), g_sel
-    (B, Tq, H) the sel gates."""
+    (B, Tq, H) the sel gates.
+
+    A chunk of queries takes its logits q.k and products dL/do.v against every key before it in two
+    matrix products, then picks out the blocks' keys: at the recall task's shape (T = 1,024, 24 blocks
+    of 8 keys) about 3x the arithmetic of the chosen keys alone, but not a gather of 192 key rows per query."""
     B, G, Tq, r, D = qg.shape
-    T, n, L = k_sel.shape[1], idx.shape[-1], spec.l_sel
+    n, L = idx.shape[-1], spec.l_sel
+    R = (n if n_read is None else n_read) * L  # the first R of a query's n L keys are read, the rest explored
     d_sel = (d_o.to(qg.dtype) * g_sel.to(qg.dtype)[..., None]).view(B, Tq, G, r, D).transpose(1, 2)  # (B, G, Tq, r, D)
-    kv = torch.cat([k_sel, v_sel], -1).to(qg.dtype).transpose(1, 2).reshape(B * G * T, 2 * D)  # rows (b, g, s)
-    row0 = torch.arange(B * G, device=qg.device).view(B, G, 1) * T
-    out = []
-    for c0 in range(0, Tq, CHUNK):
-        c1 = min(Tq, c0 + CHUNK)
+    k, v = (x.to(qg.dtype).transpose(1, 2) for x in (k_sel, v_sel))  # (B, G, T, D)
+    out, chunk = [], max(1, CHUNK_LOGITS // (B * G * r * (q0 + Tq)))
+    for c0 in range(0, Tq, chunk):
+        c1 = min(Tq, c0 + chunk)
+        S, C = q0 + c1, c1 - c0  # the chunk's queries see keys 0 .. S - 1
         t = torch.arange(q0 + c0, q0 + c1, device=qg.device)  # absolute positions
         start = 0 if docs is None else docs.start[:, None, q0 + c0:q0 + c1, None]  # (B, 1, C, 1)
         pos = ((start + idx[:, :, c0:c1] * L)[..., None] + torch.arange(L, device=qg.device)).flatten(-2)
-        ok = valid[:, :, c0:c1].repeat_interleave(L, -1) & (pos <= t[:, None])  # (B, G, C, n L)
-        gathered = kv.index_select(0, (row0 + pos.clamp(max=T - 1).flatten(2)).flatten())  # whole rows: fast copies
-        k, v = gathered.view(B, G, c1 - c0, n * L, 2 * D).split(D, -1)
-        z = torch.einsum("bgcrd,bgckd->bgcrk", qg[:, :, c0:c1], k) * D**-0.5  # (B, G, C, r, n L)
-        d = d_sel[:, :, c0:c1]
-        dv = torch.einsum("bgcrd,bgckd->bgcrk", d, v)
-        ok, R = ok[:, :, :, None], (n if n_read is None else n_read) * L  # the first R keys are read
+        ok = (valid[:, :, c0:c1].repeat_interleave(L, -1) & (pos <= t[:, None]))[:, :, :, None]  # (B, G, C, 1, n L)
+        at = pos.clamp(0, S - 1)[:, :, :, None].expand(B, G, C, r, n * L)
+        z = (qg[:, :, c0:c1].reshape(B, G, C * r, D) @ k[:, :, :S].transpose(2, 3)).view(B, G, C, r, S)
+        z = z.gather(-1, at) * D**-0.5  # (B, G, C, r, n L)
+        dv = (d_sel[:, :, c0:c1].reshape(B, G, C * r, D) @ v[:, :, :S].transpose(2, 3)).view(B, G, C, r, S)
+        dv = dv.gather(-1, at)  # dL/do_h . v_k
         p = masked_softmax(z[..., :R], ok[..., :R])
-        d_o_h = (d * torch.einsum("bgcrk,bgckd->bgcrd", p, v[..., :R, :])).sum(-1, keepdim=True)  # dL/do_h . o_h
+        d_o_h = (p * dv[..., :R]).sum(-1, keepdim=True)  # dL/do_h . o_h
         contrib = p * (dv[..., :R] - d_o_h)
         if R < n * L:  # explored keys: their weight in the read keys' softmax, were they added at weight 0
             lse = z[..., :R].masked_fill(~ok[..., :R], float("-inf")).logsumexp(-1, keepdim=True)
             e = torch.where(ok[..., R:], torch.exp(z[..., R:] - lse), 0.0)  # e^z / Z, unbounded
             contrib = torch.cat([contrib, e * (dv[..., R:] - d_o_h)], -1)
-        out.append(contrib.view(B, G, c1 - c0, r, n, L).sum((3, 5)))
+        out.append(contrib.view(B, G, C, r, n, L).sum((3, 5)))
     return torch.cat(out, 2)

@@ -8,7 +8,8 @@
 // Layouts (BG = batch x groups; P rows of keys, the last ones zero, so vector loads never leave them):
 //   q (BG, Tq, r, D)   kt, vt (BG, D, P): keys / values transposed   k (BG, P, D)
 //   pos (BG, Tq, n) int32: the first key of each run, -1 for none; a run is L keys long, and query
-//   i, at position q0 + i, reads of each run the keys up to itself.
+//   i, at position q0 + i, reads of each run the keys up to itself. A run's scores take a multiple of
+//   16 columns (`padded`), those past its keys -inf: any L works, a multiple of 16 wastes none.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,6 +24,8 @@ using namespace nsa_cpu;
 
 struct Block { int64_t p; int col, n; };  // first key, first score column, keys read (<= t)
 
+inline int padded(int n) { return (n + 15) / 16 * 16; }
+
 // The chosen blocks of query t: their keys up to t, laid out in score columns of 16.
 inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out, int* nb) {
   int col = 0, k = 0;
@@ -31,7 +34,7 @@ inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out,
     if (p < 0 || p > t) continue;
     const int n = static_cast<int>(std::min<int64_t>(L, t - p + 1));
     out[k++] = {p, col, n};
-    col += (n + 15) / 16 * 16;
+    col += padded(n);
   }
   *nb = k;
   return col;
@@ -46,7 +49,7 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
                   float scale) {
   constexpr int D = 16 * DV;
   at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * L + 16 * R);
+    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R);
     std::vector<Block> blocks(nsel);
     float qs[R * D];
     for (int64_t row = lo; row < hi; ++row) {
@@ -57,9 +60,9 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
       for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
       const float* ktb = kt + bg * D * P;
       for (int b = 0; b < nb; ++b) {
-        scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, (blocks[b].n + 15) / 16 * 16);
-        for (int h = 0; h < R; ++h)  // keys after t (the current block): no score
-          for (int j = blocks[b].n; j < (blocks[b].n + 15) / 16 * 16; ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
+        scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));
+        for (int h = 0; h < R; ++h)  // keys after t (the current block) or past the run: no score
+          for (int j = blocks[b].n; j < padded(blocks[b].n); ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
       }
       float m[R], total[R];
       for (int h = 0; h < R; ++h) {
@@ -112,7 +115,7 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
   const int threads = at::get_num_threads();
   const int64_t per = (BG * Tq + threads - 1) / threads;
   at::parallel_for(0, threads, 1, [&](int64_t tlo, int64_t thi) {
-    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * L + 16 * R), dbuf(sbuf.size());
+    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R), dbuf(sbuf.size());
     std::vector<Block> blocks(nsel);
     float qs[R * D];
     for (int64_t th = tlo; th < thi; ++th) {  // each part of the rows adds into its own dk, dv
@@ -127,9 +130,8 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
         for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
         const float *ktb = kt + bg * D * P, *vtb = vt + bg * D * P;
         for (int b = 0; b < nb; ++b) {
-          const int n16 = (blocks[b].n + 15) / 16 * 16;
-          scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, n16);    // S = q k / sqrt(D)
-          scores<R>(go, D, vtb, P, blocks[b].p, ds + blocks[b].col, cols, n16);  // dP = dO v
+          scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));    // S = q k / sqrt(D)
+          scores<R>(go, D, vtb, P, blocks[b].p, ds + blocks[b].col, cols, padded(blocks[b].n));  // dP = dO v
         }
         for (int h = 0; h < R; ++h) {
           const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
@@ -169,12 +171,13 @@ void backward_blocks(const float* q, const float* k, const float* kt, const floa
                      float* dk, float* dv, int64_t BG, int64_t Tq, int64_t Tk, int L, int64_t P, int64_t q0,
                      float scale, int64_t chunk) {
   constexpr int D = 16 * DV;
+  const int L16 = padded(L);  // a tile's stride: its columns past L stay 0
   // Query chunk by query chunk, so that the readers' q, dO and dq rows stay in cache while every
   // block they chose passes; cursor[i]: block i's first reader not yet done (readers are in row order).
   std::vector<int32_t> cursor(offsets, offsets + BG * Tk);
   for (int64_t c1 = chunk; c1 - chunk < Tq; c1 += chunk) {
     at::parallel_for(0, BG * Tk, 64, [&](int64_t lo, int64_t hi) {
-      std::vector<float> ktile(D * L), vtile(D * L), dktile(L * D), dvtile(L * D), s(R * L), ds(R * L);
+      std::vector<float> ktile(D * L16), vtile(D * L16), dktile(L * D), dvtile(L * D), s(R * L16), ds(R * L16);
       float qs[R * D];
       float* dqt = dq + static_cast<int64_t>(at::get_thread_num()) * BG * Tq * R * D;
       for (int64_t i = lo; i < hi; ++i) {
@@ -185,37 +188,37 @@ void backward_blocks(const float* q, const float* k, const float* kt, const floa
         cursor[i] = end;
         const int64_t bg = i / Tk, p0 = i % Tk;
         for (int d = 0; d < D; ++d) {
-          std::memcpy(&ktile[d * L], kt + (bg * D + d) * P + p0, L * sizeof(float));
-          std::memcpy(&vtile[d * L], vt + (bg * D + d) * P + p0, L * sizeof(float));
+          std::memcpy(&ktile[d * L16], kt + (bg * D + d) * P + p0, L * sizeof(float));
+          std::memcpy(&vtile[d * L16], vt + (bg * D + d) * P + p0, L * sizeof(float));
         }
         std::fill(dktile.begin(), dktile.end(), 0.0f);
         std::fill(dvtile.begin(), dvtile.end(), 0.0f);
         int64_t last = p0;
         for (int32_t e = first; e < end; ++e) {
           const int64_t row = bg * Tq + readers[e], t = q0 + readers[e];
-          const int n = static_cast<int>(std::min<int64_t>(L, t - p0 + 1)), n16 = (n + 15) / 16 * 16;
+          const int n = static_cast<int>(std::min<int64_t>(L, t - p0 + 1));
           last = std::max(last, t);
           const float* go = dout + row * R * D;
           for (int j = 0; j < R * D; ++j) qs[j] = q[row * R * D + j] * scale;
-          scores<R>(qs, D, ktile.data(), L, 0, s.data(), L, n16);   // S = q k / sqrt(D)
-          scores<R>(go, D, vtile.data(), L, 0, ds.data(), L, n16);  // dP = dO v
+          scores<R>(qs, D, ktile.data(), L16, 0, s.data(), L16, padded(n));   // S = q k / sqrt(D)
+          scores<R>(go, D, vtile.data(), L16, 0, ds.data(), L16, padded(n));  // dP = dO v
           for (int h = 0; h < R; ++h) {
             const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
             for (int c = 0; c < n; c += 16) {
-              v16 p = vexp(load(&s[h * L + c]) - l);
+              v16 p = vexp(load(&s[h * L16 + c]) - l);
               if (n - c < 16) p = first_lanes(p, n - c);  // keys after t: p = 0
-              store(&s[h * L + c], p);
-              store(&ds[h * L + c], p * (load(&ds[h * L + c]) - dl));  // dS = P (dP - delta)
+              store(&s[h * L16 + c], p);
+              store(&ds[h * L16 + c], p * (load(&ds[h * L16 + c]) - dl));  // dS = P (dP - delta)
             }
           }
           v16 acc[R][DV] = {};
-          weighted_rows<R, DV>(acc, ds.data(), L, k + bg * P * D, p0, n);
+          weighted_rows<R, DV>(acc, ds.data(), L16, k + bg * P * D, p0, n);
           float* dqr = dqt + row * R * D;
           for (int h = 0; h < R; ++h)
             for (int j = 0; j < DV; ++j)
               store(dqr + h * D + 16 * j, load(dqr + h * D + 16 * j) + acc[h][j] * splat(scale));
-          outer_add<R, DV>(dvtile.data(), s.data(), L, go, 0, n);
-          outer_add<R, DV>(dktile.data(), ds.data(), L, qs, 0, n);
+          outer_add<R, DV>(dvtile.data(), s.data(), L16, go, 0, n);
+          outer_add<R, DV>(dktile.data(), ds.data(), L16, qs, 0, n);
         }
         const int64_t rows = std::min<int64_t>(L, last - p0 + 1) * D;
         float *dkb = dk + (bg * Tk + p0) * D, *dvb = dv + (bg * Tk + p0) * D;
