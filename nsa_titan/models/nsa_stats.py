@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
+from .attention import BRANCHES, Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
 from .attention.common import forced_blocks
-
-BRANCHES = ("cmp", "sel", "win")
 
 
 def gate_stats(gates: torch.Tensor, tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

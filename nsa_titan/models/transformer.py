@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
-from .attention import Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
+from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
 from .attention.routing import with_score_grad
-from .nsa_stats import BRANCHES, gate_stats, selected_blocks, selection_stats
+from .nsa_stats import gate_stats, selected_blocks, selection_stats
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -205,7 +205,8 @@ class NSAAttention(nn.Module):
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
         if self.record_stats:
-            self.stats = {**gate_stats(gates, self.stats_tokens), **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
+            self.stats = {**gate_stats(gates, self.stats_tokens),
+                          **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
         if self.record_selection:
             self.selection = selected_blocks(q, kc, vc, self.spec, self.n_groups, docs)[:2]
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])

@@ -1,7 +1,7 @@
 """Attention implementations: reference NSA, fast NSA and its kernel choice, the dense causal baseline, and
 the rules they share."""
 
-from .common import NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members, top_n
+from .common import BRANCHES, NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members, top_n
 from .documents import Documents
 from .dense import dense_causal
 from .fast import nsa_fast
@@ -9,6 +9,6 @@ from .kernels import Kernels, choose_kernels
 from .reference import masked_attention, nsa_reference
 
 __all__ = [
-    "Documents", "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
+    "BRANCHES", "Documents", "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
     "nsa_fast", "nsa_reference", "select_blocks", "sel_members", "top_n",
 ]

@@ -15,6 +15,8 @@ import torch
 if TYPE_CHECKING:
     from .documents import Documents
 
+BRANCHES = ("cmp", "sel", "win")
+"""The three branches, in the order of the gates and of `mix_branches`."""
 N_FORCED_INITIAL = 1
 """Block 0 is always selected."""
 N_FORCED_LOCAL = 2
