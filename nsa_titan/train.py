@@ -33,8 +33,7 @@ from .env import allocator_setup, set_deterministic
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak_flops, peak_memory_gib
-from .models.attention import Kernels, choose_kernels
-from .models.attention.routing import set_explore_step
+from .models.attention import Kernels, choose_kernels, set_explore_step
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize

@@ -8,6 +8,7 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_kernels, cpu_attention, fast_sel, fast_shared, ops
 from nsa_titan.models.attention import fused_attention
 from nsa_titan.models.attention import nsa_fast, nsa_reference
+from nsa_titan.models.attention.common import query_positions
+from nsa_titan.models.attention.routing import explore_blocks, score_grad
 
 from test_nsa_fast import SPEC, random_parts_inputs, whole_and_parts
 from test_nsa_reference import random_inputs
@@ -133,6 +136,29 @@ def test_the_sel_kernel_equals_the_pytorch_tiles(B, G, T, r, D, spec, docs, back
     got = cpu_attention.sel_backward(d_out, q, ks, vs, idx, valid, out, lse, spec, start, 0)
     for name, g, e in zip(("dq", "dk", "dv"), got, expected):
         assert float((g - e).norm() / e.norm()) < 1e-5, name
+
+
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("B,G,T,r,D,spec", SHAPES, ids=[f"B{s[0]}-G{s[1]}-T{s[2]}-r{s[3]}-D{s[4]}" for s in SHAPES])
+def test_the_weight_gradient_kernel_equals_score_grad(B, G, T, r, D, spec, docs):
+    """`sel_weight_grad` (the block scores' straight-through gradient, query by query) against `routing.score_grad`
+    in fp64: the chosen blocks and 3 explored ones per query, for all queries and for those from q0 = 2 l' on."""
+    q, ks, vs, idx, valid, start = sel_inputs(B, G, T, r, D, spec, docs, seed=T + r)
+    geometry = None if start is None else SimpleNamespace(start=start)  # all that score_grad reads of the documents
+    extra, ok = explore_blocks(idx, query_positions(0, T, CPU, geometry), spec.num_sel_blocks(T), spec, 3, seed=2)
+    n = idx.shape[-1]
+    idx, valid = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1)
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    for q0 in (0, 2 * spec.l_sel):
+        rows = slice(q0, T)
+        got = cpu_attention.sel_weight_grad(d_out[:, :, rows], q[:, :, rows], ks, vs, idx[:, :, rows], valid[:, :, rows],
+                                            n, spec, None if start is None else start[:, rows], q0)
+        want = score_grad(d_out[:, :, rows].transpose(1, 2).flatten(2, 3).double(), q[:, :, rows].double(),
+                          ks.transpose(1, 2).double(), vs.transpose(1, 2).double(), torch.ones(B, T - q0, G * r).double(),
+                          idx[:, :, rows], valid[:, :, rows], spec, geometry, q0, n)
+        explored = bool(ok[:, :, rows].any())  # none at T = 700 and M7C's l' (11 blocks, all chosen)
+        assert float(want[..., :n].abs().sum()) > 1.0 and (not explored or float(want[..., n:].abs().sum()) > 0.1)
+        assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 @pytest.mark.parametrize("with_docs", [False, True])
@@ -256,10 +282,12 @@ def test_long_runs_go_backward_through_atens_fused_attention(monkeypatch, with_d
         torch.testing.assert_close(fused, own, rtol=1e-4, atol=1e-5)
 
 
-def test_the_op_passes_opcheck():
+def test_the_ops_pass_opcheck():
     q, ks, vs, idx, valid, start = sel_inputs(1, 2, 90, 6, 16, SPEC, True, seed=0)
     spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
     torch.library.opcheck(ops._selected_kernel_op, (q.requires_grad_(), ks, vs, idx, valid, spec, 0, start, "cpp"))
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    torch.library.opcheck(ops._sel_weight_grad_op, (d_out, q.detach(), ks, vs, idx, valid, 3, spec, 0, start))
 
 
 def test_the_choice_takes_the_kernel_where_it_runs_and_says_why_not(monkeypatch):

@@ -12,7 +12,7 @@ from nsa_titan.models.attention import Documents, NSASpec, nsa_fast, nsa_referen
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Kernels, choose_kernels
 from nsa_titan.models.attention import kernels as kernels_module
-from nsa_titan.models.attention import ops
+from nsa_titan.models.attention import cpu_attention, ops
 from nsa_titan.models.transformer import NSAAttention, rope_tables
 
 from test_nsa_reference import random_inputs
@@ -181,8 +181,6 @@ def test_cmp_and_win_take_bf16_chunks_as_on_cuda(small_chunks, kind):
     """On CUDA nsa_fast hands the cmp and win chunks to the fused kernel in bf16 / fp16 (tensor
     cores). The same plumbing on the CPU's fused kernel: the same sel blocks as fp32 on the same
     values (their scores are fp32), an fp32 logsumexp, and dk, dv summed over chunks in fp32."""
-    from nsa_titan.models.attention import ops
-
     g = torch.Generator().manual_seed(0)
     B, G, T, r, D = 1, 2, 150, 3, 32
     S = SPEC.num_cmp_blocks(T) if kind == "cmp" else T
@@ -337,6 +335,28 @@ def test_queries_in_parts_equal_the_whole(small_chunks, cpu_path, with_docs, T, 
     torch.testing.assert_close(parts, whole, rtol=1e-10, atol=1e-12)
     for name, g, e in zip(["q", "kc", "vc", "ks", "vs", "kw", "vw", "gates"], got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_return_selection_gives_the_blocks_sel_read(kernel, with_docs):
+    """`return_selection` (the scores' gradient uses it, `routing.with_score_grad`): the same output, and
+    the blocks the reference chooses, for all queries and for a part of them (q0 = 48)."""
+    dtype = torch.float32 if kernel == "cpp" else torch.float64  # NSA's C++ kernel computes in fp32
+    if kernel == "cpp" and (why := cpu_attention.problem(CPU, dtype, SPEC, 6, 16)):
+        pytest.skip(why)
+    args, docs = random_parts_inputs(160, with_docs, dtype)
+    kernels = Kernels(kernel, kernel, kernel)
+    plain = nsa_fast(*args, SPEC, kernels, docs=docs)
+    ref, ref_idx, ref_valid = nsa_reference(*args, SPEC, docs=docs, return_selection=True)
+    out, idx, valid = nsa_fast(*args, SPEC, kernels, docs=docs, return_selection=True)
+    assert torch.equal(out, plain) and torch.equal(valid, ref_valid) and valid.any() and not valid.all()
+    torch.testing.assert_close(out, ref, **({"rtol": 1e-4, "atol": 1e-5} if kernel == "cpp" else {}))
+    assert torch.equal(idx[valid], ref_idx[ref_valid])
+    part, part_idx, part_valid = nsa_fast(args[0][:, 48:], *args[1:7], args[7][:, 48:], SPEC, kernels, docs=docs, q0=48,
+                                          return_selection=True)
+    torch.testing.assert_close(part, plain[:, 48:], rtol=1e-5, atol=1e-6)  # chunked otherwise: rounded otherwise
+    assert torch.equal(part_idx, idx[:, :, 48:]) and torch.equal(part_valid, valid[:, :, 48:])
 
 
 def test_host_bounds_read_only_the_documents_keys(small_chunks, monkeypatch):

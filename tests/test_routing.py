@@ -14,8 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
-from nsa_titan.models.attention.common import forced_blocks, masked_softmax
-from nsa_titan.models.attention import routing
+from nsa_titan.models.attention.common import block_scores, forced_blocks, masked_softmax
+from nsa_titan.models.attention import cpu_attention, routing
 from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
 from nsa_titan.models import transformer
 from nsa_titan.models.transformer import NSAAttention, rope_tables
@@ -112,25 +112,70 @@ def test_explored_blocks_get_the_gradient_of_their_weight_in_the_softmax_at_0(wi
     assert float(got[..., n:].abs().sum()) > 1.0
 
 
+@pytest.mark.parametrize("chunk_logits", [routing.CHUNK_LOGITS, 1200])
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_the_group_probabilities_and_their_gradient_are_autograds_softmax(with_docs):
-    """`_GroupProbabilities` (the cmp probabilities summed over a group's heads, Eq. 10, in place) against
-    autograd through `masked_softmax`; the first queries see no compressed block (all 0, no NaN)."""
-    q, kc, *_, docs = routing_inputs(with_docs)
-    B, T, H, D = q.shape
+def test_the_scores_gradient_reaches_q_and_kc_as_autograds_through_the_cmp_softmax(with_docs, chunk_logits,
+                                                                                   monkeypatch):
+    """`with_score_grad`'s gradient of q and kc, computed by hand a chunk of queries at a time, is autograd's
+    through log s_j (s_j: `block_scores` of the group-summed `masked_softmax` cmp probabilities) of the chosen
+    and explored blocks, given dL/dlog s_j (`score_grad` x weight, 0 for the forced blocks)."""
+    monkeypatch.setattr(routing, "CHUNK_LOGITS", chunk_logits)
+    T, w, m = 120, 0.7, 2
+    q, kc, ks, vs, g_sel, d_o, docs = routing_inputs(with_docs, T=T)
+    B, _, H, D = q.shape
     G = kc.shape[2]
-    qg = q.view(B, T, G, H // G, D).transpose(1, 2).clone().requires_grad_()  # (B, G, T, r, D)
-    kcg = kc.transpose(1, 2).clone().requires_grad_()  # (B, G, Nc, D)
+    gates = torch.stack([torch.zeros_like(g_sel), g_sel, torch.zeros_like(g_sel)], -1)
+    q, kc = q.clone().requires_grad_(), kc.clone().requires_grad_()
+    o = torch.zeros_like(q, requires_grad=True)  # its value does not matter
+    got = torch.autograd.grad(with_score_grad(o, q, kc, ks, vs, gates, SPEC, w, docs, explore=m, seed=5), (q, kc), d_o)
+
+    idx, valid = chosen_blocks(q.detach(), kc.detach(), SPEC, G, docs)
+    t = torch.arange(T)[None] if docs is None else torch.arange(T)[None] - docs.start
+    extra, ok = explore_blocks(idx, t, SPEC.num_sel_blocks(T), SPEC, m, seed=5)
+    free = torch.cat([valid & ~forced_blocks(idx, t[:, None], SPEC), ok], -1)
+    all_idx, all_valid = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1)
+    qg = q.view(B, T, G, H // G, D).transpose(1, 2)
+    d_log_s = score_grad(d_o, qg.detach(), ks, vs, g_sel, all_idx, all_valid, SPEC, docs, 0, n_read=idx.shape[-1]) * free * w
     visible = (cmp_visibility(SPEC, T, q.device)[:, None, :] if docs is None
                else docs.cmp_visible(SPEC, 0, T, kc.shape[1])[:, None, :, None])
-    want = masked_softmax(torch.einsum("bgtrd,bgsd->bgtrs", qg, kcg) * D**-0.5, visible).sum(3)
-    got = routing._GroupProbabilities.apply(qg, kcg, visible)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-    assert not got[:, :, :SPEC.l - 1].any() and not got.isnan().any()
-    d_group = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(8))
-    for a, b in zip(torch.autograd.grad(got, (qg, kcg), d_group), torch.autograd.grad(want, (qg, kcg), d_group)):
+    p_group = masked_softmax(torch.einsum("bgtrd,bsgd->bgtrs", qg, kc) * D**-0.5, visible).sum(3)
+    log_s = block_scores(p_group, SPEC, 0, T, docs)[0].gather(-1, all_idx).clamp_min(1e-30).log()
+    want = torch.autograd.grad(log_s, (q, kc), d_log_s)
+    assert float(d_log_s[..., idx.shape[-1]:].abs().sum()) > 0.1  # the explored blocks count
+    for a, b in zip(got, want):
         assert float(b.abs().sum()) > 1.0
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("wrap", ["eager", "aot_eager"])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_the_cpp_kernel_gives_the_pytorch_gradient(with_docs, wrap):
+    """fp32 on CPUs takes dL/dlog s_j in NSA's C++ kernel (`kernel = None` chooses it): the same gradients as
+    `score_grad`'s, eager and compiled (AOTAutograd traces the backward through the op's fake)."""
+    if why := cpu_attention.problem(torch.device("cpu"), torch.float32, SPEC, 2, 16):
+        pytest.skip(why)
+    q, kc, ks, vs, g_sel, d_o, docs = (x if x is None or isinstance(x, Documents) else x.float()
+                                       for x in routing_inputs(with_docs, T=120, D=16))
+    gates = torch.stack([torch.zeros_like(g_sel), g_sel, torch.zeros_like(g_sel)], -1)
+
+    def grads(kernel: str | None) -> tuple[torch.Tensor, ...]:
+        leaves = (q.clone().requires_grad_(), kc.clone().requires_grad_())
+        fn = lambda a, b: with_score_grad(a * 0.0, a, b, ks, vs, gates, SPEC, 0.7, docs, explore=2, seed=3,  # noqa: E731
+                                          kernel=kernel)  # the output a x 0: its own gradient adds 0
+        if wrap != "eager":
+            torch._dynamo.reset()
+            fn = torch.compile(fn, backend=wrap, fullgraph=True)
+        return torch.autograd.grad(fn(*leaves), leaves, d_o)
+
+    calls = []
+    real = cpu_attention.sel_weight_grad
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_attention, "sel_weight_grad", lambda *a: calls.append(1) or real(*a))
+        got = grads(None)
+    assert calls  # the kernel ran
+    for a, b in zip(got, grads("torch")):
+        assert float(b.abs().sum()) > 1.0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def scores_gradient(q, kc, ks, vs, gates, d_o, spec: NSASpec, parts, explore: int = 0) -> torch.Tensor:

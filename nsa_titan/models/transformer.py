@@ -21,8 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
-from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference
-from .attention.routing import with_score_grad
+from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference, with_score_grad
 from .nsa_stats import gate_stats, selected_blocks, selection_stats
 
 
@@ -214,9 +213,10 @@ class NSAAttention(nn.Module):
         branches = tuple(k != 0 for k in self.keep) if any(self.keep) else (False, False, True)  # gated off: not run
 
         def attend(rows: slice, **q0: int) -> torch.Tensor:
-            o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches, **q0)
-            return with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
-                                   docs, explore=self.explore, seed=self.explore_step, **q0) if score_grad else o
+            o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches,
+                             return_selection=bool(score_grad), **q0)  # score_grad: (o, idx, valid), the blocks read
+            return with_score_grad(o[0], q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
+                                   docs, explore=self.explore, seed=self.explore_step, chosen=o[1:], **q0) if score_grad else o
 
         o = attend_in_parts(self.cp, kv["k_sel"].shape[1], attend)
         return self.wo(o.reshape(B, T, -1))

@@ -1,5 +1,5 @@
-"""Attention implementations: reference NSA, fast NSA and its kernel choice, the dense causal baseline, and
-the rules they share."""
+"""Attention implementations: reference NSA, fast NSA and its kernel choice, the dense causal baseline, the
+rules they share, and the block scores' straight-through gradient (`routing`)."""
 
 from .common import BRANCHES, NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members, top_n
 from .documents import Documents
@@ -7,8 +7,9 @@ from .dense import dense_causal
 from .fast import nsa_fast
 from .kernels import Kernels, choose_kernels
 from .reference import masked_attention, nsa_reference
+from .routing import set_explore_step, with_score_grad
 
 __all__ = [
     "BRANCHES", "Documents", "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
-    "nsa_fast", "nsa_reference", "select_blocks", "sel_members", "top_n",
+    "nsa_fast", "nsa_reference", "select_blocks", "sel_members", "set_explore_step", "top_n", "with_score_grad",
 ]

@@ -134,28 +134,42 @@ def _pooled(p_group: torch.Tensor, spec: NSASpec, Ns: int) -> torch.Tensor:
     return scores
 
 
+def query_positions(t0: int, C: int, device: torch.device, docs: Documents | None = None) -> torch.Tensor:
+    """The positions that sel blocks count from of queries t0 .. t0 + C - 1: (1, C), or (B, C) inside
+    each query's document with `docs`."""
+    t = torch.arange(t0, t0 + C, device=device)[None, :]
+    return t if docs is None else t - docs.start[:, t0:t0 + C]
+
+
+def member_slots(j: torch.Tensor, spec: NSASpec, T: int, Nv: int, docs: Documents | None = None, t0: int = 0,
+                 slot0: int = 0) -> torch.Tensor:
+    """The cmp blocks making up the scores of sel blocks j (B or 1, G or 1, C, m) of queries t0 .. t0 + C - 1
+    (`sel_members`): (..., C, m, K) indices into the first Nv cmp blocks, or with `docs` into the slots
+    slot0 .. slot0 + Nv - 1 of each query's document; Nv where there is none."""
+    if docs is None:
+        return sel_members(spec, T, j.device).clamp(max=Nv)[j]
+    Ns = spec.num_sel_blocks(T)
+    members = sel_members(spec, Ns * spec.l_sel + spec.l, j.device)[:Ns][j]  # (..., K), unclipped by T
+    absent = members == spec.num_cmp_blocks(Ns * spec.l_sel + spec.l)
+    first = docs.first_slot[:, None, t0:t0 + j.shape[-2], None, None] - slot0  # (B, 1, C, 1, 1)
+    return torch.where(absent, Nv, first + members).clamp(max=Nv)
+
+
 def block_scores(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
                  slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The sel blocks' importance scores (B, G, C, Ns) from group-summed cmp probabilities p_group
     (B, G, C, Nv) (Eq. 9: the sum of each block's cmp members), differentiable; and the positions t of
-    queries t0 .. t0 + C - 1 that blocks count from: (1, C), or (B, C) from each query's document start
-    with `docs`. See `choose_blocks` for the arguments."""
+    queries t0 .. t0 + C - 1 that blocks count from (`query_positions`). See `choose_blocks` for the
+    arguments."""
     B, G, C, Nv = p_group.shape
-    dev = p_group.device
-    t = torch.arange(t0, t0 + C, device=dev)[None, :]  # (1, C)
     Ns = spec.num_sel_blocks(T)
+    t = query_positions(t0, C, p_group.device, docs)
     if docs is None and spec.l % spec.d == 0 and spec.l_sel % spec.d == 0:
         return _pooled(p_group, spec, Ns), t
-    padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)
-    if docs is None:
-        members = sel_members(spec, T, dev).clamp(max=Nv)  # (Ns, K); Nv -> the zero column
-        return padded[..., members].sum(-1), t  # (B, G, C, Ns)
-    # With documents, the members counted inside the document, as slots.
-    members = sel_members(spec, Ns * spec.l_sel + spec.l, dev)[:Ns]  # (Ns, K), unclipped by T
-    absent = members == spec.num_cmp_blocks(Ns * spec.l_sel + spec.l)
-    slots = torch.where(absent, Nv, docs.first_slot[:, t0:t0 + C, None, None] - slot0 + members).clamp(max=Nv)
-    scores = padded.gather(-1, slots.view(B, 1, C, -1).expand(B, G, C, -1)).view(B, G, C, Ns, -1).sum(-1)
-    return scores, t - docs.start[:, t0:t0 + C]  # (B, C): positions in the document
+    padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)  # Nv: the zero column
+    j = torch.arange(Ns, device=p_group.device).expand(1, 1, C, Ns)
+    slots = member_slots(j, spec, T, Nv, docs, t0, slot0).expand(B, G, C, Ns, -1)
+    return padded.gather(-1, slots.flatten(-2)).view(slots.shape).sum(-1), t
 
 
 def forced_blocks(j: torch.Tensor, t: torch.Tensor, spec: NSASpec) -> torch.Tensor:

@@ -176,6 +176,17 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     return dq.view(q.shape), dk.view(ks.shape), dv.view(vs.shape)
 
 
+def sel_weight_grad(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
+                    valid: torch.Tensor, n_read: int, spec: NSASpec, start: torch.Tensor | None, q0: int) -> torch.Tensor:
+    """`routing.score_grad` query by query: dL/dlog s_j (B, G, Tq, n) of the blocks idx, valid (B, G, Tq, n),
+    the first n_read of them read by the sel branch, the rest explored; d_out (B, G, Tq, r, D) the gradient
+    reaching the sel output, q (B, G, Tq, r, D), ks, vs (B, G, T, D)."""
+    B, G, Tq, r, D = q.shape
+    grad = _build()[0].runs_weight_grad(_rows(q), _transposed(_keys(ks)), _transposed(_keys(vs)),
+                                        _sel_runs(idx, valid, spec, start), _rows(d_out), spec.l_sel, n_read, q0, D**-0.5)
+    return grad.view(B, G, Tq, -1)
+
+
 def window_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, start: torch.Tensor | None,
                    q0: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The win branch: q (B, G, Tq, r, D) at positions q0 .., k, v (B, G, T, D) of the whole sequence,

@@ -27,7 +27,8 @@ from .kernels import Kernels
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
              k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
              kernels: Kernels | None = None, docs: Documents | None = None, q0: int = 0,
-             branches: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
+             branches: tuple[bool, bool, bool] = (True, True, True), return_selection: bool = False
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `nsa_reference` (see there), computed branch by branch in chunks, each branch
     by its kernel in `kernels` (None: `auto` for these tensors).
 
@@ -53,7 +54,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     # as they are (tensor cores), and the cmp scores that pick the sel blocks are still fp32.
     low = q.dtype if q.device.type == "cuda" else acc
     qs = heads(low)
-    o_cmp = o_sel = o_win = None
+    o_cmp = o_sel = o_win = idx = valid = None
     if branches[0] or branches[1]:  # sel reads the cmp scores
         o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs,
                                        kernels.cmp)
@@ -72,5 +73,5 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs, kernels.win)
     g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
     outs = [o.to(acc) if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)]  # cmp's scores only: None
-    out = mix_branches(g, *outs)  # (B, G, Tq, r, D)
-    return out.transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)
+    out = mix_branches(g, *outs).transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)  # (B, G, Tq, r, D) -> (B, Tq, H, D)
+    return (out, idx, valid) if return_selection else out

@@ -173,6 +173,17 @@ def _selected_kernel_grad(ctx, d_out, _d_lse):
 _selected_kernel_op.register_autograd(_selected_kernel_grad, setup_context=_selected_kernel_setup)
 
 
+@torch.library.custom_op("nsa_titan::sel_weight_grad", mutates_args=())
+def _sel_weight_grad_op(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, n_read: int,
+                        spec: list[int], q0: int, start: OptTensor) -> Tensor:
+    return cpu_attention.sel_weight_grad(d_out, q, ks, vs, idx, valid, n_read, NSASpec(*spec), start, q0).contiguous()
+
+
+@_sel_weight_grad_op.register_fake
+def _(d_out, q, ks, vs, idx, valid, n_read, spec, q0, start):
+    return q.new_empty(idx.shape, dtype=torch.float32)
+
+
 def _spec_list(spec: NSASpec) -> list[int]:
     return [spec.l, spec.d, spec.l_sel, spec.n, spec.w]
 
@@ -209,3 +220,10 @@ def selected_kernel(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tenso
     one custom op; `kernel`: triton or cpp."""
     start = _query_starts(docs, q0, q.shape[2])
     return _selected_kernel_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start, kernel)[0]
+
+
+def sel_weight_grad(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, n_read: int,
+                    spec: NSASpec, q0: int, docs: Documents | None) -> Tensor:
+    """The block scores' straight-through gradient by NSA's C++ kernel (`cpu_attention.sel_weight_grad`), as one
+    op: d_out, q (B, G, Tq, r, D), ks, vs (B, G, T, D) fp32, the blocks idx, valid (B, G, Tq, n)."""
+    return _sel_weight_grad_op(d_out, q, ks, vs, idx, valid, n_read, _spec_list(spec), q0, _query_starts(docs, q0, q.shape[2]))

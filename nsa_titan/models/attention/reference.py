@@ -37,13 +37,15 @@ def masked_attention(
 def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
                   v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
                   spec: NSASpec, docs: Documents | None = None,
-                  branches: tuple[bool, bool, bool] = (True, True, True)) -> torch.Tensor:
+                  branches: tuple[bool, bool, bool] = (True, True, True), return_selection: bool = False
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NSA output o_t = sum_c g_t^c * Attn(q_t, K~c_t, V~c_t) for c in (cmp, sel, win).
 
     q: (B, T, H, D); k_cmp, v_cmp: (B, Nc, G, D) compressed blocks (with `docs`: the slots of
     `docs.cmp_start`); k_sel, v_sel, k_win, v_win: (B, T, G, D); gates: (B, T, H, 3) in [0, 1],
     order (cmp, sel, win). With `docs` every rule applies per document. Returns (B, T, H, D).
     `branches`: those summed (at least one); one left out adds nothing (`nsa_fast` does not compute it).
+    `return_selection`: (o, idx, valid), also the sel blocks each query's group read (`select_blocks`).
     """
     B, T, H, D = q.shape
     G = k_sel.shape[2]
@@ -72,4 +74,5 @@ def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     win_mask = same & (t[None, :] > t[:, None] - spec.w)
     o_win, _ = masked_attention(q, k_win, v_win, win_mask[:, None, None])
 
-    return mix_branches(gates.to(q.dtype), *(o if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)))
+    out = mix_branches(gates.to(q.dtype), *(o if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)))
+    return (out, idx, valid) if return_selection else out

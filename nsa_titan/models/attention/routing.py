@@ -14,10 +14,11 @@ itself, 0), and in backward
 p_hk the sel attention probability, v_k the sel value, o_h the sel output, dL/do_h the gradient
 reaching the sel output (the layer's gradient times the sel gate). A chosen block whose keys, read
 more, would lower the loss gets a higher score, one whose keys mislead a lower one. Only the blocks
-chosen by score get it (forced blocks are chosen whatever their score). The scores' gradient then
-reaches the queries and the compressed keys through the cmp probabilities, recomputed densely here
-(a (T, T/d) matrix per layer), and backward takes the sel logits of every earlier key (T^2 / 2 products
-per head, a chunk of queries at a time): this is for research runs at moderate T.
+chosen by score get it (forced blocks are chosen whatever their score): the blocks the sel branch read,
+which the attention returns (`return_selection`). The scores' gradient then reaches the queries and the
+compressed keys through the cmp probabilities. Backward recomputes those and the sel logits of every
+earlier key, a chunk of queries at a time, as matrix products: T^2 / 2 products per head, nothing of
+that size kept from forward. This is for research runs at moderate T.
 
 Exploration (`[model] sel_score_explore` = m): a block that is never chosen never learns that it
 would help. m unchosen candidate blocks per query (drawn by a hash of the step, row, group, position
@@ -37,42 +38,48 @@ from __future__ import annotations
 
 import torch
 
-from .common import NSASpec, block_scores, choose_blocks, cmp_visibility, forced_blocks, masked_softmax
+from . import cpu_attention, ops
+from .common import NSASpec, choose_blocks, forced_blocks, masked_softmax, member_slots, query_positions
 from .documents import Documents
 
 CHUNK_LOGITS = 2**23
 """How many logits (batch x group heads x queries x keys) backward takes at once: it takes the queries a chunk
-at a time (256 at the recall task's shape), 2 x 32 MiB of fp32 products a chunk."""
+at a time (256 at the recall task's shape): 2 x 32 MiB of fp32 sel logits and products a chunk, and the cmp
+probabilities, d times fewer."""
 
 
 def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
                     gates: torch.Tensor, spec: NSASpec, weight: float, docs: Documents | None = None, q0: int = 0,
-                    explore: int = 0, seed: torch.Tensor | int = 0) -> torch.Tensor:
+                    explore: int = 0, seed: torch.Tensor | int = 0,
+                    chosen: tuple[torch.Tensor, torch.Tensor] | None = None, kernel: str | None = None) -> torch.Tensor:
     """o (B, Tq, H, D), the attention output of the queries q (B, Tq, H, D) at q0 .. q0 + Tq - 1,
-    unchanged; in backward the block scores also get the straight-through gradient, times `weight`,
-    the chosen blocks' and that of `explore` unchosen candidates per query, drawn by `seed` (the step).
+    unchanged; in backward q and the compressed keys also get the block scores' straight-through gradient,
+    times `weight`, the chosen blocks' and that of `explore` unchosen candidates per query, drawn by `seed`
+    (the step).
 
     kc: (B, Nc, G, D) compressed keys (with `docs`: the slots of `docs.cmp_start`); k_sel, v_sel:
-    (B, T, G, D) the sel keys and values of the whole sequence; gates (B, Tq, H, 3)."""
+    (B, T, G, D) the sel keys and values of the whole sequence; gates (B, Tq, H, 3); chosen: the blocks
+    idx, valid (B, G, Tq, n) the sel branch read (`nsa_fast(..., return_selection=True)`; None: chosen
+    here from the cmp probabilities); kernel: `cpp` takes dL/dlog s_j query by query in NSA's C++ kernel,
+    `torch` in PyTorch (`score_grad`), None the C++ kernel where it can run (fp32 on CPUs)."""
     B, Tq, H, D = q.shape
     T, G = k_sel.shape[1], k_sel.shape[2]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qg = q.to(acc).view(B, Tq, G, H // G, D).transpose(1, 2)  # (B, G, Tq, r, D)
-    if docs is None:
-        visible = cmp_visibility(spec, T, q.device)[q0:q0 + Tq, None, :]  # (Tq, 1, Nc)
-    else:
-        visible = docs.cmp_visible(spec, q0, q0 + Tq, kc.shape[1])[:, None, :, None]  # (B, 1, Tq, 1, Nc)
-    p_group = _GroupProbabilities.apply(qg, kc.to(acc).transpose(1, 2), visible)  # (B, G, Tq, Nc)
-    scores, t = block_scores(p_group, spec, q0, T, docs)
-    idx, valid = choose_blocks(p_group.detach(), spec, q0, T, docs)  # (B, G, Tq, n)
+    if chosen is None:
+        with torch.no_grad():
+            qg = q.to(torch.promote_types(q.dtype, torch.float32)).view(B, Tq, G, H // G, D).transpose(1, 2)
+            p = _probabilities(qg, kc.to(qg.dtype).transpose(1, 2), _visible(spec, docs, q0, q0 + Tq, kc.shape[1], q.device))
+            chosen = choose_blocks(p.sum(3), spec, q0, T, docs)
+    idx, valid = chosen  # (B, G, Tq, n)
+    t = query_positions(q0, Tq, q.device, docs)
     free = valid & ~forced_blocks(idx, t[:, None], spec)
     n_read = idx.shape[-1]
     if explore:
-        extra, ok = explore_blocks(idx, t, scores.shape[-1], spec, explore, seed)
+        extra, ok = explore_blocks(idx, t, spec.num_sel_blocks(T), spec, explore, seed)
         idx, valid, free = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1), torch.cat([free, ok], -1)
-    log_s = torch.log(scores.gather(-1, idx).clamp_min(1e-30))
-    return _ScoreStraightThrough.apply(o, log_s, qg.detach(), k_sel.detach(), v_sel.detach(),
-                                       gates[..., 1].detach(), idx, valid, free, spec, docs, q0, weight, n_read)
+    if kernel is None:
+        kernel = "torch" if cpu_attention.problem(q.device, q.dtype, spec, H // G, D) else "cpp"
+    return _ScoreStraightThrough.apply(o, q, kc, k_sel.detach(), v_sel.detach(), gates[..., 1].detach(), idx, valid,
+                                       free, spec, docs, q0, weight, n_read, kernel)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -110,49 +117,83 @@ def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m
     return extra, key >= 0
 
 
-class _GroupProbabilities(torch.autograd.Function):
-    """The cmp probabilities summed over a group's heads (Eq. 10), p_group (B, G, Tq, Nc), from qg (B, G,
-    Tq, r, D), kc (B, G, Nc, D) and `visible` (broadcast to (B, G, Tq, r, Nc)): autograd's softmax with
-    fewer passes over the (B, G, Tq, r, Nc) probabilities, which are all it keeps for backward."""
+def _visible(spec: NSASpec, docs: Documents | None, t0: int, t1: int, Nv: int, device: torch.device) -> torch.Tensor:
+    """Which of the first Nv cmp blocks (slots) queries t0 .. t1 - 1 see, broadcast to (B, G, C, r, Nv)."""
+    if docs is not None:
+        return docs.cmp_visible(spec, t0, t1, Nv)[:, None, :, None]
+    t, i = torch.arange(t0, t1, device=device), torch.arange(Nv, device=device)
+    return ((i * spec.d + spec.l - 1)[None, :] <= t[:, None])[:, None, :]  # (C, 1, Nv)
 
-    @staticmethod
-    def forward(ctx, qg, kc, visible):
-        B, G, Tq, r, D = qg.shape
-        p = (qg.reshape(B, G, Tq * r, D) @ kc.transpose(2, 3)).view(B, G, Tq, r, -1).mul_(D**-0.5)
-        p.masked_fill_(~visible, float("-inf"))
-        m = p.amax(-1, keepdim=True)
-        p.sub_(torch.where(torch.isfinite(m), m, 0.0)).exp_()  # a row with nothing visible: all 0
-        denom = p.sum(-1, keepdim=True)
-        p.div_(torch.where(denom > 0, denom, 1.0))
-        ctx.save_for_backward(qg, kc, p)
-        return p.sum(3)
 
-    @staticmethod
-    def backward(ctx, d_group):
-        qg, kc, p = ctx.saved_tensors
-        B, G, Tq, r, D = qg.shape
-        d_logits = p * d_group[:, :, :, None]  # softmax backward: p (dp - sum p dp), dp = d_group for every head
-        d_logits.addcmul_(p, d_logits.sum(-1, keepdim=True), value=-1.0)
-        d_logits = d_logits.view(B, G, Tq * r, -1)
-        dq = (d_logits @ kc).view(B, G, Tq, r, D) * D**-0.5
-        dk = (d_logits.transpose(2, 3) @ qg.reshape(B, G, Tq * r, D)) * D**-0.5
-        return dq, dk, None
+def _probabilities(qg: torch.Tensor, kc: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """The cmp probabilities (B, G, C, r, Nv) of the queries qg (B, G, C, r, D) over the compressed keys kc
+    (B, G, Nv, D) they may see (`visible`), in place; a row that sees none is all 0."""
+    B, G, C, r, D = qg.shape
+    p = (qg.reshape(B, G, C * r, D) @ kc.transpose(2, 3)).view(B, G, C, r, -1).mul_(D**-0.5)
+    p.masked_fill_(~visible, float("-inf"))
+    m = p.amax(-1, keepdim=True)
+    p.sub_(torch.where(torch.isfinite(m), m, 0.0)).exp_()
+    denom = p.sum(-1, keepdim=True)
+    return p.div_(torch.where(denom > 0, denom, 1.0))
 
 
 class _ScoreStraightThrough(torch.autograd.Function):
-    """o unchanged; backward: `score_grad` into log_s."""
+    """o unchanged; backward: `score_grad` into log s_j, and on through the cmp probabilities into q and kc."""
 
     @staticmethod
-    def forward(ctx, o, log_s, qg, k_sel, v_sel, g_sel, idx, valid, free, spec, docs, q0, weight, n_read):
-        ctx.save_for_backward(qg, k_sel, v_sel, g_sel, idx, valid, free)
-        ctx.spec, ctx.docs, ctx.q0, ctx.weight, ctx.n_read = spec, docs, q0, weight, n_read
+    def forward(ctx, o, q, kc, k_sel, v_sel, g_sel, idx, valid, free, spec, docs, q0, weight, n_read, kernel):
+        ctx.save_for_backward(q, kc, k_sel, v_sel, g_sel, idx, valid, free)
+        ctx.spec, ctx.docs, ctx.q0, ctx.weight, ctx.n_read, ctx.kernel = spec, docs, q0, weight, n_read, kernel
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, d_o):
-        qg, k_sel, v_sel, g_sel, idx, valid, free = ctx.saved_tensors
-        d_log_s = score_grad(d_o, qg, k_sel, v_sel, g_sel, idx, valid, ctx.spec, ctx.docs, ctx.q0, ctx.n_read)
-        return d_o, d_log_s * free * ctx.weight, *(None,) * 12
+        q, kc, k_sel, v_sel, g_sel, idx, valid, free = ctx.saved_tensors
+        dq, dkc = scores_backward(d_o, q, kc, k_sel, v_sel, g_sel, idx, valid, free, ctx.spec, ctx.docs, ctx.q0,
+                                  ctx.weight, ctx.n_read, ctx.kernel)
+        return d_o, dq, dkc, *(None,) * 12
+
+
+@torch.no_grad()
+def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
+                    g_sel: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, free: torch.Tensor, spec: NSASpec,
+                    docs: Documents | None, q0: int, weight: float, n_read: int, kernel: str = "torch"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients (dq, dkc) of `with_score_grad`: for a chunk of queries at a time, dL/dlog s_j of the
+    blocks `free` (`score_grad`, or with kernel `cpp` NSA's C++ kernel for all queries first) times `weight`, carried to the group's cmp probabilities (s_j sums its
+    cmp members', Eq. 9-10) and through their softmax, recomputed, to q (B, Tq, H, D) and kc (B, Nc, G, D)."""
+    B, Tq, H, D = q.shape
+    T, Nc, G = k_sel.shape[1], kc.shape[1], kc.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(acc).view(B, Tq, G, H // G, D).transpose(1, 2)  # (B, G, Tq, r, D)
+    kcg = kc.to(acc).transpose(1, 2)  # (B, G, Nc, D)
+    dq, dkc = torch.zeros_like(qg), torch.zeros_like(kcg)
+    r = H // G
+    if kernel == "cpp":
+        d_sel = (d_o * g_sel[..., None]).view(B, Tq, G, r, D).transpose(1, 2)
+        d_read = ops.sel_weight_grad(d_sel, qg, k_sel.transpose(1, 2), v_sel.transpose(1, 2), idx, valid, n_read, spec,
+                                     q0, docs)
+    chunk = max(1, CHUNK_LOGITS // (B * G * r * (q0 + Tq)))
+    for c0 in range(0, Tq, chunk):
+        c1 = min(Tq, c0 + chunk)
+        C, rows = c1 - c0, slice(c0, c1)
+        Nv = Nc if docs is not None else spec.num_cmp_blocks(q0 + c1)  # no document: the blocks the chunk sees
+        if Nv == 0:  # every score 0: no gradient
+            continue
+        d_log_s = (d_read[:, :, rows] if kernel == "cpp" else
+                   score_grad(d_o[:, rows], qg[:, :, rows], k_sel, v_sel, g_sel[:, rows], idx[:, :, rows],
+                              valid[:, :, rows], spec, docs, q0 + c0, n_read)) * free[:, :, rows] * weight
+        p = _probabilities(qg[:, :, rows], kcg[:, :, :Nv], _visible(spec, docs, q0 + c0, q0 + c1, Nv, q.device))
+        slots = member_slots(idx[:, :, rows], spec, T, Nv, docs, q0 + c0).flatten(-2)  # (B, G, C, n K)
+        p_group = torch.nn.functional.pad(p.sum(3), (0, 1))  # (B, G, C, Nv + 1), Nv: no member
+        s = p_group.gather(-1, slots).view(*idx.shape[:2], C, idx.shape[-1], -1).sum(-1)
+        d_s = torch.where(s >= 1e-30, d_log_s / s.clamp_min(1e-30), 0.0)  # through log(s.clamp_min(1e-30))
+        d_group = torch.zeros_like(p_group).scatter_add_(-1, slots, d_s.repeat_interleave(slots.shape[-1] // idx.shape[-1], -1))
+        d_logits = p * d_group[:, :, :, None, :Nv]  # softmax backward: p (dp - sum p dp), dp = d_group for every head
+        d_logits = d_logits.addcmul_(p, d_logits.sum(-1, keepdim=True), value=-1.0).view(B, G, C * r, Nv) * D**-0.5
+        dq[:, :, rows] = (d_logits @ kcg[:, :, :Nv]).view(B, G, C, r, D)
+        dkc[:, :, :Nv] += d_logits.transpose(2, 3) @ qg[:, :, rows].reshape(B, G, C * r, D)
+    return dq.transpose(1, 2).reshape(q.shape).to(q.dtype), dkc.transpose(1, 2).to(kc.dtype)
 
 
 @torch.no_grad()

@@ -228,6 +228,73 @@ void backward_blocks(const float* q, const float* k, const float* kt, const floa
   }
 }
 
+// The gradient of a weight e_c on the keys of each run c in the softmax (exp(S) e_c): at e_c = 1 for the
+// first `nread` runs, the ones the query reads (the gradient of a bias log e_c on their logits), at e_c = 0
+// for the rest, which it does not read. Both are the sum over the r heads and the run's keys (up to t) of
+// P (dP - delta), with P = exp(S - lse), dP = dO v, and lse and delta = sum P dP over the read runs alone
+// (the block scores' straight-through gradient, `routing.py`). grad (BG, Tq, nsel): 0 for a run of none.
+template <int R, int DV>
+void run_weight_grad(const float* q, const float* kt, const float* vt, const int32_t* pos, const float* dout,
+                     float* grad, int64_t BG, int64_t Tq, int nsel, int nread, int L, int64_t P, int64_t q0,
+                     float scale) {
+  constexpr int D = 16 * DV;
+  at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R), dbuf(sbuf.size());
+    std::vector<Block> blocks(nsel);
+    std::vector<int> run(nsel);  // the run each block is
+    float qs[R * D];
+    for (int64_t row = lo; row < hi; ++row) {
+      const int64_t bg = row / Tq, t = q0 + row % Tq;
+      int nb = 0, cols = 0, cols_read = 0;
+      for (int c = 0; c < nsel; ++c) {
+        const int64_t p = pos[row * nsel + c];
+        if (p < 0 || p > t) continue;
+        const int n = static_cast<int>(std::min<int64_t>(L, t - p + 1));
+        blocks[nb] = {p, cols, n};
+        run[nb++] = c;
+        cols += padded(n);
+        if (c < nread) cols_read = cols;  // the read runs come first
+      }
+      float* g = grad + row * nsel;
+      std::fill(g, g + nsel, 0.0f);
+      if (cols_read == 0) continue;
+      float *s = sbuf.data(), *ds = dbuf.data();
+      const float* go = dout + row * R * D;
+      for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
+      const float *ktb = kt + bg * D * P, *vtb = vt + bg * D * P;
+      for (int b = 0; b < nb; ++b) {
+        scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));    // S = q k / sqrt(D)
+        scores<R>(go, D, vtb, P, blocks[b].p, ds + blocks[b].col, cols, padded(blocks[b].n));  // dP = dO v
+        for (int h = 0; h < R; ++h)  // keys after t or past the run: P = 0
+          for (int j = blocks[b].n; j < padded(blocks[b].n); ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
+      }
+      for (int h = 0; h < R; ++h) {
+        float* sh = s + h * cols;
+        float* dh = ds + h * cols;
+        v16 mx = splat(-INFINITY);
+        for (int c = 0; c < cols_read; c += 16) { v16 x = load(sh + c); mx = select(x > mx, x, mx); }
+        const v16 m = splat(hmax(mx));
+        v16 total = {}, pdp = {};
+        for (int c = 0; c < cols; c += 16) {
+          v16 x = load(sh + c);
+          v16 e = select(x == splat(-INFINITY), splat(0.0f), vexp(x - m));
+          store(sh + c, e);  // exp(S - m)
+          if (c < cols_read) total += e, pdp += e * load(dh + c);
+        }
+        const float inv = 1.0f / hsum(total), delta = hsum(pdp) * inv;
+        for (int b = 0; b < nb; ++b) {
+          v16 sum = {};
+          for (int c = 0; c < padded(blocks[b].n); c += 16) {
+            const float* e = sh + blocks[b].col + c;
+            sum += load(e) * (load(dh + blocks[b].col + c) - splat(delta));
+          }
+          g[run[b]] += hsum(sum) * inv;  // P = exp(S - m) / total
+        }
+      }
+    }
+  });
+}
+
 template <typename F>
 void dispatch(int r, int D, F&& f) {
   auto by_d = [&](auto rr) {
@@ -320,10 +387,25 @@ std::vector<torch::Tensor> runs_backward_rows(torch::Tensor q, torch::Tensor k, 
   return {dq, dk.sum(0), dv.sum(0)};
 }
 
+torch::Tensor runs_weight_grad(torch::Tensor q, torch::Tensor kt, torch::Tensor vt, torch::Tensor pos,
+                               torch::Tensor dout, int64_t L, int64_t nread, int64_t q0, double scale) {
+  for (auto [x, name] : {std::pair{q, "q"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}}) check(x, name);
+  TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == torch::kInt32, "cpu_attention: pos must be contiguous int32");
+  const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = kt.size(2);
+  auto grad = torch::empty({BG, Tq, pos.size(2)}, q.options());
+  dispatch(r, D, [&](auto R, auto DV) {
+    run_weight_grad<decltype(R)::value, decltype(DV)::value>(
+        q.data_ptr<float>(), kt.data_ptr<float>(), vt.data_ptr<float>(), pos.data_ptr<int32_t>(), dout.data_ptr<float>(),
+        grad.data_ptr<float>(), BG, Tq, pos.size(2), nread, L, P, q0, scale);
+  });
+  return grad;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("runs_forward", &runs_forward, "attention over runs of keys, forward (CPU, fp32)");
   m.def("runs_backward_rows", &runs_backward_rows, "its backward query by query (CPU, fp32)");
   m.def("runs_backward_blocks", &runs_backward_blocks, "its backward block by block (sel; CPU, fp32)");
+  m.def("runs_weight_grad", &runs_weight_grad, "the gradient of a weight on each run's keys (CPU, fp32)");
 }
