@@ -66,7 +66,7 @@ def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: t
     T, G = k_sel.shape[1], k_sel.shape[2]
     if chosen is None:
         with torch.no_grad():
-            qg = q.to(torch.promote_types(q.dtype, torch.float32)).view(B, Tq, G, H // G, D).transpose(1, 2)
+            qg = _groups(q, G)
             p = _probabilities(qg, kc.to(qg.dtype).transpose(1, 2), _visible(spec, docs, q0, q0 + Tq, kc.shape[1], q.device))
             chosen = choose_blocks(p.sum(3), spec, q0, T, docs)
     idx, valid = chosen  # (B, G, Tq, n)
@@ -117,6 +117,14 @@ def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m
     return extra, key >= 0
 
 
+def _groups(x: torch.Tensor, G: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Queries or their gradients (B, Tq, H, D) as (B, G, Tq, r, D), the r = H/G heads of a group side by side,
+    in `dtype` (default: fp32 or wider)."""
+    B, Tq, H, D = x.shape
+    dtype = torch.promote_types(x.dtype, torch.float32) if dtype is None else dtype
+    return x.to(dtype).view(B, Tq, G, H // G, D).transpose(1, 2)
+
+
 def _visible(spec: NSASpec, docs: Documents | None, t0: int, t1: int, Nv: int, device: torch.device) -> torch.Tensor:
     """Which of the first Nv cmp blocks (slots) queries t0 .. t1 - 1 see, broadcast to (B, G, C, r, Nv)."""
     if docs is not None:
@@ -160,19 +168,18 @@ def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel:
                     docs: Documents | None, q0: int, weight: float, n_read: int, kernel: str = "torch"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients (dq, dkc) of `with_score_grad`: for a chunk of queries at a time, dL/dlog s_j of the
-    blocks `free` (`score_grad`, or with kernel `cpp` NSA's C++ kernel for all queries first) times `weight`, carried to the group's cmp probabilities (s_j sums its
-    cmp members', Eq. 9-10) and through their softmax, recomputed, to q (B, Tq, H, D) and kc (B, Nc, G, D)."""
+    blocks `free` (`score_grad`, or with kernel `cpp` NSA's C++ kernel for all queries first) times `weight`,
+    carried to the group's cmp probabilities (s_j sums its cmp members', Eq. 9-10) and through their softmax,
+    recomputed, to q (B, Tq, H, D) and kc (B, Nc, G, D)."""
     B, Tq, H, D = q.shape
     T, Nc, G = k_sel.shape[1], kc.shape[1], kc.shape[2]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qg = q.to(acc).view(B, Tq, G, H // G, D).transpose(1, 2)  # (B, G, Tq, r, D)
-    kcg = kc.to(acc).transpose(1, 2)  # (B, G, Nc, D)
+    qg = _groups(q, G)  # (B, G, Tq, r, D)
+    kcg = kc.to(qg.dtype).transpose(1, 2)  # (B, G, Nc, D)
     dq, dkc = torch.zeros_like(qg), torch.zeros_like(kcg)
-    r = H // G
+    r, n = H // G, idx.shape[-1]
     if kernel == "cpp":
-        d_sel = (d_o * g_sel[..., None]).view(B, Tq, G, r, D).transpose(1, 2)
-        d_read = ops.sel_weight_grad(d_sel, qg, k_sel.transpose(1, 2), v_sel.transpose(1, 2), idx, valid, n_read, spec,
-                                     q0, docs)
+        d_read = ops.sel_weight_grad(_groups(d_o * g_sel[..., None], G), qg, k_sel.transpose(1, 2), v_sel.transpose(1, 2),
+                                     idx, valid, n_read, spec, q0, docs)
     chunk = max(1, CHUNK_LOGITS // (B * G * r * (q0 + Tq)))
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)
@@ -186,9 +193,9 @@ def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel:
         p = _probabilities(qg[:, :, rows], kcg[:, :, :Nv], _visible(spec, docs, q0 + c0, q0 + c1, Nv, q.device))
         slots = member_slots(idx[:, :, rows], spec, T, Nv, docs, q0 + c0).flatten(-2)  # (B, G, C, n K)
         p_group = torch.nn.functional.pad(p.sum(3), (0, 1))  # (B, G, C, Nv + 1), Nv: no member
-        s = p_group.gather(-1, slots).view(*idx.shape[:2], C, idx.shape[-1], -1).sum(-1)
+        s = p_group.gather(-1, slots).view(*idx.shape[:2], C, n, -1).sum(-1)
         d_s = torch.where(s >= 1e-30, d_log_s / s.clamp_min(1e-30), 0.0)  # through log(s.clamp_min(1e-30))
-        d_group = torch.zeros_like(p_group).scatter_add_(-1, slots, d_s.repeat_interleave(slots.shape[-1] // idx.shape[-1], -1))
+        d_group = torch.zeros_like(p_group).scatter_add_(-1, slots, d_s.repeat_interleave(slots.shape[-1] // n, -1))
         d_logits = p * d_group[:, :, :, None, :Nv]  # softmax backward: p (dp - sum p dp), dp = d_group for every head
         d_logits = d_logits.addcmul_(p, d_logits.sum(-1, keepdim=True), value=-1.0).view(B, G, C * r, Nv) * D**-0.5
         dq[:, :, rows] = (d_logits @ kcg[:, :, :Nv]).view(B, G, C, r, D)
@@ -211,7 +218,7 @@ def score_grad(d_o: torch.Tensor, qg: torch.Tensor, k_sel: torch.Tensor, v_sel: 
     B, G, Tq, r, D = qg.shape
     n, L = idx.shape[-1], spec.l_sel
     R = (n if n_read is None else n_read) * L  # the first R of a query's n L keys are read, the rest explored
-    d_sel = (d_o.to(qg.dtype) * g_sel.to(qg.dtype)[..., None]).view(B, Tq, G, r, D).transpose(1, 2)  # (B, G, Tq, r, D)
+    d_sel = _groups(d_o.to(qg.dtype) * g_sel.to(qg.dtype)[..., None], G, qg.dtype)  # (B, G, Tq, r, D)
     k, v = (x.to(qg.dtype).transpose(1, 2) for x in (k_sel, v_sel))  # (B, G, T, D)
     out, chunk = [], max(1, CHUNK_LOGITS // (B * G * r * (q0 + Tq)))
     for c0 in range(0, Tq, chunk):

@@ -22,7 +22,7 @@ namespace {
 
 using namespace nsa_cpu;
 
-struct Block { int64_t p; int col, n; };  // first key, first score column, keys read (<= t)
+struct Block { int64_t p; int col, n, run; };  // first key, first score column, keys read (<= t), its run in pos
 
 inline int padded(int n) { return (n + 15) / 16 * 16; }
 
@@ -33,7 +33,7 @@ inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out,
     const int64_t p = pos[c];
     if (p < 0 || p > t) continue;
     const int n = static_cast<int>(std::min<int64_t>(L, t - p + 1));
-    out[k++] = {p, col, n};
+    out[k++] = {p, col, n, c};
     col += padded(n);
   }
   *nb = k;
@@ -105,6 +105,16 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
   });
 }
 
+// S = q k (q pre-scaled) and dP = dO v of a query's blocks, R rows of `cols` columns each.
+template <int R>
+inline void scores_and_dp(const float* qs, const float* go, int D, const float* kt, const float* vt, int64_t P,
+                          const Block* blocks, int nb, float* s, float* ds, int cols) {
+  for (int b = 0; b < nb; ++b) {
+    scores<R>(qs, D, kt, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));
+    scores<R>(go, D, vt, P, blocks[b].p, ds + blocks[b].col, cols, padded(blocks[b].n));
+  }
+}
+
 // The backward query by query: each reader adds into its thread's own dk, dv (rows of the whole
 // sequence). Fewest passes; for short sequences, whose keys and gradients stay in cache.
 template <int R, int DV>
@@ -128,11 +138,7 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
         float *s = sbuf.data(), *ds = dbuf.data();
         const float* go = dout + row * R * D;
         for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
-        const float *ktb = kt + bg * D * P, *vtb = vt + bg * D * P;
-        for (int b = 0; b < nb; ++b) {
-          scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));    // S = q k / sqrt(D)
-          scores<R>(go, D, vtb, P, blocks[b].p, ds + blocks[b].col, cols, padded(blocks[b].n));  // dP = dO v
-        }
+        scores_and_dp<R>(qs, go, D, kt + bg * D * P, vt + bg * D * P, P, blocks.data(), nb, s, ds, cols);
         for (int h = 0; h < R; ++h) {
           const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
           for (int b = 0; b < nb; ++b) {
@@ -241,33 +247,23 @@ void run_weight_grad(const float* q, const float* kt, const float* vt, const int
   at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R), dbuf(sbuf.size());
     std::vector<Block> blocks(nsel);
-    std::vector<int> run(nsel);  // the run each block is
     float qs[R * D];
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t bg = row / Tq, t = q0 + row % Tq;
-      int nb = 0, cols = 0, cols_read = 0;
-      for (int c = 0; c < nsel; ++c) {
-        const int64_t p = pos[row * nsel + c];
-        if (p < 0 || p > t) continue;
-        const int n = static_cast<int>(std::min<int64_t>(L, t - p + 1));
-        blocks[nb] = {p, cols, n};
-        run[nb++] = c;
-        cols += padded(n);
-        if (c < nread) cols_read = cols;  // the read runs come first
-      }
+      int nb, cols_read = 0;
+      const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
+      for (int b = 0; b < nb && blocks[b].run < nread; ++b)  // the read runs come first
+        cols_read = blocks[b].col + padded(blocks[b].n);
       float* g = grad + row * nsel;
       std::fill(g, g + nsel, 0.0f);
       if (cols_read == 0) continue;
       float *s = sbuf.data(), *ds = dbuf.data();
       const float* go = dout + row * R * D;
       for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
-      const float *ktb = kt + bg * D * P, *vtb = vt + bg * D * P;
-      for (int b = 0; b < nb; ++b) {
-        scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));    // S = q k / sqrt(D)
-        scores<R>(go, D, vtb, P, blocks[b].p, ds + blocks[b].col, cols, padded(blocks[b].n));  // dP = dO v
+      scores_and_dp<R>(qs, go, D, kt + bg * D * P, vt + bg * D * P, P, blocks.data(), nb, s, ds, cols);
+      for (int b = 0; b < nb; ++b)
         for (int h = 0; h < R; ++h)  // keys after t or past the run: P = 0
           for (int j = blocks[b].n; j < padded(blocks[b].n); ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
-      }
       for (int h = 0; h < R; ++h) {
         float* sh = s + h * cols;
         float* dh = ds + h * cols;
@@ -288,7 +284,7 @@ void run_weight_grad(const float* q, const float* kt, const float* vt, const int
             const float* e = sh + blocks[b].col + c;
             sum += load(e) * (load(dh + blocks[b].col + c) - splat(delta));
           }
-          g[run[b]] += hsum(sum) * inv;  // P = exp(S - m) / total
+          g[blocks[b].run] += hsum(sum) * inv;  // P = exp(S - m) / total
         }
       }
     }
