@@ -9,6 +9,7 @@
 using namespace nsa_cpu;
 
 constexpr int P = 64;  // key rows
+constexpr Half HALVES[6] = {{3, 8}, {20, 5}, {41, 8}, {3, 0}, {50, 1}, {7, 8}};  // (first key, keys)
 
 template <int R, int DV>
 void one(const float*& in, std::vector<float>& out) {
@@ -16,8 +17,12 @@ void one(const float*& in, std::vector<float>& out) {
   const float *a = in, *bt = a + R * D, *c = bt + D * P, *x = c + R * P;
   in = x + P * D;
   std::vector<float> s(R * P, 0.0f), dst(P * D, 0.0f);
-  scores<R>(a, D, bt, P, 0, s.data(), P, 48);  // S = a bt[:, :48]
+  scores<R>(a, D, bt, P, 0, s.data(), P, 48, 45);  // S = a bt[:, :48], -inf from column 45 on
   for (int h = 0; h < R; ++h) out.insert(out.end(), s.begin() + h * P, s.begin() + h * P + 48);
+  for (bool mask : {true, false}) {  // runs of at most 8 keys, two to a vector: a bt[:, p:p + n] in each half
+    half_scores<R>(a, D, bt, P, HALVES, 3, s.data(), 48, mask);
+    out.insert(out.end(), s.begin(), s.begin() + R * 48);
+  }
   v16 acc[R][DV] = {};
   weighted_rows<R, DV>(acc, c, P, x, 3, 37);  // c[:, :37] x[3:40]
   for (int h = 0; h < R; ++h)

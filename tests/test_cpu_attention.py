@@ -36,6 +36,10 @@ def test_the_kernels_build_on_this_machine():
 HEADS_AND_DIMS = [(r, 16 * dv) for r in cpu_attention.HEADS for dv in (1, 2, 4, 8)]  # the driver's order
 
 
+HALVES = [(3, 8), (20, 5), (41, 8), (3, 0), (50, 1), (7, 8)]
+"""`cpu_tiles_check.cpp`'s runs of at most 8 keys, two to a vector: (first key, keys)."""
+
+
 def tiles_reference(x: torch.Tensor) -> torch.Tensor:
     """What `tests/cpu_tiles_check.cpp` computes from its input `x`, in float64."""
     x, P = x.double(), 64
@@ -46,7 +50,13 @@ def tiles_reference(x: torch.Tensor) -> torch.Tensor:
         a, bt, c, rows = take(r, D), take(D, P), take(r, P), take(P, D)
         dst = torch.zeros(P, D, dtype=torch.float64)
         dst[5:34] = c[:, :29].T @ a
-        out += [(a @ bt[:, :48]).flatten(), (c[:, :37] @ rows[3:40]).flatten(), dst.flatten()]
+        scores = a @ bt[:, :48]
+        scores[:, 45:] = float("-inf")
+        halves = torch.cat([a @ bt[:, p:p + 8] for p, _ in HALVES], 1)  # (r, 48)
+        masked = halves.clone()
+        for i, (_, n) in enumerate(HALVES):
+            masked[:, 8 * i + n:8 * i + 8] = float("-inf")
+        out += [scores.flatten(), masked.flatten(), halves.flatten(), (c[:, :37] @ rows[3:40]).flatten(), dst.flatten()]
     return torch.cat(out)
 
 
@@ -54,7 +64,8 @@ def tiles_reference(x: torch.Tensor) -> torch.Tensor:
 def test_the_vector_layer_is_exact_with_avx2_halves_and_avx512_registers(tmp_path):
     """`csrc/tiles.h` built for each instruction set alone (AVX2: 16 lanes as two 8-lane registers;
     AVX-512: one register), run where the CPU has it: e^x (subnormal results, 0 below e^-104) and the
-    three register tiles, every head count and head dim the kernel takes, equal the float64 products."""
+    register tiles (scores of runs of 16 and of runs of 8 two to a vector, masked past their keys), every
+    head count and head dim the kernel takes, equal the float64 products."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(200_000, generator=gen)
     x[:256] = torch.linspace(-110.0, 88.0, 256)

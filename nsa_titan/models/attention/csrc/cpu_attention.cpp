@@ -9,7 +9,8 @@
 //   q (BG, Tq, r, D)   kt, vt (BG, D, P): keys / values transposed   k (BG, P, D)
 //   pos (BG, Tq, n) int32: the first key of each run, -1 for none; a run is L keys long, and query
 //   i, at position q0 + i, reads of each run the keys up to itself. A run's scores take a multiple of
-//   16 columns (`padded`), those past its keys -inf: any L works, a multiple of 16 wastes none.
+//   16 columns (`padded`), those past its keys -inf: any L works, a multiple of 16 wastes none; runs of
+//   8 keys or fewer (sel at l' <= 8) take 8 columns each, two to a vector (`Half`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,18 +27,36 @@ struct Block { int64_t p; int col, n, run; };  // first key, first score column,
 
 inline int padded(int n) { return (n + 15) / 16 * 16; }
 
-// The chosen blocks of query t: their keys up to t, laid out in score columns of 16.
-inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out, int* nb) {
+// The chosen blocks of query t: their keys up to t, laid out in score columns, 16 per vector (8 per run
+// when L <= 8); the runs from `split` on start a vector of their own. Returns the columns, a multiple of 16.
+inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out, int* nb, int split = -1) {
   int col = 0, k = 0;
   for (int c = 0; c < nsel; ++c) {
     const int64_t p = pos[c];
     if (p < 0 || p > t) continue;
+    if (c == split) col = padded(col);
     const int n = static_cast<int>(std::min<int64_t>(L, t - p + 1));
     out[k++] = {p, col, n, c};
-    col += padded(n);
+    col += L <= 8 ? 8 : padded(n);
   }
   *nb = k;
-  return col;
+  return padded(col);
+}
+
+// s[h][0 .. cols) = a[h] against the keys of a query's blocks (a = q pre-scaled: S; a = dO, bt = v
+// transposed: dP). With `mask`, -inf in every column that is not one of the blocks' keys (S: P = 0 there);
+// without, those columns hold finite values to be multiplied by P = 0. hv: scratch of cols / 8 halves.
+template <int R>
+inline void block_scores(const float* a, int D, const float* bt, int64_t P, const Block* blocks, int nb, int L,
+                         float* s, int cols, bool mask, Half* hv) {
+  if (L > 8) {
+    for (int b = 0; b < nb; ++b)
+      scores<R>(a, D, bt, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n), mask ? blocks[b].n : ALL);
+    return;
+  }
+  for (int i = 0; i < cols / 8; ++i) hv[i] = {blocks[0].p, 0};  // no run: masked, loads stay in the keys
+  for (int b = 0; b < nb; ++b) hv[blocks[b].col / 8] = {blocks[b].p, blocks[b].n};
+  half_scores<R>(a, D, bt, P, hv, cols / 16, s, cols, mask);
 }
 
 // The forward, query by query. `last` (or null: the query's own position) is the last key a query may
@@ -51,6 +70,7 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
   at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R);
     std::vector<Block> blocks(nsel);
+    std::vector<Half> halves(2 * nsel + 2);
     float qs[R * D];
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t bg = row / Tq, t = last ? last[row] : q0 + row % Tq;
@@ -58,12 +78,8 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
       const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
       float* s = sbuf.data();
       for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
-      const float* ktb = kt + bg * D * P;
-      for (int b = 0; b < nb; ++b) {
-        scores<R>(qs, D, ktb, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));
-        for (int h = 0; h < R; ++h)  // keys after t (the current block) or past the run: no score
-          for (int j = blocks[b].n; j < padded(blocks[b].n); ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
-      }
+      // keys after t (the current block) or past the run: no score
+      block_scores<R>(qs, D, kt + bg * D * P, P, blocks.data(), nb, L, s, cols, true, halves.data());
       float m[R], total[R];
       for (int h = 0; h < R; ++h) {
         v16 mx = splat(-INFINITY);
@@ -105,14 +121,12 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
   });
 }
 
-// S = q k (q pre-scaled) and dP = dO v of a query's blocks, R rows of `cols` columns each.
+// S = q k (q pre-scaled; -inf off the blocks' keys) and dP = dO v of a query's blocks, R rows of `cols` columns each.
 template <int R>
 inline void scores_and_dp(const float* qs, const float* go, int D, const float* kt, const float* vt, int64_t P,
-                          const Block* blocks, int nb, float* s, float* ds, int cols) {
-  for (int b = 0; b < nb; ++b) {
-    scores<R>(qs, D, kt, P, blocks[b].p, s + blocks[b].col, cols, padded(blocks[b].n));
-    scores<R>(go, D, vt, P, blocks[b].p, ds + blocks[b].col, cols, padded(blocks[b].n));
-  }
+                          const Block* blocks, int nb, int L, float* s, float* ds, int cols, Half* hv) {
+  block_scores<R>(qs, D, kt, P, blocks, nb, L, s, cols, true, hv);
+  block_scores<R>(go, D, vt, P, blocks, nb, L, ds, cols, false, hv);
 }
 
 // The backward query by query: each reader adds into its thread's own dk, dv (rows of the whole
@@ -127,6 +141,7 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
   at::parallel_for(0, threads, 1, [&](int64_t tlo, int64_t thi) {
     std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R), dbuf(sbuf.size());
     std::vector<Block> blocks(nsel);
+    std::vector<Half> halves(2 * nsel + 2);
     float qs[R * D];
     for (int64_t th = tlo; th < thi; ++th) {  // each part of the rows adds into its own dk, dv
       float* dkt = dk + th * BG * P * D;
@@ -138,18 +153,15 @@ void backward_rows(const float* q, const float* k, const float* kt, const float*
         float *s = sbuf.data(), *ds = dbuf.data();
         const float* go = dout + row * R * D;
         for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
-        scores_and_dp<R>(qs, go, D, kt + bg * D * P, vt + bg * D * P, P, blocks.data(), nb, s, ds, cols);
+        scores_and_dp<R>(qs, go, D, kt + bg * D * P, vt + bg * D * P, P, blocks.data(), nb, L, s, ds, cols,
+                         halves.data());
         for (int h = 0; h < R; ++h) {
           const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
-          for (int b = 0; b < nb; ++b) {
-            for (int c = 0; c < blocks[b].n; c += 16) {
-              float* sp = s + h * cols + blocks[b].col + c;
-              float* dp = ds + h * cols + blocks[b].col + c;
-              v16 p = vexp(load(sp) - l);
-              if (blocks[b].n - c < 16) p = first_lanes(p, blocks[b].n - c);  // keys after t: p = 0
-              store(sp, p);
-              store(dp, p * (load(dp) - dl));  // dS = P (dP - delta)
-            }
+          for (int c = 0; c < cols; c += 16) {
+            float *sp = s + h * cols + c, *dp = ds + h * cols + c;
+            const v16 p = vexp(load(sp) - l);  // S = -inf off the keys: P = 0
+            store(sp, p);
+            store(dp, p * (load(dp) - dl));  // dS = P (dP - delta)
           }
         }
         v16 acc[R][DV] = {};
@@ -206,13 +218,12 @@ void backward_blocks(const float* q, const float* k, const float* kt, const floa
           last = std::max(last, t);
           const float* go = dout + row * R * D;
           for (int j = 0; j < R * D; ++j) qs[j] = q[row * R * D + j] * scale;
-          scores<R>(qs, D, ktile.data(), L16, 0, s.data(), L16, padded(n));   // S = q k / sqrt(D)
-          scores<R>(go, D, vtile.data(), L16, 0, ds.data(), L16, padded(n));  // dP = dO v
+          scores<R>(qs, D, ktile.data(), L16, 0, s.data(), L16, padded(n), n);  // S = q k / sqrt(D), -inf after t
+          scores<R>(go, D, vtile.data(), L16, 0, ds.data(), L16, padded(n), ALL);  // dP = dO v
           for (int h = 0; h < R; ++h) {
             const v16 l = splat(lse[row * R + h]), dl = splat(delta[row * R + h]);
             for (int c = 0; c < n; c += 16) {
-              v16 p = vexp(load(&s[h * L16 + c]) - l);
-              if (n - c < 16) p = first_lanes(p, n - c);  // keys after t: p = 0
+              const v16 p = vexp(load(&s[h * L16 + c]) - l);  // keys after t: p = 0
               store(&s[h * L16 + c], p);
               store(&ds[h * L16 + c], p * (load(&ds[h * L16 + c]) - dl));  // dS = P (dP - delta)
             }
@@ -246,46 +257,44 @@ void run_weight_grad(const float* q, const float* kt, const float* vt, const int
   constexpr int D = 16 * DV;
   at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
     std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R), dbuf(sbuf.size());
+    std::vector<float> wbuf(static_cast<size_t>(nsel) * padded(L) + 16);
     std::vector<Block> blocks(nsel);
+    std::vector<Half> halves(2 * nsel + 2);
     float qs[R * D];
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t bg = row / Tq, t = q0 + row % Tq;
-      int nb, cols_read = 0;
-      const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
-      for (int b = 0; b < nb && blocks[b].run < nread; ++b)  // the read runs come first
-        cols_read = blocks[b].col + padded(blocks[b].n);
+      int nb, cols_read = 0;  // the read runs come first, the explored ones from a vector of their own
+      const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb, nread);
+      for (int b = 0; b < nb && blocks[b].run < nread; ++b) cols_read = padded(blocks[b].col + blocks[b].n);
       float* g = grad + row * nsel;
       std::fill(g, g + nsel, 0.0f);
       if (cols_read == 0) continue;
-      float *s = sbuf.data(), *ds = dbuf.data();
+      float *s = sbuf.data(), *ds = dbuf.data(), *w = wbuf.data();
       const float* go = dout + row * R * D;
       for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
-      scores_and_dp<R>(qs, go, D, kt + bg * D * P, vt + bg * D * P, P, blocks.data(), nb, s, ds, cols);
-      for (int b = 0; b < nb; ++b)
-        for (int h = 0; h < R; ++h)  // keys after t or past the run: P = 0
-          for (int j = blocks[b].n; j < padded(blocks[b].n); ++j) s[h * cols + blocks[b].col + j] = -INFINITY;
-      for (int h = 0; h < R; ++h) {
-        float* sh = s + h * cols;
-        float* dh = ds + h * cols;
+      scores_and_dp<R>(qs, go, D, kt + bg * D * P, vt + bg * D * P, P, blocks.data(), nb, L, s, ds, cols,
+                       halves.data());
+      for (int h = 0; h < R; ++h) {  // w: per column, the sum over heads of P (dP - delta)
+        float *sh = s + h * cols, *dh = ds + h * cols;
         v16 mx = splat(-INFINITY);
         for (int c = 0; c < cols_read; c += 16) { v16 x = load(sh + c); mx = select(x > mx, x, mx); }
         const v16 m = splat(hmax(mx));
         v16 total = {}, pdp = {};
         for (int c = 0; c < cols; c += 16) {
-          v16 x = load(sh + c);
-          v16 e = select(x == splat(-INFINITY), splat(0.0f), vexp(x - m));
-          store(sh + c, e);  // exp(S - m)
+          const v16 e = vexp(load(sh + c) - m);  // S = -inf off the keys: 0
+          store(sh + c, e);
           if (c < cols_read) total += e, pdp += e * load(dh + c);
         }
         const float inv = 1.0f / hsum(total), delta = hsum(pdp) * inv;
-        for (int b = 0; b < nb; ++b) {
-          v16 sum = {};
-          for (int c = 0; c < padded(blocks[b].n); c += 16) {
-            const float* e = sh + blocks[b].col + c;
-            sum += load(e) * (load(dh + blocks[b].col + c) - splat(delta));
-          }
-          g[blocks[b].run] += hsum(sum) * inv;  // P = exp(S - m) / total
+        for (int c = 0; c < cols; c += 16) {  // P = exp(S - m) / total
+          const v16 x = load(sh + c) * (load(dh + c) - splat(delta)) * splat(inv);
+          store(w + c, h ? load(w + c) + x : x);
         }
+      }
+      for (int b = 0; b < nb; ++b) {
+        float sum = 0.0f;
+        for (int j = 0; j < blocks[b].n; ++j) sum += w[blocks[b].col + j];
+        g[blocks[b].run] = sum;
       }
     }
   });

@@ -7,6 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace nsa_cpu {
 
@@ -19,6 +24,18 @@ inline v16 splat(float a) { return v16{} + a; }
 inline i16 splat_int(int a) { return i16{} + a; }
 inline v16 load(const float* p) { v16 x; std::memcpy(&x, p, sizeof(x)); return x; }
 inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+// Lanes 0-7 from a, 8-15 from b: two runs of 8 keys in one register.
+inline v16 load_halves(const float* a, const float* b) {
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 lo, hi;
+  std::memcpy(&lo, a, sizeof(lo));
+  std::memcpy(&hi, b, sizeof(hi));
+#if __has_builtin(__builtin_shufflevector)
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else  // GCC before 12
+  return (v16)_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+#endif
+}
 constexpr int REGISTERS = 32;
 #else
 // Without AVX-512, GCC lowers 64-byte vectors through memory (3-5 GFLOP/s here): 16 lanes are two
@@ -45,16 +62,23 @@ inline i16 splat_int(int a) { const i8 h = {a, a, a, a, a, a, a, a}; return {h, 
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // an unaligned half
 inline v16 load(const float* p) { return {*reinterpret_cast<const v8u*>(p), *reinterpret_cast<const v8u*>(p + 8)}; }
 inline void store(float* p, v16 x) { *reinterpret_cast<v8u*>(p) = x.lo; *reinterpret_cast<v8u*>(p + 8) = x.hi; }
+inline v16 load_halves(const float* a, const float* b) {
+  return {*reinterpret_cast<const v8u*>(a), *reinterpret_cast<const v8u*>(b)};
+}
 constexpr int REGISTERS = 16;
 #endif
 static_assert(sizeof(v16) == 16 * sizeof(float) && sizeof(i16) == sizeof(v16), "16 lanes of 32 bits");
-// x with its lanes k .. 15 set to 0 (the keys after the query in a run's last 16).
-inline v16 first_lanes(v16 x, int k) {
-  float t[16];
-  store(t, x);
-  std::fill(t + k, t + 16, 0.0f);
-  return load(t);
-}
+
+// Added to a row of scores, 0 on the keys a run has and -inf past them: MASK + 16 - n holds n zeros, then -inf.
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+alignas(64) inline constexpr float MASK[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF,
+                                              NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF, NEG_INF};
+constexpr int ALL = 1 << 30;  // a run long enough that nothing is masked
+// 0 in the first n lanes (n clamped to 0 .. 16), -inf in the rest.
+inline v16 mask_after(int n) { return load(MASK + 16 - std::min(std::max(n, 0), 16)); }
+// 0 in the first n_lo of lanes 0-7 and the first n_hi of lanes 8-15 (0 <= n <= 8), -inf in the rest.
+inline v16 mask_halves(int n_lo, int n_hi) { return load_halves(MASK + 16 - n_lo, MASK + 16 - n_hi); }
 
 // e^x, Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 polynomial, 2^n into the exponent.
 // Below e^-87 (n < -125) the result is a subnormal: scaled by 2^64 first and 2^-64 after, so it is rounded
@@ -84,9 +108,10 @@ inline v16 vexp(v16 x) {
 inline float hmax(v16 x) { float m = x[0]; for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m; return m; }
 inline float hsum(v16 x) { float s = 0; for (int i = 0; i < 16; ++i) s += x[i]; return s; }
 
-// s[h][c .. c + 16 NV) = sum_d a[h][d] * bt[d][p .. p + 16 NV): R rows against 16 NV columns of a transposed matrix.
+// s[h][c .. c + 16 NV) = sum_d a[h][d] * bt[d][p .. p + 16 NV): R rows against 16 NV columns of a transposed
+// matrix, -inf in the columns from n on.
 template <int R, int NV>
-inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss) {
+inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n) {
   v16 acc[R][NV] = {};
   for (int d = 0; d < D; ++d) {
     v16 b[NV];
@@ -96,18 +121,56 @@ inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int6
       for (int i = 0; i < NV; ++i) acc[h][i] += x * b[i];
     }
   }
-  for (int h = 0; h < R; ++h)
-    for (int i = 0; i < NV; ++i) store(s + h * ss + 16 * i, acc[h][i]);
+  for (int i = 0; i < NV; ++i) {
+    const bool all = n >= 16 * (i + 1);
+    const v16 m = all ? v16{} : mask_after(n - 16 * i);
+    for (int h = 0; h < R; ++h) store(s + h * ss + 16 * i, all ? acc[h][i] : acc[h][i] + m);
+  }
 }
 
-// The columns [c, c + n16) of s (R rows, stride ss) against keys p .. : n16 a multiple of 16.
+// Accumulators (R x NV) and the NV key vectors in registers: AVX-512 has 32, AVX2 16 (of 8 lanes).
 template <int R>
-inline void scores(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n16) {
-  // Accumulators (R x NV) and the NV key vectors in registers: AVX-512 has 32, AVX2 16 (of 8 lanes).
-  constexpr int NV = REGISTERS == 32 ? (R <= 3 ? 8 : (R <= 6 ? 4 : 2)) : (R == 1 ? 3 : (R == 2 ? 2 : 1));
+constexpr int VECTORS = REGISTERS == 32 ? (R <= 3 ? 8 : (R <= 6 ? 4 : 2)) : (R == 1 ? 3 : (R == 2 ? 2 : 1));
+
+// The columns [c, c + n16) of s (R rows, stride ss) against keys p .. : n16 a multiple of 16; -inf in the
+// columns from n on (`ALL`: none). NV vectors at a time, then fewer for the rest.
+template <int R, int NV = VECTORS<R>>
+inline void scores(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n16, int n) {
   int j = 0;
-  for (; j + 16 * NV <= n16; j += 16 * NV) rows_by_cols<R, NV>(a, D, bt, P, p + j, s + j, ss);
-  for (; j < n16; j += 16) rows_by_cols<R, 1>(a, D, bt, P, p + j, s + j, ss);
+  for (; j + 16 * NV <= n16; j += 16 * NV) rows_by_cols<R, NV>(a, D, bt, P, p + j, s + j, ss, n - j);
+  if constexpr (NV > 1) scores<R, NV / 2>(a, D, bt, P, p + j, s + j, ss, n16 - j, n - j);
+}
+
+struct Half { int64_t p; int n; };  // 8 lanes of a vector: keys p .. p + n - 1 of a run (n <= 8; 0: none)
+
+// s[h][16 i .. 16 i + 16) = a[h] against the keys of halves 2 i and 2 i + 1, for i < NV: short runs (8 keys
+// or fewer) two to a vector; with `mask`, -inf in the lanes past each half's n.
+template <int R, int NV>
+inline void rows_by_halves(const float* a, int D, const float* bt, int64_t P, const Half* hv, float* s, int ss,
+                           bool mask) {
+  v16 acc[R][NV] = {};
+  for (int d = 0; d < D; ++d) {
+    const float* row = bt + d * P;
+    v16 b[NV];
+    for (int i = 0; i < NV; ++i) b[i] = load_halves(row + hv[2 * i].p, row + hv[2 * i + 1].p);
+    for (int h = 0; h < R; ++h) {
+      const v16 x = splat(a[h * D + d]);
+      for (int i = 0; i < NV; ++i) acc[h][i] += x * b[i];
+    }
+  }
+  for (int i = 0; i < NV; ++i) {
+    const v16 m = mask ? mask_halves(hv[2 * i].n, hv[2 * i + 1].n) : splat(0.0f);
+    for (int h = 0; h < R; ++h) store(s + h * ss + 16 * i, acc[h][i] + m);
+  }
+}
+
+// The 16 nv columns of s (R rows, stride ss) against the 2 nv halves hv: NV vectors at a time, then fewer.
+template <int R, int NV = VECTORS<R>>
+inline void half_scores(const float* a, int D, const float* bt, int64_t P, const Half* hv, int nv, float* s, int ss,
+                        bool mask) {
+  int i = 0;
+  for (; i + NV <= nv; i += NV) rows_by_halves<R, NV>(a, D, bt, P, hv + 2 * i, s + 16 * i, ss, mask);
+  if constexpr (NV > 1) half_scores<R, NV / 2>(a, D, bt, P, hv + 2 * i, nv - i, s + 16 * i, ss, mask);
 }
 
 // acc[h] += sum over the block's keys j < n of c[h][j] * x[p + j] (x rows of D = 16 DV), S of the DV
