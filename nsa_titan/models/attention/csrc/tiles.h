@@ -12,6 +12,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__has_builtin)
+#define NSA_SHUFFLEVECTOR __has_builtin(__builtin_shufflevector)
+#else
+#define NSA_SHUFFLEVECTOR 0
+#endif
 
 namespace nsa_cpu {
 
@@ -30,9 +35,9 @@ inline v16 load_halves(const float* a, const float* b) {
   v8 lo, hi;
   std::memcpy(&lo, a, sizeof(lo));
   std::memcpy(&hi, b, sizeof(hi));
-#if __has_builtin(__builtin_shufflevector)
+#if NSA_SHUFFLEVECTOR
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else  // GCC before 12
+#else  // GCC before 12 (its insert intrinsic trips GCC 12's -Wmaybe-uninitialized)
   return (v16)_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 #endif
 }
