@@ -1,8 +1,9 @@
 """NSA's C++ CPU kernel branch by branch (`models/attention/cpu_attention.py`), at a config's shape.
 
-    python benchmarks/cpu_kernel.py [--config train_configs/recall.toml] [--explore 8] [--repeats 15]
+    python benchmarks/cpu_kernel.py [--config train_configs/recall.toml] [--explore 8] [--repeats 15] [-- overrides...]
 
-At the config's batch, seq_len, heads, KV groups, head_dim and NSA block sizes, fp32, random queries,
+At the config's batch, seq_len, heads, KV groups, head_dim and NSA block sizes (after the overrides, as
+`run_train.sh` takes them: `-- --training.seq_len 8192 --training.local_batch_size 1`), fp32, random queries,
 keys and values: the sel forward, its backward and the block scores' weight gradient
 (`sel_weight_grad`, `--explore` explored blocks per query beside the n read ones), the win forward and
 backward, and the cmp forward with the group probabilities the sel blocks are chosen from. The sel
@@ -45,8 +46,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "train_configs" / "recall.toml"))
     parser.add_argument("--explore", type=int, default=8, help="explored blocks per query in the weight gradient")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("overrides", nargs="*", help="config overrides after --")
     args = parser.parse_args()
-    cfg, _ = load_config(["--config", args.config], world_size=1)
+    cfg, _ = load_config(["--config", args.config, *args.overrides], world_size=1)
     m, B, T = cfg.model, cfg.training.local_batch_size, cfg.training.seq_len
     spec, G, D = nsa_spec(m), m.n_kv_groups, m.head_dim
     r = m.n_heads // G
