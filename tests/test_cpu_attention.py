@@ -18,7 +18,8 @@ from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_kernels, cpu_attention, fast_sel, fast_shared, ops
 from nsa_titan.models.attention import fused_attention
 from nsa_titan.models.attention import nsa_fast, nsa_reference
-from nsa_titan.models.attention.common import query_positions
+from nsa_titan.models.attention import common, routing
+from nsa_titan.models.attention.common import forced_blocks, query_positions
 from nsa_titan.models.attention.routing import explore_blocks, score_grad
 
 from test_nsa_fast import SPEC, random_parts_inputs, whole_and_parts
@@ -31,6 +32,7 @@ M7C = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 def test_the_kernels_build_on_this_machine():
     """CI's machines have a C++ compiler: the kernels must build there (else `auto` silently falls back)."""
     assert cpu_attention.problem(CPU, torch.float32, M7C, 6, 64) is None
+    assert cpu_attention._build()[0].openmp  # else at::parallel_for runs every kernel on one thread
 
 
 HEADS_AND_DIMS = [(r, 16 * dv) for r in cpu_attention.HEADS for dv in (1, 2, 4, 8)]  # the driver's order
@@ -247,6 +249,59 @@ def test_the_cmp_scores_are_the_probabilities_down_to_subnormals():
     expected = torch.softmax(s, -1).nan_to_num(0).sum(3).float()  # exact, then rounded once
     assert expected[expected > 0].min() < 1e-38  # subnormal probabilities are there
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=3e-45)  # fp32 scores of up to ~100: 1e-5 relative
+
+
+CHOICES = [(NSASpec(l=4, d=2, l_sel=8, n=16, w=64), 1024, 768, 256), (M7C, 1000, 0, 1000), (SPEC, 203, 48, 155),
+           (NSASpec(l=8, d=4, l_sel=8, n=5, w=8), 90, 0, 90)]
+
+
+@pytest.mark.parametrize("spec,T,t0,C", CHOICES, ids=[f"T{c[1]}-t0{c[2]}-l{c[0].l_sel}" for c in CHOICES])
+def test_the_kernel_chooses_and_explores_the_blocks_pytorch_does(spec, T, t0, C):
+    """The sel blocks picked in the kernel (`cpu_attention.choose_blocks`) are `common.choose_blocks'`, in the
+    same order: scores in quarters and zeros (ties go to the lower block), forced blocks first, fewer candidates
+    than n near the start; and the kernel's draw of explored blocks is `routing.explore_blocks'` (where ok), with
+    one position per query or per row and query (documents), for int and tensor seeds."""
+    gen = torch.Generator().manual_seed(T)
+    group = (torch.rand(3, 2, C, spec.num_cmp_blocks(T), generator=gen) * 4).floor() / 4
+    group[..., ::7] = 0
+    idx, valid = common.choose_blocks(group, spec, t0, T)
+    got = cpu_attention.choose_blocks(group, spec, t0, T, None)
+    assert torch.equal(got[0], idx) and torch.equal(got[1], valid)
+    assert bool((~valid).any()) == (t0 < (spec.n - 1) * spec.l_sel)  # fewer candidates than n
+    Ns = spec.num_sel_blocks(T)
+    t = torch.arange(t0, t0 + C)[None]
+    for positions in (t, (t - torch.tensor([[0], [5], [17]])).clamp(min=0)):
+        for seed in (0, 7, torch.tensor(123456789)):
+            want = explore_blocks(idx, positions, Ns, spec, 8, seed)
+            extra, ok = ops.explore_blocks(idx, positions, Ns, spec, 8, seed)
+            assert (want[1].any() or Ns <= spec.n) and torch.equal(ok, want[1])  # M7C at 1,000: all 16 chosen and torch.equal(extra[ok], want[0][want[1]])
+
+
+SCORES = [(8, 2, 1024, 2, 32, NSASpec(l=4, d=2, l_sel=8, n=16, w=64), 0), (1, 2, 700, 6, 64, M7C, 0),
+          (2, 2, 203, 3, 16, SPEC, 48), (2, 1, 150, 1, 128, NSASpec(l=8, d=4, l_sel=8, n=5, w=24), 0)]
+
+
+@pytest.mark.parametrize("B,G,T,r,D,spec,q0", SCORES, ids=[f"T{c[2]}-r{c[3]}-D{c[4]}-q0{c[6]}" for c in SCORES])
+def test_the_scores_gradient_kernel_equals_the_pytorch_chunks(B, G, T, r, D, spec, q0):
+    """`routing.scores_backward` without documents takes the scores' gradient through the cmp probabilities in the
+    kernel (`cmp_scores_backward`): dq and dkc as the PyTorch chunks give them in fp64, chosen and explored blocks."""
+    gen = torch.Generator().manual_seed(T + q0)
+    Nc = spec.num_cmp_blocks(T)
+    q, kc, vc = (torch.randn(B, G, *shape, generator=gen) for shape in ((T - q0, r, D), (Nc, D), (Nc, D)))
+    ks, vs = (torch.randn(B, T, G, D, generator=gen) for _ in range(2))
+    _, _, idx, valid = fast_shared.shared_forward(q, kc, vc, "cmp", spec, T, q0, None, None)
+    t = torch.arange(q0, T)[None]
+    extra, ok = explore_blocks(idx, t, spec.num_sel_blocks(T), spec, 3, 5)
+    free = torch.cat([valid & ~forced_blocks(idx, t[:, None], spec), ok], -1)
+    idx, valid = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1)
+    qh, kch = q.transpose(1, 2).flatten(2, 3), kc.transpose(1, 2)
+    g_sel, d_o = torch.rand(B, T - q0, G * r, generator=gen), torch.randn(qh.shape, generator=gen)
+    n = extra.shape[-1]
+    got = routing.scores_backward(d_o, qh, kch, ks, vs, g_sel, idx, valid, free, spec, None, q0, 0.7, n, "cpp")
+    want = routing.scores_backward(*(x.double() for x in (d_o, qh, kch, ks, vs, g_sel)), idx, valid, free, spec, None,
+                                   q0, 0.7, n, "torch")
+    for name, g, e in zip(("dq", "dkc"), got, want):
+        assert float(e.norm()) > 1.0 and float((g.double() - e).norm() / e.norm()) < 1e-5, name
 
 
 def test_nsa_fast_runs_every_branch_through_the_kernels_by_default(monkeypatch):

@@ -168,11 +168,12 @@ def test_the_cpp_kernel_gives_the_pytorch_gradient(with_docs, wrap):
         return torch.autograd.grad(fn(*leaves), leaves, d_o)
 
     calls = []
-    real = cpu_attention.sel_weight_grad
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_attention, "sel_weight_grad", lambda *a: calls.append(1) or real(*a))
+        for name in ("sel_weight_grad", "cmp_scores_backward", "explore_blocks"):
+            patch.setattr(cpu_attention, name, lambda *a, _f=getattr(cpu_attention, name), _n=name: calls.append(_n) or _f(*a))
         got = grads(None)
-    assert calls  # the kernel ran
+    # the kernel ran: dL/dlog s_j, the draw of explored blocks, and without documents the rest of the gradient
+    assert set(calls) == {"sel_weight_grad", "explore_blocks"} | (set() if with_docs else {"cmp_scores_backward"})
     for a, b in zip(got, grads("torch")):
         assert float(b.abs().sum()) > 1.0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

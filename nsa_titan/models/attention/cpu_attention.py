@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...hostcpu import cpu_flags
+from . import common
 from .common import NSASpec, block_readers
 from .documents import Documents
 
@@ -50,10 +51,15 @@ dO and dq), so that a chunk's rows stay in cache while the blocks they chose pas
 in one chunk, 1.73 s in chunks of 1 MiB = 682 queries; `benchmarks/sel_backward.py`)."""
 
 
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fopenmp"]
+"""-fopenmp: at::parallel_for runs its loop on the intra-op threads only where OpenMP is on (torch's own
+libgomp, loaded already: the same threads, `torch.set_num_threads` holds); without it, one thread."""
+
+
 def _build_tag() -> str:
-    """A tag of this CPU's instruction sets and the sources: a build for -march=native is only loaded where
-    it was made, and a changed header (which torch's own source check does not read) is rebuilt."""
-    text = " ".join([platform.machine(), *sorted(cpu_flags()), *(p.read_text() for p in SOURCES)])
+    """A tag of this CPU's instruction sets, the flags and the sources: a build for -march=native is only loaded
+    where it was made, and a changed header (which torch's own source check does not read) is rebuilt."""
+    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, *(p.read_text() for p in SOURCES)])
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
@@ -64,7 +70,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
         from torch.utils.cpp_extension import load
 
         module = load(name=f"nsa_titan_cpu_attention_{_build_tag()}", sources=[str(SOURCES[0])],
-                      extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17"], verbose=False)
+                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         return module, None
     except Exception as e:  # no compiler, no ninja, or it failed: the PyTorch kernels stay
         return None, f"NSA's C++ kernels did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
@@ -246,3 +252,40 @@ def cmp_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     B, G, Tq = q.shape[:3]
     first, last = _cmp_runs(B, G, q0, q0 + Tq, spec, docs)
     return _backward_rows(d_out, q, k, v, out, lse, first, k.shape[2], q0, last)
+
+
+def choose_blocks(group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`common.choose_blocks` of the cmp forward's group scores (B, G, C, S) (`cmp_forward`): by the kernel
+    where a sel block's score pools its cmp members by strided slices (no documents; l and l' multiples of
+    d), else in PyTorch. The same blocks in the same order either way."""
+    if docs is not None or spec.l % spec.d or spec.l_sel % spec.d:
+        return common.choose_blocks(group, spec, t0, T, docs)
+    B, G, C, _ = group.shape
+    Ns = spec.num_sel_blocks(T)
+    n = min(spec.n, Ns)
+    idx, valid = _build()[0].choose(group.contiguous(), C, t0, spec.l, spec.d, spec.l_sel, Ns, n)
+    return idx.view(B, G, C, n), valid.view(B, G, C, n)
+
+
+def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m: int, seed: torch.Tensor | int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routing.explore_blocks` by the kernel: the same blocks in the same order where ok, and the same ok."""
+    B, G, C, n = idx.shape
+    m = min(m, Ns)
+    extra, ok = _build()[0].explore(_rows(idx), t.expand(-1, C).contiguous(), torch.as_tensor(seed), G, Ns, m, spec.l_sel)
+    return extra.view(B, G, C, m), ok.view(B, G, C, m)
+
+
+def cmp_scores_backward(q: torch.Tensor, kc: torch.Tensor, idx: torch.Tensor, d_log_s: torch.Tensor, spec: NSASpec,
+                        q0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routing.scores_backward`'s (dq, dkc) without documents, query by query: the gradients d_log_s (B, G, Tq, n)
+    of the blocks idx (B, G, Tq, n) (0: none) through the group-summed cmp probabilities (recomputed) of the
+    queries q (B, G, Tq, r, D) at q0 .. over the compressed keys kc (B, G, S, D)."""
+    B, G, Tq, r, D = q.shape
+    S = kc.shape[2]
+    _, last = _cmp_runs(B, G, q0, q0 + Tq, spec, None)
+    k = _keys(kc)
+    dq, dk = _build()[0].cmp_scores_backward(_rows(q), k, _transposed(k), last, _rows(idx), _rows(d_log_s.float()), S,
+                                             spec.l, spec.d, spec.l_sel, D**-0.5)
+    return dq.view(q.shape), dk[:, :S].view(kc.shape)

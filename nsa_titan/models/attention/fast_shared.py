@@ -141,7 +141,7 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
         if kernel != "torch":  # the group's scores over every slot (B, G, C, S), no probabilities written
             scores = (cpu_attention.cmp_forward(q, keys, out, lse, a, b, q0, spec, docs) if kernel == "cpp" else
                       triton_shared.forward(q, k, v, out, lse, kind, a, b, q0, spec, docs))
-            chosen = choose_blocks(scores, spec, t0, T, docs)
+            chosen = (cpu_attention.choose_blocks if kernel == "cpp" else choose_blocks)(scores, spec, t0, T, docs)
             idx.append(chosen[0])
             valid.append(chosen[1])
             continue

@@ -184,6 +184,28 @@ def _(d_out, q, ks, vs, idx, valid, n_read, spec, q0, start):
     return q.new_empty(idx.shape, dtype=torch.float32)
 
 
+@torch.library.custom_op("nsa_titan::cmp_scores_backward", mutates_args=())
+def _cmp_scores_backward_op(q: Tensor, kc: Tensor, idx: Tensor, d_log_s: Tensor, spec: list[int], q0: int
+                            ) -> tuple[Tensor, Tensor]:
+    return _contiguous(cpu_attention.cmp_scores_backward(q, kc, idx, d_log_s, NSASpec(*spec), q0))
+
+
+@_cmp_scores_backward_op.register_fake
+def _(q, kc, idx, d_log_s, spec, q0):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(kc.shape, dtype=kc.dtype, device=kc.device)
+
+
+@torch.library.custom_op("nsa_titan::explore_blocks", mutates_args=())
+def _explore_op(idx: Tensor, t: Tensor, Ns: int, spec: list[int], m: int, seed: Tensor) -> tuple[Tensor, Tensor]:
+    return cpu_attention.explore_blocks(idx, t, Ns, NSASpec(*spec), m, seed)
+
+
+@_explore_op.register_fake
+def _(idx, t, Ns, spec, m, seed):
+    shape = (*idx.shape[:3], min(m, Ns))
+    return idx.new_empty(shape), idx.new_empty(shape, dtype=torch.bool)
+
+
 def _spec_list(spec: NSASpec) -> list[int]:
     return [spec.l, spec.d, spec.l_sel, spec.n, spec.w]
 
@@ -227,3 +249,14 @@ def sel_weight_grad(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tenso
     """The block scores' straight-through gradient by NSA's C++ kernel (`cpu_attention.sel_weight_grad`), as one
     op: d_out, q (B, G, Tq, r, D), ks, vs (B, G, T, D) fp32, the blocks idx, valid (B, G, Tq, n)."""
     return _sel_weight_grad_op(d_out, q, ks, vs, idx, valid, n_read, _spec_list(spec), q0, _query_starts(docs, q0, q.shape[2]))
+
+
+def explore_blocks(idx: Tensor, t: Tensor, Ns: int, spec: NSASpec, m: int, seed: Tensor | int = 0) -> tuple[Tensor, Tensor]:
+    """`routing.explore_blocks` by NSA's C++ kernel (`cpu_attention.explore_blocks`), as one op."""
+    return _explore_op(idx, t, Ns, _spec_list(spec), m, torch.as_tensor(seed, device=idx.device))
+
+
+def cmp_scores_backward(q: Tensor, kc: Tensor, idx: Tensor, d_log_s: Tensor, spec: NSASpec, q0: int) -> tuple[Tensor, Tensor]:
+    """The block scores' gradient through the cmp probabilities by NSA's C++ kernel
+    (`cpu_attention.cmp_scores_backward`, no documents), as one op: q (B, G, Tq, r, D), kc (B, G, S, D) fp32."""
+    return _cmp_scores_backward_op(q, kc, idx, d_log_s, _spec_list(spec), q0)

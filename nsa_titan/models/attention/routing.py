@@ -73,11 +73,12 @@ def with_score_grad(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel: t
     t = query_positions(q0, Tq, q.device, docs)
     free = valid & ~forced_blocks(idx, t[:, None], spec)
     n_read = idx.shape[-1]
-    if explore:
-        extra, ok = explore_blocks(idx, t, spec.num_sel_blocks(T), spec, explore, seed)
-        idx, valid, free = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1), torch.cat([free, ok], -1)
     if kernel is None:
         kernel = "torch" if cpu_attention.problem(q.device, q.dtype, spec, H // G, D) else "cpp"
+    if explore:
+        draw = ops.explore_blocks if kernel == "cpp" else explore_blocks
+        extra, ok = draw(idx, t, spec.num_sel_blocks(T), spec, explore, seed)
+        idx, valid, free = torch.cat([idx, extra], -1), torch.cat([valid, ok], -1), torch.cat([free, ok], -1)
     return _ScoreStraightThrough.apply(o, q, kc, k_sel.detach(), v_sel.detach(), gates[..., 1].detach(), idx, valid,
                                        free, spec, docs, q0, weight, n_read, kernel)
 
@@ -98,12 +99,20 @@ def set_explore_step(model: torch.nn.Module, step: int) -> None:
             module.explore_step.fill_(step)
 
 
+EXPLORE_MAX_BLOCKS = 2**20
+"""explore_blocks' keys take the block index in their low 20 bits (no two keys tie)."""
+
+
 def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m: int, seed: torch.Tensor | int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """m unchosen, unforced candidate blocks per query, drawn uniformly by a hash of (seed, row, group, t, j):
-    extra (B, G, C, m') long, m' = min(m, Ns), and whether each is real (fewer candidates: False).
+    extra (B, G, C, m') long, m' = min(m, Ns), and whether each is real (fewer candidates: False). The
+    candidates with the largest keys hash 2^20 + 2^20 - 1 - j, by descending key (NSA's C++ kernel draws
+    the same: `cpu_attention.explore_blocks`).
 
     idx (B, G, C, n): the chosen blocks of Ns; t (1 or B, C): the query positions blocks count from."""
+    if Ns >= EXPLORE_MAX_BLOCKS:
+        raise ValueError(f"sel_score_explore draws among fewer than {EXPLORE_MAX_BLOCKS} blocks per sequence, got {Ns}")
     B, G, C, _ = idx.shape
     dev = idx.device
     j = torch.arange(Ns, device=dev)
@@ -112,8 +121,8 @@ def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m
     candidate.scatter_(-1, idx, False)
     row = torch.arange(B * G, device=dev).view(B, G, 1, 1)
     key = _hash32(_hash32(seed * 0x27D4EB2F + row) * 0x9E3779B1 ^ t[:, None, :, None] * 0x85EBCA77 ^ j * 0xC2B2AE3D)
-    key = key.double() / 2**32  # uniform in [0, 1)
-    key, extra = torch.topk(torch.where(candidate, key, -1.0), min(m, Ns), dim=-1)
+    key = key * EXPLORE_MAX_BLOCKS + (EXPLORE_MAX_BLOCKS - 1 - j)  # uniform in the high bits, then the lower block
+    key, extra = torch.topk(torch.where(candidate, key, -1), min(m, Ns), dim=-1)
     return extra, key >= 0
 
 
@@ -180,6 +189,9 @@ def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel:
     if kernel == "cpp":
         d_read = ops.sel_weight_grad(_groups(d_o * g_sel[..., None], G), qg, k_sel.transpose(1, 2), v_sel.transpose(1, 2),
                                      idx, valid, n_read, spec, q0, docs)
+        if docs is None:  # all of it in the kernel
+            dq, dkc = ops.cmp_scores_backward(qg, kcg, idx, d_read * free * weight, spec, q0)
+            return dq.transpose(1, 2).reshape(q.shape).to(q.dtype), dkc.transpose(1, 2).to(kc.dtype)
     chunk = max(1, CHUNK_LOGITS // (B * G * r * (q0 + Tq)))
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)

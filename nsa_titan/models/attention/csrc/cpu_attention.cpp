@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -300,6 +301,140 @@ void run_weight_grad(const float* q, const float* kt, const float* vt, const int
   });
 }
 
+// The block scores' straight-through gradient carried through the cmp probabilities (`routing.scores_backward`,
+// no documents), query by query: P over the visible slots 0 .. last (recomputed), s_j the group's P summed over
+// block j's cmp members (`common.sel_members`), d_s = dls_j / s_j (0 where s_j < 1e-30), g = d_s on each member,
+// c_h = sum_i P_hi g_i; dS = P (g - c_h), dq = dS kc / sqrt(D), dkc += dS^T q / sqrt(D) (each thread's own).
+// blocks (BG, Tq, n): the sel blocks; dls: weight x dL/dlog s_j of each, 0 where it gets none.
+template <int R, int DV>
+void cmp_scores_backward_rows(const float* q, const float* k, const float* kt, const int32_t* last, const int64_t* blocks,
+                              const float* dls, float* dq, float* dk, int64_t BG, int64_t Tq, int n, int64_t S,
+                              int64_t P, int l, int d, int lsel, float scale) {
+  constexpr int D = 16 * DV;
+  const int threads = at::get_num_threads();
+  const int64_t per = (BG * Tq + threads - 1) / threads;
+  at::parallel_for(0, threads, 1, [&](int64_t tlo, int64_t thi) {
+    std::vector<float> sbuf(static_cast<size_t>(R) * padded(S) + 16 * R), gbuf(padded(S) + 16);
+    float qs[R * D];
+    for (int64_t th = tlo; th < thi; ++th) {
+      float* dkt = dk + th * BG * P * D;
+      for (int64_t row = th * per; row < std::min(BG * Tq, (th + 1) * per); ++row) {
+        const int64_t bg = row / Tq;
+        const int keys = last[row] + 1;
+        const float* w = dls + row * n;
+        float* dqr = dq + row * R * D;
+        std::fill(dqr, dqr + R * D, 0.0f);
+        if (keys <= 0 || std::all_of(w, w + n, [](float x) { return x == 0.0f; })) continue;
+        const int cols = padded(keys);
+        float *s = sbuf.data(), *g = gbuf.data();
+        for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
+        scores<R>(qs, D, kt + bg * D * P, P, 0, s, cols, cols, keys);
+        for (int h = 0; h < R; ++h) {  // P: the softmax over the visible slots
+          float* sh = s + h * cols;
+          v16 mx = splat(-INFINITY), total = {};
+          for (int c = 0; c < cols; c += 16) { v16 x = load(sh + c); mx = select(x > mx, x, mx); }
+          const v16 m = splat(hmax(mx));
+          for (int c = 0; c < cols; c += 16) { const v16 e = vexp(load(sh + c) - m); store(sh + c, e); total += e; }
+          const v16 inv = splat(1.0f / hsum(total));
+          for (int c = 0; c < cols; c += 16) store(sh + c, load(sh + c) * inv);
+        }
+        std::fill(g, g + cols, 0.0f);
+        float ch[R] = {};
+        for (int b = 0; b < n; ++b) {
+          if (w[b] == 0.0f) continue;
+          const int64_t j = blocks[row * n + b];
+          const int64_t lo = std::max<int64_t>(0, (j * lsel - l) >= 0 ? (j * lsel - l) / d + 1 : -((l - j * lsel + d - 1) / d) + 1);
+          const int64_t hi = std::min<int64_t>(((j + 1) * lsel + d - 1) / d - 1, keys - 1);
+          float sj = 0.0f, ph[R] = {};
+          for (int64_t i = lo; i <= hi; ++i) {
+            float group = 0.0f;
+            for (int h = 0; h < R; ++h) group += s[h * cols + i], ph[h] += s[h * cols + i];
+            sj += group;
+          }
+          if (!(sj >= 1e-30f)) continue;
+          const float ds = w[b] / sj;
+          for (int64_t i = lo; i <= hi; ++i) g[i] += ds;
+          for (int h = 0; h < R; ++h) ch[h] += ds * ph[h];
+        }
+        for (int h = 0; h < R; ++h)
+          for (int c = 0; c < cols; c += 16) store(s + h * cols + c, load(s + h * cols + c) * (load(g + c) - splat(ch[h])));
+        v16 acc[R][DV] = {};
+        weighted_rows<R, DV>(acc, s, cols, k + bg * P * D, 0, keys);
+        outer_add<R, DV>(dkt + bg * P * D, s, cols, qs, 0, keys);
+        for (int h = 0; h < R; ++h)
+          for (int i = 0; i < DV; ++i) store(dqr + h * D + 16 * i, acc[h][i] * splat(scale));
+      }
+    }
+  });
+}
+
+// The n blocks each query chooses (`common.choose_blocks` where l and l' are multiples of d, no documents):
+// block j's score sums the group probabilities of its l'/d + l/d - 1 cmp members from slot j l'/d - l/d + 1 on,
+// in that order (as `_pooled`); block 0 and the 2 local blocks are forced (+inf), blocks past the query
+// (j l' > t) are no candidates (-inf); the first n of a stable descending sort, ties to the lower block.
+void choose_rows(const float* group, int64_t* idx, bool* valid, int64_t rows, int64_t C, int64_t S, int64_t t0,
+                 int l, int d, int lsel, int64_t Ns, int n) {
+  const int64_t stride = lsel / d, before = l / d - 1;
+  at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<float> top(n);
+    std::vector<int64_t> id(n);
+    for (int64_t row = lo; row < hi; ++row) {
+      const float* g = group + row * S;
+      const int64_t jt = (t0 + row % C) / lsel;
+      int k = 0;  // held: top[0 .. k) by descending score, ties in block order
+      for (int64_t j = 0; j < Ns; ++j) {
+        float s = INFINITY;
+        if (j > jt) s = -INFINITY;
+        else if (j > 0 && j < jt - 1) {
+          s = 0.0f;
+          for (int64_t slot = j * stride - before; slot < (j + 1) * stride; ++slot)
+            if (slot >= 0 && slot < S) s += g[slot];
+        }
+        if (k == n && !(s > top[n - 1])) continue;
+        int at = k < n ? k++ : n - 1;
+        for (; at > 0 && s > top[at - 1]; --at) top[at] = top[at - 1], id[at] = id[at - 1];
+        top[at] = s, id[at] = j;
+      }
+      for (int c = 0; c < n; ++c) idx[row * n + c] = id[c], valid[row * n + c] = id[c] <= jt;
+    }
+  });
+}
+
+inline uint32_t hash32(uint32_t x) {  // `routing._hash32`
+  for (int i = 0; i < 2; ++i) x = (x ^ (x >> 16)) * 0x45D9F3Bu;
+  return x ^ (x >> 16);
+}
+
+// m unchosen, unforced candidate blocks per query (`routing.explore_blocks`): those with the largest keys
+// hash(seed, row, t, j) 2^20 + 2^20 - 1 - j, by descending key; ok: whether it is one (fewer candidates).
+// t (Bt, C): the positions blocks count from, Bt = 1 or the batch; idx (BG, C, n) the chosen blocks.
+void explore_rows(const int64_t* idx, const int64_t* tpos, int64_t* extra, bool* ok, int64_t BG, int64_t G, int64_t Bt,
+                  int64_t C, int n, int64_t Ns, int m, int lsel, int64_t seed) {
+  at::parallel_for(0, BG * C, 64, [&](int64_t lo, int64_t hi) {
+    std::vector<uint64_t> top(m);
+    std::vector<int64_t> id(m);
+    std::vector<char> chosen(Ns);
+    for (int64_t row = lo; row < hi; ++row) {
+      const int64_t bg = row / C, t = tpos[(bg / G % Bt) * C + row % C], jt = t / lsel;
+      const uint32_t base = hash32(static_cast<uint32_t>(seed) * 0x27D4EB2Fu + static_cast<uint32_t>(bg)) * 0x9E3779B1u ^
+                            static_cast<uint32_t>(t) * 0x85EBCA77u;
+      std::fill(chosen.begin(), chosen.end(), 0);
+      for (int c = 0; c < n; ++c) chosen[idx[row * n + c]] = 1;
+      int k = 0;
+      for (int64_t j = 1; j <= std::min(jt - 2, Ns - 1); ++j) {  // not block 0, nor the 2 local ones
+        if (chosen[j]) continue;
+        const uint64_t key = static_cast<uint64_t>(hash32(base ^ static_cast<uint32_t>(j) * 0xC2B2AE3Du)) << 20 |
+                             ((1u << 20) - 1 - j);
+        if (k == m && key <= top[m - 1]) continue;
+        int at = k < m ? k++ : m - 1;
+        for (; at > 0 && key > top[at - 1]; --at) top[at] = top[at - 1], id[at] = id[at - 1];
+        top[at] = key, id[at] = j;
+      }
+      for (int c = 0; c < m; ++c) extra[row * m + c] = c < k ? id[c] : 0, ok[row * m + c] = c < k;
+    }
+  });
+}
+
 template <typename F>
 void dispatch(int r, int D, F&& f) {
   auto by_d = [&](auto rr) {
@@ -406,11 +541,62 @@ torch::Tensor runs_weight_grad(torch::Tensor q, torch::Tensor kt, torch::Tensor 
   return grad;
 }
 
+std::vector<torch::Tensor> cmp_scores_backward(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor last,
+                                               torch::Tensor blocks, torch::Tensor dls, int64_t S, int64_t l, int64_t d,
+                                               int64_t lsel, double scale) {
+  for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {dls, "dls"}}) check(x, name);
+  TORCH_CHECK(last.is_contiguous() && last.scalar_type() == torch::kInt32 && blocks.is_contiguous() &&
+              blocks.scalar_type() == torch::kInt64, "cpu_attention: last must be contiguous int32, blocks int64");
+  const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = k.size(1);
+  auto dq = torch::empty_like(q);
+  auto dk = torch::zeros({at::get_num_threads(), BG, P, D}, q.options());
+  dispatch(r, D, [&](auto R, auto DV) {
+    cmp_scores_backward_rows<decltype(R)::value, decltype(DV)::value>(
+        q.data_ptr<float>(), k.data_ptr<float>(), kt.data_ptr<float>(), last.data_ptr<int32_t>(),
+        blocks.data_ptr<int64_t>(), dls.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(), BG, Tq,
+        blocks.size(2), S, P, l, d, lsel, scale);
+  });
+  return {dq, dk.sum(0)};
+}
+
+std::vector<torch::Tensor> choose(torch::Tensor group, int64_t C, int64_t t0, int64_t l, int64_t d, int64_t lsel,
+                                  int64_t Ns, int64_t n) {
+  check(group, "group");
+  int64_t rows = 1;  // every dimension but the slots (which may be none)
+  for (int64_t i = 0; i + 1 < group.dim(); ++i) rows *= group.size(i);
+  auto idx = torch::empty({rows, n}, group.options().dtype(torch::kInt64));
+  auto valid = torch::empty({rows, n}, group.options().dtype(torch::kBool));
+  choose_rows(group.data_ptr<float>(), idx.data_ptr<int64_t>(), valid.data_ptr<bool>(), rows, C, group.size(-1), t0, l,
+              d, lsel, Ns, n);
+  return {idx, valid};
+}
+
+std::vector<torch::Tensor> explore(torch::Tensor idx, torch::Tensor t, torch::Tensor seed, int64_t G, int64_t Ns,
+                                   int64_t m, int64_t lsel) {
+  TORCH_CHECK(idx.is_contiguous() && idx.scalar_type() == torch::kInt64 && t.is_contiguous() &&
+              t.scalar_type() == torch::kInt64, "cpu_attention: idx and t must be contiguous int64");
+  TORCH_CHECK(Ns < (1 << 20), "cpu_attention: explore takes fewer than 2^20 blocks");
+  const int64_t BG = idx.size(0), C = idx.size(1);
+  auto extra = torch::empty({BG, C, m}, idx.options());
+  auto ok = torch::empty({BG, C, m}, idx.options().dtype(torch::kBool));
+  explore_rows(idx.data_ptr<int64_t>(), t.data_ptr<int64_t>(), extra.data_ptr<int64_t>(), ok.data_ptr<bool>(), BG, G,
+               t.size(0), C, idx.size(2), Ns, m, lsel, seed.item<int64_t>());
+  return {extra, ok};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef _OPENMP
+  m.attr("openmp") = true;  // at::parallel_for runs on the intra-op threads (without OpenMP: on one)
+#else
+  m.attr("openmp") = false;
+#endif
   m.def("runs_forward", &runs_forward, "attention over runs of keys, forward (CPU, fp32)");
   m.def("runs_backward_rows", &runs_backward_rows, "its backward query by query (CPU, fp32)");
   m.def("runs_backward_blocks", &runs_backward_blocks, "its backward block by block (sel; CPU, fp32)");
   m.def("runs_weight_grad", &runs_weight_grad, "the gradient of a weight on each run's keys (CPU, fp32)");
+  m.def("cmp_scores_backward", &cmp_scores_backward, "the block scores' gradient through the cmp probabilities (CPU, fp32)");
+  m.def("choose", &choose, "the top-n sel blocks from the group-summed cmp probabilities (CPU, fp32)");
+  m.def("explore", &explore, "unchosen candidate blocks drawn by a hash (CPU)");
 }
