@@ -6,9 +6,12 @@ At the config's batch, seq_len, heads, KV groups, head_dim and NSA block sizes (
 `run_train.sh` takes them: `-- --training.seq_len 8192 --training.local_batch_size 1`), fp32, random queries,
 keys and values: the sel forward, its backward and the block scores' weight gradient
 (`sel_weight_grad`, `--explore` explored blocks per query beside the n read ones), the win forward and
-backward, and the cmp forward with the group probabilities the sel blocks are chosen from. The sel
-blocks are each query's forced ones (first, local) and random others of those it can see. Prints the
-minimum milliseconds over `--repeats` after one warm-up. To compare two versions of the kernel, run it
+backward, the cmp forward with the group probabilities the sel blocks are chosen from, the cmp
+backward, the choice of the sel blocks from those probabilities, the explored blocks' draw and the
+scores' gradient through the cmp probabilities (`cmp_scores_backward`); beside the win and cmp
+backwards, ATen's fused attention on the PyTorch path's chunks, which training takes for runs of
+`FUSED_BACKWARD_KEYS` keys or more. The sel blocks are each query's forced ones (first, local) and
+random others of those it can see. Prints the minimum milliseconds over `--repeats` after one warm-up. To compare two versions of the kernel, run it
 in each checkout (`git worktree add ../old HEAD~1`) one after the other, twice.
 """
 
@@ -26,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import load_config  # noqa: E402
-from nsa_titan.models.attention import cpu_attention  # noqa: E402
+from nsa_titan.models.attention import cpu_attention, fast_shared  # noqa: E402
 from nsa_titan.models.transformer import nsa_spec  # noqa: E402
 
 
@@ -69,6 +72,10 @@ def main() -> None:
     kc = torch.randn(B, G, spec.num_cmp_blocks(T), D, generator=gen)
     keys = cpu_attention.cmp_keys(kc, torch.randn_like(kc))
     c_out, c_lse = torch.empty_like(q), torch.empty(B, G, T, r)
+    group = cpu_attention.cmp_forward(q, keys, c_out, c_lse, 0, T, 0, spec, None)
+    d_log_s = torch.randn(idx.shape, generator=gen) * (idx > 0)
+    fused = {kind: (lambda a, kind=kind: fast_shared.shared_backward(do, q, *a, kind, spec, 0, None, None, "torch"))
+             for kind in ("win", "cmp")}  # the PyTorch path: ATen's fused attention chunk by chunk
     rows: dict[str, Callable[[], object]] = {
         "sel forward": lambda: cpu_attention.sel_forward(q, k, v, idx[..., :n], valid[..., :n], spec, None, 0),
         "sel backward": lambda: cpu_attention.sel_backward(do, q, k, v, idx[..., :n], valid[..., :n], out, lse, spec,
@@ -77,8 +84,16 @@ def main() -> None:
             lambda: cpu_attention.sel_weight_grad(do, q, k, v, idx, valid, n, spec, None, 0),
         "win forward": lambda: cpu_attention.window_forward(q, k, v, spec, None, 0),
         "win backward": lambda: cpu_attention.window_backward(do, q, k, v, w_out, w_lse, spec, None, 0),
+        "win backward, ATen fused (chunks)": lambda: fused["win"]((k, v, w_out, w_lse)),
         "cmp forward (with group probabilities)":
             lambda: cpu_attention.cmp_forward(q, keys, c_out, c_lse, 0, T, 0, spec, None),
+        "cmp backward": lambda: cpu_attention.cmp_backward(do, q, kc, kc, c_out, c_lse, spec, 0, None),
+        "cmp backward, ATen fused (chunks)": lambda: fused["cmp"]((kc, kc, c_out, c_lse)),
+        "sel choice (top n from the group probabilities)": lambda: cpu_attention.choose_blocks(group, spec, 0, T, None),
+        f"explored blocks' draw ({idx.shape[-1] - n} a query)":
+            lambda: cpu_attention.explore_blocks(idx[..., :n], t[None], Ns, spec, idx.shape[-1] - n, 0),
+        "scores' gradient through the cmp probabilities": lambda: cpu_attention.cmp_scores_backward(q, kc, idx, d_log_s,
+                                                                                                     spec, 0),
     }
     print(f"{args.config}: B {B}, T {T:,}, {m.n_heads} heads, {G} KV groups, head_dim {D}, l {spec.l}, d {spec.d}, "
           f"l' {spec.l_sel}, n {spec.n}, w {spec.w}; {torch.get_num_threads()} threads\n\n| kernel | ms |\n|---|---|")

@@ -5,11 +5,13 @@ Each branch is, per (batch x group, query), softmax attention over a few runs of
 query heads of the group side by side. The kernel reads each query's runs in one pass: scores,
 softmax and both products in a per-thread buffer, no gathered rows, no zero-filled tile buffers.
 For cmp it also returns each query's probabilities summed over the group's heads, which the sel
-blocks are chosen from (`choose_blocks`, per chunk of queries). The backward goes query by query,
+blocks are chosen from (here too without documents: `choose_blocks`, per chunk of queries). The backward goes query by query,
 each thread adding into its own dk, dv; the sel backward of longer sequences goes block by block
 instead, through the reverse index (`block_readers`), a chunk of queries at a time, so that its
 working set does not grow with T. The win and cmp backward of long runs of keys is left to ATen's
-fused attention (`own_backward`), faster there.
+fused attention (`own_backward`), faster there. The block scores' straight-through gradient (`routing.py`)
+runs here too: dL/dlog s_j query by query (`sel_weight_grad`), the explored blocks' draw (`explore_blocks`)
+and, without documents, its way back through the cmp probabilities (`cmp_scores_backward`).
 
 Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
 builds it; a cached build loads in a fraction of a second). Where it cannot be built or cannot take
@@ -273,7 +275,7 @@ def explore_blocks(idx: torch.Tensor, t: torch.Tensor, Ns: int, spec: NSASpec, m
     """`routing.explore_blocks` by the kernel: the same blocks in the same order where ok, and the same ok."""
     B, G, C, n = idx.shape
     m = min(m, Ns)
-    extra, ok = _build()[0].explore(_rows(idx), t.expand(-1, C).contiguous(), torch.as_tensor(seed), G, Ns, m, spec.l_sel)
+    extra, ok = _build()[0].explore(_rows(idx), t.contiguous(), torch.as_tensor(seed), G, Ns, m, spec.l_sel)
     return extra.view(B, G, C, m), ok.view(B, G, C, m)
 
 

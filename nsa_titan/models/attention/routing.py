@@ -179,7 +179,8 @@ def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel:
     """The gradients (dq, dkc) of `with_score_grad`: for a chunk of queries at a time, dL/dlog s_j of the
     blocks `free` (`score_grad`, or with kernel `cpp` NSA's C++ kernel for all queries first) times `weight`,
     carried to the group's cmp probabilities (s_j sums its cmp members', Eq. 9-10) and through their softmax,
-    recomputed, to q (B, Tq, H, D) and kc (B, Nc, G, D)."""
+    recomputed, to q (B, Tq, H, D) and kc (B, Nc, G, D); with kernel `cpp` and no documents, all of it in the
+    kernel, query by query (`cpu_attention.cmp_scores_backward`)."""
     B, Tq, H, D = q.shape
     T, Nc, G = k_sel.shape[1], kc.shape[1], kc.shape[2]
     qg = _groups(q, G)  # (B, G, Tq, r, D)

@@ -343,7 +343,8 @@ void cmp_scores_backward_rows(const float* q, const float* k, const float* kt, c
         for (int b = 0; b < n; ++b) {
           if (w[b] == 0.0f) continue;
           const int64_t j = blocks[row * n + b];
-          const int64_t lo = std::max<int64_t>(0, (j * lsel - l) >= 0 ? (j * lsel - l) / d + 1 : -((l - j * lsel + d - 1) / d) + 1);
+          // members: i d < (j + 1) l' and i d + l > j l' (i >= 0, and only those visible)
+          const int64_t lo = j * lsel >= l ? (j * lsel - l) / d + 1 : 0;
           const int64_t hi = std::min<int64_t>(((j + 1) * lsel + d - 1) / d - 1, keys - 1);
           float sj = 0.0f, ph[R] = {};
           for (int64_t i = lo; i <= hi; ++i) {
