@@ -20,8 +20,8 @@ layer *module* on x (1, T, 768), projections included:
              nsa_fast with every branch in PyTorch (`kernels = "torch"`: on CPUs the PyTorch sel
              tiles and win chunks instead of NSA's C++ kernels, on GPUs instead of the Triton kernels)
   fast-own-core
-             nsa_fast with NSA's C++ kernels (CPUs) and their own backward for win and cmp however
-             long the runs (`fast-core` leaves runs of `cpu_attention.FUSED_BACKWARD_KEYS` keys or more
+             nsa_fast with NSA's C++ kernels (CPUs) and their own backward for cmp however many
+             compressed keys (`fast-core` leaves runs of `cpu_attention.FUSED_BACKWARD_KEYS` keys or more
              to ATen's fused attention)
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
@@ -78,7 +78,7 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
         return inputs, lambda x: flash_attn_func(*inputs, causal=True)
     if impl == "fast-torch":  # every branch in PyTorch (on GPUs: the block-centric sel tiles, no Triton)
         return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels())
-    if impl == "fast-own":  # the C++ kernel's own backward for win and cmp however long their runs
+    if impl == "fast-own":  # the C++ kernel's own backward for cmp however long its runs
         cpu_attention.FUSED_BACKWARD_KEYS = 1 << 30
         return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels("cpp", "cpp", "cpp"))
     return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)

@@ -5,12 +5,12 @@ Each branch is, per (batch x group, query), softmax attention over a few runs of
 query heads of the group side by side. The kernel reads each query's runs in one pass: scores,
 softmax and both products in a per-thread buffer, no gathered rows, no zero-filled tile buffers.
 For cmp it also returns each query's probabilities summed over the group's heads, which the sel
-blocks are chosen from (here too without documents: `choose_blocks`, per chunk of queries). The backward goes query by query,
-each thread adding into its own dk, dv; the sel backward of longer sequences goes block by block
-instead, through the reverse index (`block_readers`), a chunk of queries at a time, so that its
-working set does not grow with T. The win and cmp backward of long runs of keys is left to ATen's
-fused attention (`own_backward`), faster there. The block scores' straight-through gradient (`routing.py`)
-runs here too: dL/dlog s_j query by query (`sel_weight_grad`), the explored blocks' draw (`explore_blocks`)
+blocks are chosen from (without documents here too: `choose_blocks`, per chunk of queries). The backward
+goes query by query, each thread adding into its own dk, dv; the sel backward of longer sequences goes
+block by block instead, through the reverse index (`block_readers`), a chunk of queries at a time, so
+that its working set does not grow with T. The cmp backward of long runs of keys is left to ATen's fused
+attention (`own_backward`), faster there. The block scores' straight-through gradient (`routing.py`) runs
+here too: dL/dlog s_j query by query (`sel_weight_grad`), the explored blocks' draw (`explore_blocks`)
 and, without documents, its way back through the cmp probabilities (`cmp_scores_backward`).
 
 Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
@@ -42,11 +42,12 @@ ROWS_MAX_KEYS = 4096
 beyond (2-core AMD EPYC, M7C shape: 0.079 against 0.079 s at 2k, 0.41 against 0.37 s at 8k, 1.06
 against 0.79 s at 16k)."""
 FUSED_BACKWARD_KEYS = 256
-"""win and cmp runs of this many keys or more (w; the compressed keys of the sequence) go backward
-through ATen's fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query
-backward there; shorter ones, as the scaled-down configs have, stay here. 2-core AMD EPYC (AVX2), M7C
-shape: win (w = 512) 0.46 against 0.52 s at 8k, 1.42 against 2.43 s at 32k; cmp (2,047 keys at
-32k) 2.67 against 4.27 s; but w = 64 (recall.toml) 28 against 22 ms (`benchmarks/README.md`)."""
+"""cmp runs of this many keys or more (the compressed keys of the sequence) go backward through ATen's
+fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query backward there;
+shorter ones, and every win branch, stay here. 2-core Intel Xeon (AVX-512), both on 2 threads
+(`benchmarks/cpu_kernel.py`, session 31), M7C shape: cmp 1.49 against 1.72 s at 32k (2,047 keys), 115
+against 113 ms at 8k; win (w = 512) 316 against 225 ms at 8k and 1.00 against 0.98 s at 32k; recall.toml
+(w = 64) 15 against 10 ms."""
 CHUNK_BYTES = 1 << 20
 """The block-by-block sel backward takes the queries in chunks of this many bytes of q (as many of
 dO and dq), so that a chunk's rows stay in cache while the blocks they chose pass (at 32k: 2.41 s
@@ -97,10 +98,10 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
     return _build_problem()
 
 
-def own_backward(kind: str, spec: NSASpec, n_keys: int) -> bool:
+def own_backward(kind: str, n_keys: int) -> bool:
     """Whether this kernel's backward takes a win or cmp branch over `n_keys` keys (else ATen's fused
     attention does: `FUSED_BACKWARD_KEYS`)."""
-    return (spec.w if kind == "win" else n_keys) < FUSED_BACKWARD_KEYS
+    return kind == "win" or n_keys < FUSED_BACKWARD_KEYS
 
 
 def _keys(x: torch.Tensor, reach: int = 0) -> torch.Tensor:
