@@ -185,7 +185,6 @@ def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel:
     T, Nc, G = k_sel.shape[1], kc.shape[1], kc.shape[2]
     qg = _groups(q, G)  # (B, G, Tq, r, D)
     kcg = kc.to(qg.dtype).transpose(1, 2)  # (B, G, Nc, D)
-    dq, dkc = torch.zeros_like(qg), torch.zeros_like(kcg)
     r, n = H // G, idx.shape[-1]
     if kernel == "cpp":
         d_read = ops.sel_weight_grad(_groups(d_o * g_sel[..., None], G), qg, k_sel.transpose(1, 2), v_sel.transpose(1, 2),
@@ -193,6 +192,7 @@ def scores_backward(d_o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, k_sel:
         if docs is None:  # all of it in the kernel
             dq, dkc = ops.cmp_scores_backward(qg, kcg, idx, d_read * free * weight, spec, q0)
             return dq.transpose(1, 2).reshape(q.shape).to(q.dtype), dkc.transpose(1, 2).to(kc.dtype)
+    dq, dkc = torch.zeros_like(qg), torch.zeros_like(kcg)
     chunk = max(1, CHUNK_LOGITS // (B * G * r * (q0 + Tq)))
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)

@@ -369,6 +369,16 @@ void cmp_scores_backward_rows(const float* q, const float* k, const float* kt, c
   });
 }
 
+// Keeps the m largest keys offered so far, by descending key, in top[0 .. *k) with their ids; a key equal to
+// one held goes after it (earlier offers win ties), as the first m of a stable descending sort.
+template <typename K>
+inline void keep_largest(K key, int64_t id, K* top, int64_t* ids, int* k, int m) {
+  if (*k == m && !(key > top[m - 1])) return;
+  int at = *k < m ? (*k)++ : m - 1;
+  for (; at > 0 && key > top[at - 1]; --at) top[at] = top[at - 1], ids[at] = ids[at - 1];
+  top[at] = key, ids[at] = id;
+}
+
 // The n blocks each query chooses (`common.choose_blocks` where l and l' are multiples of d, no documents):
 // block j's score sums the group probabilities of its l'/d + l/d - 1 cmp members from slot j l'/d - l/d + 1 on,
 // in that order (as `_pooled`); block 0 and the 2 local blocks are forced (+inf), blocks past the query
@@ -391,10 +401,7 @@ void choose_rows(const float* group, int64_t* idx, bool* valid, int64_t rows, in
           for (int64_t slot = j * stride - before; slot < (j + 1) * stride; ++slot)
             if (slot >= 0 && slot < S) s += g[slot];
         }
-        if (k == n && !(s > top[n - 1])) continue;
-        int at = k < n ? k++ : n - 1;
-        for (; at > 0 && s > top[at - 1]; --at) top[at] = top[at - 1], id[at] = id[at - 1];
-        top[at] = s, id[at] = j;
+        keep_largest(s, j, top.data(), id.data(), &k, n);
       }
       for (int c = 0; c < n; ++c) idx[row * n + c] = id[c], valid[row * n + c] = id[c] <= jt;
     }
@@ -426,10 +433,7 @@ void explore_rows(const int64_t* idx, const int64_t* tpos, int64_t* extra, bool*
         if (chosen[j]) continue;
         const uint64_t key = static_cast<uint64_t>(hash32(base ^ static_cast<uint32_t>(j) * 0xC2B2AE3Du)) << 20 |
                              ((1u << 20) - 1 - j);
-        if (k == m && key <= top[m - 1]) continue;
-        int at = k < m ? k++ : m - 1;
-        for (; at > 0 && key > top[at - 1]; --at) top[at] = top[at - 1], id[at] = id[at - 1];
-        top[at] = key, id[at] = j;
+        keep_largest(key, j, top.data(), id.data(), &k, m);
       }
       for (int c = 0; c < m; ++c) extra[row * m + c] = c < k ? id[c] : 0, ok[row * m + c] = c < k;
     }
