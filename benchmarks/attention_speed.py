@@ -79,7 +79,7 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
     if impl == "fast-torch":  # every branch in PyTorch (on GPUs: the block-centric sel tiles, no Triton)
         return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels())
     if impl == "fast-own":  # the C++ kernel's own backward for cmp however long its runs
-        cpu_attention.FUSED_BACKWARD_KEYS = 1 << 30
+        cpu_attention.FUSED_BACKWARD_KEYS = (1 << 30, 1 << 30)
         return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels("cpp", "cpp", "cpp"))
     return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)
 

@@ -124,7 +124,7 @@ SHAPES = [  # (B, G, T, r, D, spec): T not a multiple of l'; every r and D the k
 def own_backward(monkeypatch) -> None:
     """The kernel's own backward for every run length (long ones go to ATen's fused attention in
     training: `test_long_runs_go_backward_through_atens_fused_attention`)."""
-    monkeypatch.setattr(cpu_attention, "FUSED_BACKWARD_KEYS", 1 << 30)
+    monkeypatch.setattr(cpu_attention, "FUSED_BACKWARD_KEYS", (1 << 30, 1 << 30))
 
 
 @pytest.fixture(params=["rows", "blocks", "blocks-chunked"])
@@ -326,8 +326,9 @@ def test_long_runs_go_backward_through_atens_fused_attention(monkeypatch, with_d
     """cmp over at least FUSED_BACKWARD_KEYS keys: the kernel's forward, ATen's fused backward (faster
     there), and the gradients of the kernel's own backward; shorter runs and every win keep the kernel's."""
     monkeypatch.undo()  # the default FUSED_BACKWARD_KEYS
-    assert cpu_attention.own_backward("win", 32768) and not cpu_attention.own_backward("cmp", 2047)
-    assert cpu_attention.own_backward("cmp", 127)
+    assert cpu_attention.own_backward("win", 32768, 2) and not cpu_attention.own_backward("cmp", 2047, 6)
+    assert cpu_attention.own_backward("cmp", 127, 2) and not cpu_attention.own_backward("cmp", 511, 2)
+    assert cpu_attention.own_backward("cmp", 511, 6)  # M7C at 8k: the kernel's backward is the faster
     calls = []
     for module, name in ((cpu_attention, "cmp_backward"), (cpu_attention, "window_backward"),
                          (fused_attention, "attend_backward")):
@@ -338,7 +339,7 @@ def test_long_runs_go_backward_through_atens_fused_attention(monkeypatch, with_d
     args, docs = random_parts_inputs(203, with_docs, torch.float32)
     grads = {}
     for keys in (1 << 30, 24):  # every run the kernel's own; from 24 compressed keys, ATen's for cmp
-        monkeypatch.setattr(cpu_attention, "FUSED_BACKWARD_KEYS", keys)
+        monkeypatch.setattr(cpu_attention, "FUSED_BACKWARD_KEYS", (keys, keys))
         calls.clear()
         x = [a.detach().requires_grad_() for a in args]
         nsa_fast(*x, SPEC, Kernels("cpp", "cpp", "cpp"), docs).square().sum().backward()
@@ -356,6 +357,43 @@ def test_the_ops_pass_opcheck():
     torch.library.opcheck(ops._selected_kernel_op, (q.requires_grad_(), ks, vs, idx, valid, spec, 0, start, "cpp"))
     d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     torch.library.opcheck(ops._sel_weight_grad_op, (d_out, q.detach(), ks, vs, idx, valid, 3, spec, 0, start))
+
+
+@pytest.mark.parametrize("which", [[0, 1, 2], [1, 2], [0, 2], [2]])
+@pytest.mark.parametrize("r,D", [(1, 16), (2, 32), (6, 64)])
+def test_the_branches_mix_in_one_pass(which, r, D):
+    """The kernel's gated sum (`ops.mix`) of the branches computed, in the heads' layout, is `common.mix_branches`
+    transposed, with the gradients of the gates (0 for a branch not computed) and of each branch's output."""
+    gen = torch.Generator().manual_seed(r * D + len(which))
+    B, G, Tq = 2, 2, 37
+    gates = torch.rand(B, Tq, G * r, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    outs = [torch.randn(B, G, Tq, r, D, generator=gen, dtype=torch.float64, requires_grad=True) for _ in which]
+    full = [None] * 3
+    for i, o in zip(which, outs):
+        full[i] = o
+    want = common.mix_branches(gates.view(B, Tq, G, r, 3).transpose(1, 2), *full).transpose(1, 2).reshape(B, Tq, G * r, D)
+    d_out = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, [gates, *outs], d_out)
+    x = [t.detach().float().requires_grad_() for t in (gates, *outs)]
+    got = ops.mix(x[0], x[1:], which)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(got, x, d_out.float())
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    assert (grads[0][..., [i for i in range(3) if i not in which]] == 0).all()
+    torch.library.opcheck(ops._mix_op, (x[0], x[1:], which))
+
+
+def test_the_fast_path_mixes_in_the_kernel_where_a_branch_runs_there(monkeypatch):
+    """nsa_fast sums the branches through `cpu_attention.mix` when a branch is the C++ kernel's, and in PyTorch
+    (`common.mix_branches`) when every branch is."""
+    calls = []
+    monkeypatch.setattr(cpu_attention, "mix", lambda *a, _f=cpu_attention.mix: calls.append(1) or _f(*a))
+    args, _ = random_parts_inputs(90, False, torch.float32)
+    for kernels, mixed in ((Kernels("cpp", "cpp", "cpp"), True), (Kernels("torch", "torch", "cpp"), True), (Kernels(), False)):
+        calls.clear()
+        nsa_fast(*args, SPEC, kernels)
+        assert bool(calls) == mixed, kernels
 
 
 def test_the_choice_takes_the_kernel_where_it_runs_and_says_why_not(monkeypatch):

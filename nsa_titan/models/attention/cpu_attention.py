@@ -11,7 +11,8 @@ block by block instead, through the reverse index (`block_readers`), a chunk of 
 that its working set does not grow with T. The cmp backward of long runs of keys is left to ATen's fused
 attention (`own_backward`), faster there. The block scores' straight-through gradient (`routing.py`) runs
 here too: dL/dlog s_j query by query (`sel_weight_grad`), the explored blocks' draw (`explore_blocks`)
-and, without documents, its way back through the cmp probabilities (`cmp_scores_backward`).
+and, without documents, its way back through the cmp probabilities (`cmp_scores_backward`). So does the
+gated sum of the branches (`mix`): one pass, straight into the heads' layout.
 
 Built at first use by torch.utils.cpp_extension for the machine it runs on (`scripts/install.sh`
 builds it; a cached build loads in a fraction of a second). Where it cannot be built or cannot take
@@ -41,13 +42,15 @@ ROWS_MAX_KEYS = 4096
 """The sel backward goes query by query up to this many keys per (batch, group), block by block
 beyond (2-core AMD EPYC, M7C shape: 0.079 against 0.079 s at 2k, 0.41 against 0.37 s at 8k, 1.06
 against 0.79 s at 16k)."""
-FUSED_BACKWARD_KEYS = 256
+FUSED_BACKWARD_KEYS = (256, 1024)
 """cmp runs of this many keys or more (the compressed keys of the sequence) go backward through ATen's
-fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query backward there;
-shorter ones, and every win branch, stay here. 2-core Intel Xeon (AVX-512), both on 2 threads
-(`benchmarks/cpu_kernel.py`, session 31), M7C shape: cmp 1.49 against 1.72 s at 32k (2,047 keys), 115
-against 113 ms at 8k; win (w = 512) 316 against 225 ms at 8k and 1.00 against 0.98 s at 32k; recall.toml
-(w = 64) 15 against 10 ms."""
+fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query backward there:
+the first for groups of fewer than 4 query heads, the second for 4 or more (the kernel adds each key's dk, dv
+once for the group's heads: the more heads, the more work per key). Shorter runs, and every win branch, stay
+here. 2-core Intel Xeon (AVX-512), both on 2 threads (`benchmarks/cpu_kernel.py`, sessions 31-32): M7C (6
+heads a group) cmp 103-119 against 124-142 ms at 8k (511 keys), 376 against 381 ms at 16k, 1.72 against
+1.49 s at 32k (2,047 keys); recall.toml (2 heads, 511 keys) 35-44 against 21-32 ms; win (w = 512) 225
+against 284-316 ms at 8k and 0.98 against 1.00 s at 32k, (w = 64) 10-15 against 15-23 ms."""
 CHUNK_BYTES = 1 << 20
 """The block-by-block sel backward takes the queries in chunks of this many bytes of q (as many of
 dO and dq), so that a chunk's rows stay in cache while the blocks they chose pass (at 32k: 2.41 s
@@ -98,10 +101,10 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
     return _build_problem()
 
 
-def own_backward(kind: str, n_keys: int) -> bool:
+def own_backward(kind: str, n_keys: int, heads_per_group: int) -> bool:
     """Whether this kernel's backward takes a win or cmp branch over `n_keys` keys (else ATen's fused
     attention does: `FUSED_BACKWARD_KEYS`)."""
-    return kind == "win" or n_keys < FUSED_BACKWARD_KEYS
+    return kind == "win" or n_keys < FUSED_BACKWARD_KEYS[heads_per_group >= 4]
 
 
 def _keys(x: torch.Tensor, reach: int = 0) -> torch.Tensor:
@@ -121,9 +124,6 @@ def _transposed(rows: torch.Tensor) -> torch.Tensor:
     return rows.transpose(1, 2).contiguous()
 
 
-def _delta(d_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The softmax backward's row term, sum over keys of p * dp = d_out . out: (B, G, Tq, r)."""
-    return (d_out * out).sum(-1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -156,8 +156,9 @@ def _backward_rows(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: t
                    lse: torch.Tensor, runs: torch.Tensor, L: int, q0: int, last: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, D = ks.shape[2], q.shape[-1]
-    dq, dk, dv = _build()[0].runs_backward_rows(_rows(q), *_backward_keys(ks, vs), runs, last, _rows(d_out),
-                                                _rows(lse), _rows(_delta(d_out, out)), L, q0, D**-0.5)
+    module, go = _build()[0], _rows(d_out)
+    dq, dk, dv = module.runs_backward_rows(_rows(q), *_backward_keys(ks, vs), runs, last, go, _rows(lse),
+                                           module.delta(go, _rows(out)), L, q0, D**-0.5)
     return dq.view(q.shape), dk[:, :T].view(ks.shape), dv[:, :T].view(vs.shape)
 
 
@@ -179,9 +180,9 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     start32 = torch.zeros(B, Tq, dtype=torch.int32) if start is None else start.to(torch.int32)
     offsets, readers = block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
     keys = _backward_keys(ks, vs, L)  # each block's tile is copied whole, up to a block past its last reader
-    dq, dk, dv = _build()[0].runs_backward_blocks(_rows(q), *keys, offsets, readers, _rows(d_out), _rows(lse),
-                                                  _rows(_delta(d_out, out)), T, L, q0, D**-0.5,
-                                                  CHUNK_BYTES // (r * D * 4))
+    module, go = _build()[0], _rows(d_out)
+    dq, dk, dv = module.runs_backward_blocks(_rows(q), *keys, offsets, readers, go, _rows(lse), module.delta(go, _rows(out)),
+                                             T, L, q0, D**-0.5, CHUNK_BYTES // (r * D * 4))
     return dq.view(q.shape), dk.view(ks.shape), dv.view(vs.shape)
 
 
@@ -292,3 +293,15 @@ def cmp_scores_backward(q: torch.Tensor, kc: torch.Tensor, idx: torch.Tensor, d_
     dq, dk = _build()[0].cmp_scores_backward(_rows(q), k, _transposed(k), last, _rows(idx), _rows(d_log_s.float()), S,
                                              spec.l, spec.d, spec.l_sel, D**-0.5)
     return dq.view(q.shape), dk[:, :S].view(kc.shape)
+
+
+def mix(gates: torch.Tensor, outs: list[torch.Tensor], which: list[int]) -> torch.Tensor:
+    """`common.mix_branches` in one pass, in the heads' layout: gates (B, Tq, G r, 3) and the outputs (B, G, Tq, r, D)
+    of the branches `which` (0 cmp, 1 sel, 2 win) -> (B, Tq, G r, D), fp32."""
+    return _build()[0].mix(gates, outs, which)
+
+
+def mix_backward(d_out: torch.Tensor, gates: torch.Tensor, outs: list[torch.Tensor], which: list[int]
+                 ) -> list[torch.Tensor]:
+    """`mix`'s gradients: the gates' (0 for the branches not given), then each branch output's."""
+    return _build()[0].mix_backward(d_out, gates, outs, which)

@@ -10,7 +10,8 @@ chunk by chunk: memory is linear in T and no T x T tensor exists.
       block-centric tiles.
 The loops are over chunks, never over tokens, and inside the ops: under torch.compile each branch
 is one node, so the graph does not grow with T. `kernels.py` chooses where the branches run as Triton
-kernels instead (`triton_shared.py` for cmp and win, `triton_sel.py`), and win through flash-attn.
+kernels instead (`triton_shared.py` for cmp and win, `triton_sel.py`), and win through flash-attn;
+where a branch runs in NSA's C++ kernel, the gated sum of the branches does too (`cpu_attention.mix`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0)
     elif branches[2]:
         o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs, kernels.win)
-    g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
     outs = [o.to(acc) if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)]  # cmp's scores only: None
-    out = mix_branches(g, *outs).transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)  # (B, G, Tq, r, D) -> (B, Tq, H, D)
+    if "cpp" in (kernels.cmp, kernels.sel, kernels.win):  # one pass in the C++ kernel, into the heads' layout
+        which = [i for i, o in enumerate(outs) if o is not None]
+        out = ops.mix(gates.to(acc), [outs[i] for i in which], which).to(q.dtype)
+    else:
+        g = gates.to(acc).view(B, Tq, G, H // G, 3).transpose(1, 2)
+        out = mix_branches(g, *outs).transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)  # (B, G, Tq, r, D) -> (B, Tq, H, D)
     return (out, idx, valid) if return_selection else out

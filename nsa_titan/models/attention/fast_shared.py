@@ -169,7 +169,7 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
     if kernel == "triton":
         return triton_shared.backward(d_out, q, k, v, out, lse, kind, q0, spec, docs)
-    if kernel == "cpp" and cpu_attention.own_backward(kind, k.shape[2]):  # else the chunks below
+    if kernel == "cpp" and cpu_attention.own_backward(kind, k.shape[2], q.shape[3]):  # else the chunks below
         if kind == "cmp":
             return cpu_attention.cmp_backward(d_out, q, k, v, out, lse, spec, q0, docs)
         start = None if docs is None else docs.start[:, q0:q0 + q.shape[2]]

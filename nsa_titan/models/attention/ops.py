@@ -206,6 +206,42 @@ def _(idx, t, Ns, spec, m, seed):
     return idx.new_empty(shape), idx.new_empty(shape, dtype=torch.bool)
 
 
+@torch.library.custom_op("nsa_titan::mix", mutates_args=())
+def _mix_op(gates: Tensor, outs: list[Tensor], which: list[int]) -> Tensor:
+    return cpu_attention.mix(gates, outs, which)
+
+
+@_mix_op.register_fake
+def _(gates, outs, which):
+    B, G, Tq, r, D = outs[0].shape
+    return gates.new_empty(B, Tq, G * r, D)
+
+
+@torch.library.custom_op("nsa_titan::mix_backward", mutates_args=())
+def _mix_backward_op(d_out: Tensor, gates: Tensor, outs: list[Tensor], which: list[int]) -> list[Tensor]:
+    return cpu_attention.mix_backward(d_out.contiguous(), gates, outs, which)
+
+
+@_mix_backward_op.register_fake
+def _(d_out, gates, outs, which):
+    return [torch.empty_like(gates), *(torch.empty_like(o) for o in outs)]
+
+
+def _mix_setup(ctx, inputs, output) -> None:
+    gates, outs, which = inputs
+    ctx.save_for_backward(gates, *outs)
+    ctx.which = which
+
+
+def _mix_grad(ctx, d_out):
+    gates, *outs = ctx.saved_tensors
+    d_gates, *d_outs = _mix_backward_op(d_out, gates, outs, ctx.which)
+    return d_gates, d_outs, None
+
+
+_mix_op.register_autograd(_mix_grad, setup_context=_mix_setup)
+
+
 def _spec_list(spec: NSASpec) -> list[int]:
     return [spec.l, spec.d, spec.l_sel, spec.n, spec.w]
 
@@ -260,3 +296,9 @@ def cmp_scores_backward(q: Tensor, kc: Tensor, idx: Tensor, d_log_s: Tensor, spe
     """The block scores' gradient through the cmp probabilities by NSA's C++ kernel
     (`cpu_attention.cmp_scores_backward`, no documents), as one op: q (B, G, Tq, r, D), kc (B, G, S, D) fp32."""
     return _cmp_scores_backward_op(q, kc, idx, d_log_s, _spec_list(spec), q0)
+
+
+def mix(gates: Tensor, outs: list[Tensor], which: list[int]) -> Tensor:
+    """The gated sum of the branch outputs by NSA's C++ kernel (`cpu_attention.mix`), as one op: gates (B, Tq, G r, 3),
+    the outputs (B, G, Tq, r, D) of the branches `which` (0 cmp, 1 sel, 2 win), fp32 -> (B, Tq, G r, D)."""
+    return _mix_op(gates.contiguous(), [o.contiguous() for o in outs], which)

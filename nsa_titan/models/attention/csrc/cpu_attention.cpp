@@ -440,6 +440,60 @@ void explore_rows(const int64_t* idx, const int64_t* tpos, int64_t* extra, bool*
   });
 }
 
+// a[i] . b[i] over D for each row i (the softmax backward's delta = dO . O of each (query, head)).
+void row_dots(const float* a, const float* b, float* out, int64_t rows, int64_t D) {
+  at::parallel_for(0, rows, 1024, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < D; ++j) sum += a[i * D + j] * b[i * D + j];
+      out[i] = sum;
+    }
+  });
+}
+
+// The gated sum of the branches (`common.mix_branches`), in the heads' layout: out (B, Tq, G r, D) =
+// sum_i gates[..., which_i] * outs_i, each branch output (B, G, Tq, r, D), gates (B, Tq, G r, 3). One pass,
+// no per-branch products, no transposed copy.
+void mix_rows(const float* gates, const std::vector<const float*>& outs, const std::vector<int64_t>& which, float* out,
+              int64_t B, int64_t G, int64_t Tq, int64_t r, int64_t D) {
+  const int64_t H = G * r;
+  at::parallel_for(0, B * Tq * H, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t row = lo; row < hi; ++row) {  // row = (b Tq + t) H + h
+      const int64_t h = row % H, bt = row / H, b = bt / Tq, t = bt % Tq;
+      const int64_t src = (((b * G + h / r) * Tq + t) * r + h % r) * D;
+      float* o = out + row * D;
+      std::fill(o, o + D, 0.0f);
+      for (size_t i = 0; i < outs.size(); ++i) {
+        const float g = gates[row * 3 + which[i]], *x = outs[i] + src;
+        for (int64_t j = 0; j < D; ++j) o[j] += g * x[j];
+      }
+    }
+  });
+}
+
+// mix_rows' backward: d_outs_i = gates[..., which_i] * d_out in the branches' layout, d_gates[..., which_i] =
+// outs_i . d_out (0 for a branch not given).
+void mix_backward_rows(const float* d_out, const float* gates, const std::vector<const float*>& outs,
+                       const std::vector<int64_t>& which, const std::vector<float*>& d_outs, float* d_gates, int64_t B,
+                       int64_t G, int64_t Tq, int64_t r, int64_t D) {
+  const int64_t H = G * r;
+  at::parallel_for(0, B * Tq * H, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t row = lo; row < hi; ++row) {
+      const int64_t h = row % H, bt = row / H, b = bt / Tq, t = bt % Tq;
+      const int64_t src = (((b * G + h / r) * Tq + t) * r + h % r) * D;
+      const float* dy = d_out + row * D;
+      std::fill(d_gates + row * 3, d_gates + row * 3 + 3, 0.0f);
+      for (size_t i = 0; i < outs.size(); ++i) {
+        const float g = gates[row * 3 + which[i]], *x = outs[i] + src;
+        float* dx = d_outs[i] + src;
+        float dot = 0.0f;
+        for (int64_t j = 0; j < D; ++j) dx[j] = g * dy[j], dot += x[j] * dy[j];
+        d_gates[row * 3 + which[i]] = dot;
+      }
+    }
+  });
+}
+
 template <typename F>
 void dispatch(int r, int D, F&& f) {
   auto by_d = [&](auto rr) {
@@ -589,6 +643,61 @@ std::vector<torch::Tensor> explore(torch::Tensor idx, torch::Tensor t, torch::Te
   return {extra, ok};
 }
 
+torch::Tensor delta(torch::Tensor dout, torch::Tensor out) {
+  check(dout, "d_out"); check(out, "out");
+  TORCH_CHECK(dout.sizes() == out.sizes(), "cpu_attention: d_out and out must have one shape");
+  auto sizes = out.sizes().vec();
+  const int64_t D = sizes.back();
+  sizes.pop_back();
+  auto result = torch::empty(sizes, out.options());
+  row_dots(dout.data_ptr<float>(), out.data_ptr<float>(), result.data_ptr<float>(), result.numel(), D);
+  return result;
+}
+
+// The branch outputs' pointers and (B, G, Tq, r, D), each checked against the first.
+std::vector<const float*> branch_outputs(const std::vector<torch::Tensor>& outs, const std::vector<int64_t>& which,
+                                         const torch::Tensor& gates) {
+  TORCH_CHECK(!outs.empty() && outs.size() == which.size() && outs.size() <= 3,
+              "cpu_attention: mix takes one to three branch outputs and as many gate indices");
+  check(gates, "gates");
+  std::vector<const float*> ptrs;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    check(outs[i], "a branch output");
+    TORCH_CHECK(outs[i].dim() == 5 && outs[i].sizes() == outs[0].sizes() && which[i] >= 0 && which[i] < 3,
+                "cpu_attention: the branch outputs must be (B, G, Tq, r, D) alike, the gate indices 0, 1 or 2");
+    ptrs.push_back(outs[i].data_ptr<float>());
+  }
+  const auto s = outs[0].sizes();
+  TORCH_CHECK(gates.dim() == 4 && gates.size(0) == s[0] && gates.size(1) == s[2] && gates.size(2) == s[1] * s[3] &&
+              gates.size(3) == 3, "cpu_attention: gates must be (B, Tq, G r, 3)");
+  return ptrs;
+}
+
+torch::Tensor mix(torch::Tensor gates, std::vector<torch::Tensor> outs, std::vector<int64_t> which) {
+  const auto ptrs = branch_outputs(outs, which, gates);
+  const auto s = outs[0].sizes();
+  auto out = torch::empty({s[0], s[2], s[1] * s[3], s[4]}, gates.options());
+  mix_rows(gates.data_ptr<float>(), ptrs, which, out.data_ptr<float>(), s[0], s[1], s[2], s[3], s[4]);
+  return out;
+}
+
+std::vector<torch::Tensor> mix_backward(torch::Tensor dout, torch::Tensor gates, std::vector<torch::Tensor> outs,
+                                        std::vector<int64_t> which) {
+  const auto ptrs = branch_outputs(outs, which, gates);
+  check(dout, "d_out");
+  const auto s = outs[0].sizes();
+  TORCH_CHECK(dout.sizes() == torch::IntArrayRef({s[0], s[2], s[1] * s[3], s[4]}), "cpu_attention: d_out must be (B, Tq, G r, D)");
+  std::vector<torch::Tensor> grads{torch::empty_like(gates)};
+  std::vector<float*> d_outs;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    grads.push_back(torch::empty_like(outs[i]));
+    d_outs.push_back(grads.back().data_ptr<float>());
+  }
+  mix_backward_rows(dout.data_ptr<float>(), gates.data_ptr<float>(), ptrs, which, d_outs, grads[0].data_ptr<float>(),
+                    s[0], s[1], s[2], s[3], s[4]);
+  return grads;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -604,4 +713,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cmp_scores_backward", &cmp_scores_backward, "the block scores' gradient through the cmp probabilities (CPU, fp32)");
   m.def("choose", &choose, "the top-n sel blocks from the group-summed cmp probabilities (CPU, fp32)");
   m.def("explore", &explore, "unchosen candidate blocks drawn by a hash (CPU)");
+  m.def("delta", &delta, "d_out . out over the last dimension (CPU, fp32)");
+  m.def("mix", &mix, "the gated sum of the branch outputs, in the heads' layout (CPU, fp32)");
+  m.def("mix_backward", &mix_backward, "its gradients: the gates', then each branch output's (CPU, fp32)");
 }

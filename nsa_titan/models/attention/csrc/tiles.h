@@ -85,11 +85,16 @@ inline v16 mask_after(int n) { return load(MASK + 16 - std::min(std::max(n, 0), 
 // 0 in the first n_lo of lanes 0-7 and the first n_hi of lanes 8-15 (0 <= n <= 8), -inf in the rest.
 inline v16 mask_halves(int n_lo, int n_hi) { return load_halves(MASK + 16 - n_lo, MASK + 16 - n_hi); }
 
-// e^x, Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 polynomial, 2^n into the exponent.
-// Below e^-87 (n < -125) the result is a subnormal: scaled by 2^64 first and 2^-64 after, so it is rounded
-// once, as libm's expf gives it; below e^-104 it is 0.
+// e^x, Cephes' expf: x = n ln2 + f, |f| <= ln2 / 2, e^f by its degree-6 polynomial, then times 2^n. Below e^-87
+// (n < -125) the result is a subnormal, rounded once, as libm's expf gives it; below e^-104 it is 0. AVX-512
+// multiplies by 2^n in one instruction (vscalefps: exact, one rounding in the subnormals); AVX2 puts 2^(n + 64)
+// into the exponent bits and multiplies by 2^-64 after, where the result is subnormal: the same result.
 inline v16 vexp(v16 x) {
-  const v16 zero = select(x < splat(-104.0f), splat(0.0f), splat(1.0f));
+#if defined(__AVX512F__)
+  const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, (__m512)splat(-104.0f), _CMP_NLT_UQ);  // not below e^-104
+#else
+  const i16 under = x < splat(-104.0f);
+#endif
   x = select(x < splat(-104.0f), splat(-104.0f), x);
   x = select(x > splat(88.0f), splat(88.0f), x);
   const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
@@ -102,12 +107,16 @@ inline v16 vexp(v16 x) {
   p = p * f + splat(1.6666665459e-1f);
   p = p * f + splat(5.0000001201e-1f);
   p = p * f * f + f + splat(1.0f);
+#if defined(__AVX512F__)
+  return (v16)_mm512_mask_scalef_ps(_mm512_setzero_ps(), keep, (__m512)p, (__m512)n);  // 0 below e^-104
+#else
   const i16 tiny = n < splat(-125.0f);  // all ones where the result is subnormal
   i16 bits = (to_int(n) + (tiny & splat_int(64)) + splat_int(127)) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const v16 low = select(tiny, splat(5.42101086e-20f), splat(1.0f));  // 2^-64
-  return p * scale * low * zero;
+  return select(under, splat(0.0f), p * scale * low);
+#endif
 }
 
 inline float hmax(v16 x) { float m = x[0]; for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m; return m; }
