@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -91,11 +92,16 @@ def _recall_batches(cfg: JobConfig, layout: RecallLayout, distance: int, batches
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) of `batches` batches of held-out recall samples (seed [data] seed + 1), every
     pair `distance` tokens before its query."""
-    B = cfg.training.local_batch_size
     layout.check(distance)
     for b in range(batches):
-        samples = [recall_sample(layout, cfg.data.seed + 1, b * B + i, [distance])[0] for i in range(B)]
-        yield torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
+        yield _recall_batch(layout, cfg.data.seed + 1, cfg.training.local_batch_size, distance, b)
+
+
+@functools.lru_cache(maxsize=256)
+def _recall_batch(layout: RecallLayout, seed: int, B: int, distance: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch b of `_recall_batches`, made once: an ablation or routing pass over the same distances reads it again."""
+    samples = [recall_sample(layout, seed, b * B + i, [distance])[0] for i in range(B)]
+    return torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
 
 
 @torch.no_grad()

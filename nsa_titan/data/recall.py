@@ -78,22 +78,24 @@ def recall_layout(cfg: Recall, seq_len: int, vocab_size: int) -> tuple[RecallLay
 
 def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int]) -> tuple[Sample, list[int]]:
     """Sample k, each pair at a distance drawn from `distances`; also the distance of each query
-    placed (pairs that do not fit without overlapping another are left out)."""
+    placed (pairs that do not fit without overlapping another are left out). The bookkeeping is plain
+    Python (a few hundred draws a sample): one-element tensor ops would cost ten times as much."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + k)
     L, A, S = layout.seq_len + 1, layout.alphabet, layout.span
+    draw = lambda n: int(torch.randint(n, (1,), generator=gen))  # noqa: E731
     tokens = torch.randint(2 + A, layout.vocab_size, (L,), generator=gen)
     labels = torch.full((L,), IGNORE, dtype=torch.long)
-    used = torch.zeros(L, dtype=torch.bool)
+    used = bytearray(L)  # 1 where a pair or query already sits
     placed = []
     KV = layout.key_tokens + layout.value_tokens
     pool = torch.randperm(A, generator=gen)[:layout.pairs * KV].view(layout.pairs, KV) + 2 if layout.distinct else None
     for i in range(layout.pairs):
         for _ in range(TRIES):  # distances and a start at which no two spans overlap
-            ds = [distances[int(torch.randint(len(distances), (1,), generator=gen))] for _ in range(layout.asks)]
-            p = int(torch.randint(L - S - max(ds) + 1, (1,), generator=gen))
+            ds = [distances[draw(len(distances))] for _ in range(layout.asks)]
+            p = draw(L - S - max(ds) + 1)
             starts = sorted({p, *(p + d for d in ds)})
             if len(starts) > len(ds) and all(b - a >= S for a, b in zip(starts, starts[1:])) and \
-                    not any(used[x:x + S].any() for x in starts):
+                    not any(any(used[x:x + S]) for x in starts):
                 break
         else:
             continue  # no room found: leave this pair out
@@ -105,7 +107,7 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
             tokens[q + 1:q + S] = kv
             labels[q + 1 + layout.key_tokens:q + S] = kv[layout.key_tokens:]
         for x in starts:
-            used[x:x + S] = True
+            used[x:x + S] = b"\x01" * S
         placed += ds
     return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long)), placed
 

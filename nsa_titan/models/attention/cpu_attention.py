@@ -124,8 +124,6 @@ def _transposed(rows: torch.Tensor) -> torch.Tensor:
     return rows.transpose(1, 2).contiguous()
 
 
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """(B, G, Tq, ...) -> (B * G, Tq, ...), contiguous."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
