@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nsa_titan.config import LRScheduler, Model
-from nsa_titan.models.attention import NSASpec
+from nsa_titan.models.attention import NSASpec, nsa_reference
+from nsa_titan.models.nsa_stats import selection_stats
 from nsa_titan.models.transformer import Compressor, Transformer
 from nsa_titan.optim import lr_factor
 
@@ -176,3 +177,35 @@ def test_branch_off_silences_one_branch_of_one_layer_and_restores_it():
     with pytest.raises(ValueError, match="needs an NSA layer"):
         with dense.branch_off(0, "sel"):
             pass
+
+
+@pytest.mark.parametrize("branch", ["all", "win"])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_recording_keeps_the_blocks_the_forward_read_and_leaves_its_output_alone(branch, with_docs):
+    """`record_selection` (the evaluation's routing) and `record_stats` (`[metrics] nsa_stats`) keep the
+    sel blocks the layer's own attention chose: those the reference chooses from the same queries and
+    compressed keys, also in a window-only model (chosen from cmp's scores, gated off). The output
+    is the forward's without them."""
+    model = build(Model(**(TINY | dict(sel_top_n=4)), nsa_branch=branch), seq_len=96)
+    tokens = torch.randint(0, 50, (2, 96), generator=torch.Generator().manual_seed(1))
+    document_ids = (torch.arange(96) >= torch.tensor([[37], [70]])).long() if with_docs else None
+    layer = model.layers["1"].attention
+    seen = {}
+    layer.register_forward_pre_hook(lambda _, args: seen.update(args=args))
+    with torch.no_grad():
+        plain = model(tokens, document_ids)
+        layer.record_stats = layer.record_selection = True
+        recorded = model(tokens, document_ids)
+        x, rope, _, docs = seen["args"]
+        q, kv = layer.project(x, rope)
+        kc, vc = layer.compress(kv["k_cmp"], kv["v_cmp"], docs)
+        _, idx, valid = nsa_reference(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], layer.gates(x),
+                                      layer.spec, docs=docs, return_selection=True)
+    assert torch.equal(recorded, plain)
+    got_idx, got_valid = layer.selection
+    assert torch.equal(got_valid, valid) and valid.any() and not valid.all()
+    assert torch.equal(got_idx[got_valid], idx[valid])
+    expected = selection_stats(idx, valid, layer.spec, docs)
+    assert 0 < float(expected["sel_scored_fraction"]) < 1
+    for key, value in expected.items():
+        torch.testing.assert_close(layer.stats[key], value)

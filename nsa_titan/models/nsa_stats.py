@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import BRANCHES, Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
+from .attention import BRANCHES, Documents, NSASpec
 from .attention.common import forced_blocks
 
 
@@ -22,26 +22,13 @@ def gate_stats(gates: torch.Tensor, tokens: torch.Tensor | None = None) -> dict[
     return stats | {"gate_entropy": entropy}
 
 
-def selected_blocks(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
-                    docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sel blocks each query's KV group chose, idx (B, G, T, n') and valid, and the query
-    positions t (T,) or (B, 1, T) they count from (within its document with `docs`)."""
-    with torch.no_grad():
-        T = q.shape[1]
-        t = torch.arange(T, device=q.device)
-        if docs is None:
-            visible = cmp_visibility(spec, T, q.device)
-        else:
-            visible, t = docs.cmp_visible(spec, 0, T, kc.shape[1])[:, None, None], t - docs.start[:, None, :]
-        _, p_cmp = masked_attention(q, kc, vc, visible)
-        return *select_blocks(p_cmp, spec, n_groups, docs=docs), t
-
-
-def selection_stats(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, spec: NSASpec, n_groups: int,
-                    docs: Documents | None = None) -> dict[str, torch.Tensor]:
-    """Among the chosen sel blocks: the share picked by score (not forced), and how far back
-    (in blocks from the query's own) the scored ones lie."""
-    idx, valid, t = selected_blocks(q, kc, vc, spec, n_groups, docs)  # (B, G, T, n')
+def selection_stats(idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, docs: Documents | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """Among the sel blocks idx (B, G, T, n') that each query's group read (`valid`): the share
+    picked by score (not forced), and how far back (in blocks from the query's own) the scored
+    ones lie. With `docs`, positions and blocks count from each query's document start."""
+    t = torch.arange(idx.shape[2], device=idx.device)
+    t = t if docs is None else t - docs.start[:, None, :]  # (T,) or (B, 1, T)
     jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
     scored = valid & ~forced_blocks(idx, t, spec)
     distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)

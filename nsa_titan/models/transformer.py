@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference, with_score_grad
-from .nsa_stats import gate_stats, selected_blocks, selection_stats
+from .nsa_stats import gate_stats, selection_stats
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -203,22 +203,29 @@ class NSAAttention(nn.Module):
         gates = self.gates(x)
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
-        if self.record_stats:
-            self.stats = {**gate_stats(gates, self.stats_tokens),
-                          **selection_stats(q, kc, vc, self.spec, self.n_groups, docs)}
-        if self.record_selection:
-            self.selection = selected_blocks(q, kc, vc, self.spec, self.n_groups, docs)[:2]
         keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
         score_grad = self.score_grad if self.training and torch.is_grad_enabled() else 0.0
+        record = self.record_stats or self.record_selection  # no cp there: one part, every query
         branches = tuple(k != 0 for k in self.keep) if any(self.keep) else (False, False, True)  # gated off: not run
+        if record and not branches[1]:  # the blocks are still chosen, from cmp's scores (gated off: out unchanged)
+            branches = (True, *branches[1:])
+        read: list[tuple[torch.Tensor, torch.Tensor]] = []  # the sel blocks each part's queries read, if recorded
 
         def attend(rows: slice, **q0: int) -> torch.Tensor:
             o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches,
-                             return_selection=bool(score_grad), **q0)  # score_grad: (o, idx, valid), the blocks read
+                             return_selection=bool(score_grad) or record, **q0)  # then (o, idx, valid)
+            if not (score_grad or record):
+                return o
+            if record:
+                read.append(o[1:])
             return with_score_grad(o[0], q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
-                                   docs, explore=self.explore, seed=self.explore_step, chosen=o[1:], **q0) if score_grad else o
+                                   docs, explore=self.explore, seed=self.explore_step, chosen=o[1:], **q0) if score_grad else o[0]
 
         o = attend_in_parts(self.cp, kv["k_sel"].shape[1], attend)
+        if self.record_stats:
+            self.stats = {**gate_stats(gates, self.stats_tokens), **selection_stats(*read[0], self.spec, docs)}
+        if self.record_selection:
+            self.selection = read[0]
         return self.wo(o.reshape(B, T, -1))
 
     def parts(self) -> list[tuple[str, nn.Module]]:
