@@ -1,7 +1,7 @@
 """Long-range recall at equal parameters: NSA, NSA with its window alone, and dense attention.
 
     python benchmarks/recall_report.py [--drill_steps N] [--steps N] [--distances 32 96 256 512 960]
-                                       [--models nsa win dense] [--out benchmarks/recall_accuracy.png]
+                                       [--models nsa win dense] [--seed N] [--out benchmarks/recall_accuracy.png]
 
 Trains `train_configs/recall.toml` (the recall task of `nsa_titan/data/recall.py`) three times on one
 CPU rank, with the same data, steps, seed and optimizer, each in two runs: `--drill_steps` of the
@@ -12,7 +12,8 @@ lr; it forms the lookup), then the recall task from the drill's final checkpoint
          the branches are not computed, nor the scores' gradient);
   dense  dense causal attention, its MLP widened to NSA's parameter count (`sizing.py`), no block
          scores to train (`sel_score_grad`, `sel_score_explore` 0).
-(`--models` trains a subset: a change to NSA alone cannot move win or dense.)
+(`--models` trains a subset: a change to NSA alone cannot move win or dense; `--seed N` draws another run of
+the same recipe: N as the initialisation's seed and the data's, the held-out rows included.)
 Then evaluates each final checkpoint by distance on held-out samples (`evaluate_recall`: a query
 counts when all its value tokens are right). Draws accuracy against distance (w and layers x w
 marked) and, beside it (*_gates.png), the sel branch's share of the gates by step, over all tokens and over
@@ -82,10 +83,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="held-out batches per distance")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="which models to train (a change to NSA alone cannot move win or dense)")
+    parser.add_argument("--seed", type=int, help="the seed of the initialisation and of the data, training and "
+                        "held-out (default: the config's, --debug.seed 0 and --data.seed 1234)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "recall_accuracy.png",
                         help="the accuracy chart; the gate-share chart goes beside it (*_gates.png)")
     args = parser.parse_args()
-    steps = ["--training.steps", str(args.steps)] if args.steps else []
+    seeds = [] if args.seed is None else ["--debug.seed", str(args.seed), "--data.seed", str(args.seed)]
+    steps = seeds + (["--training.steps", str(args.steps)] if args.steps else [])  # the held-out rows: data.seed + 1
     cfg = resolved(["--config", CONFIG, *steps])
     m, seq_len = cfg.model, cfg.training.seq_len
     hidden, n_dense, n_nsa = dense_ffn_for(m, seq_len)
@@ -102,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in models.items():
             dump, drill = Path(tmp) / name, Path(tmp) / f"{name}_drill"
-            seconds = train(name, [*DRILL, "--training.steps", str(args.drill_steps), "--checkpoint.interval",
+            seconds = train(name, [*DRILL, *seeds, "--training.steps", str(args.drill_steps), "--checkpoint.interval",
                                    str(args.drill_steps), *overrides], drill)
             seconds += train(name, steps + overrides + ["--checkpoint.initial_load_path",
                                                         str(drill / "checkpoint" / f"step-{args.drill_steps}")], dump)

@@ -63,9 +63,11 @@ libgomp, loaded already: the same threads, `torch.set_num_threads` holds); witho
 
 
 def _build_tag() -> str:
-    """A tag of this CPU's instruction sets, the flags and the sources: a build for -march=native is only loaded
-    where it was made, and a changed header (which torch's own source check does not read) is rebuilt."""
-    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, *(p.read_text() for p in SOURCES)])
+    """A tag of this CPU's instruction sets, the flags, the sources and where they are: a build for -march=native
+    is only loaded where it was made, a changed header (which torch's own source check does not read) is rebuilt,
+    and each checkout keeps its own build (one build folder for two paths would be rebuilt at every switch)."""
+    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, str(SOURCES[0]),
+                     *(p.read_text() for p in SOURCES)])
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
