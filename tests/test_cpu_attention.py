@@ -35,7 +35,6 @@ def test_the_kernels_build_on_this_machine():
     assert cpu_attention._build()[0].openmp  # else at::parallel_for runs every kernel on one thread
 
 
-
 def test_each_checkout_and_each_change_of_the_sources_has_its_own_build(tmp_path, monkeypatch):
     """The build's name tags the sources' text and their path: a second checkout (a worktree to compare
     against) keeps its own build instead of rebuilding the shared one at every switch, and an edited
@@ -50,6 +49,7 @@ def test_each_checkout_and_each_change_of_the_sources_has_its_own_build(tmp_path
     assert there != here and cpu_attention._build_tag() == there
     copies[1].write_text(copies[1].read_text() + "\n// edited\n")
     assert cpu_attention._build_tag() not in (here, there)
+
 
 HEADS_AND_DIMS = [(r, 16 * dv) for r in cpu_attention.HEADS for dv in (1, 2, 4, 8)]  # the driver's order
 

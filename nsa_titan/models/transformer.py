@@ -203,28 +203,21 @@ class NSAAttention(nn.Module):
         gates = self.gates(x)
         if kv_out is not None:
             kv_out.update(kv, kc=kc, vc=vc)
-        keys = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
+        keys, read = (kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"]), []  # read: each part's (idx, valid)
         score_grad = self.score_grad if self.training and torch.is_grad_enabled() else 0.0
-        record = self.record_stats or self.record_selection  # no cp there: one part, every query
-        branches = tuple(k != 0 for k in self.keep) if any(self.keep) else (False, False, True)  # gated off: not run
-        if record and not branches[1]:  # the blocks are still chosen, from cmp's scores (gated off: out unchanged)
-            branches = (True, *branches[1:])
-        read: list[tuple[torch.Tensor, torch.Tensor]] = []  # the sel blocks each part's queries read, if recorded
+        cmp, sel, win = (k != 0 for k in self.keep)  # gated off: not run; recording, the blocks are chosen all the same
+        branches = (cmp or self.record_stats or self.record_selection, sel, win or not any(self.keep))  # (output unchanged)
 
         def attend(rows: slice, **q0: int) -> torch.Tensor:
-            o = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches,
-                             return_selection=bool(score_grad) or record, **q0)  # then (o, idx, valid)
-            if not (score_grad or record):
-                return o
-            if record:
-                read.append(o[1:])
-            return with_score_grad(o[0], q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad,
-                                   docs, explore=self.explore, seed=self.explore_step, chosen=o[1:], **q0) if score_grad else o[0]
-
+            o, idx, valid = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches,
+                                         return_selection=True, **q0)
+            read.append((idx, valid))
+            return with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad, docs,
+                                   explore=self.explore, seed=self.explore_step, chosen=(idx, valid), **q0) if score_grad else o
         o = attend_in_parts(self.cp, kv["k_sel"].shape[1], attend)
         if self.record_stats:
             self.stats = {**gate_stats(gates, self.stats_tokens), **selection_stats(*read[0], self.spec, docs)}
-        if self.record_selection:
+        if self.record_selection:  # (evaluation, without cp: one part, every query)
             self.selection = read[0]
         return self.wo(o.reshape(B, T, -1))
 
