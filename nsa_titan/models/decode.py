@@ -114,7 +114,7 @@ class Decoder:
                 raise ValueError(f"the prompts' last documents start at positions {starts.tolist()}: decoding "
                                  f"continues one document per row from a common position; decode rows whose "
                                  f"last documents start elsewhere separately")
-        h = m.embed(tokens, previous_tokens(tokens, document_ids))
+        h = m.embed(tokens, previous_tokens(tokens, docs))
         for block, cache in zip(m.layers.values(), self.caches):
             kv: dict[str, torch.Tensor] = {}
             h = block(h, rope, kv_out=kv, docs=docs)

@@ -47,12 +47,10 @@ def _unwrapped(block: nn.Module) -> "TransformerBlock":
     return block
 
 
-def previous_tokens(tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+def previous_tokens(tokens: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
     """(B, T): the token before each one in its document; -1 at a row's or a document's first token."""
     prev = F.pad(tokens[:, :-1], (1, 0), value=-1)
-    if document_ids is None:
-        return prev
-    return prev.masked_fill(F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=True), -1)
+    return prev if docs is None else prev.masked_fill(docs.positions == 0, -1)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -390,7 +388,7 @@ class Transformer(nn.Module):
                 document_ids = torch.cat([document_ids, (document_ids[:, -1:] + 1).expand(-1, tokens.shape[1] - T)], 1)
         self.check_length(tokens.shape[1])
         docs, rope = self.positions(document_ids)
-        prev = previous_tokens(tokens, document_ids)
+        prev = previous_tokens(tokens, docs)
         if self.cp is not None:
             local = self.cp.positions(tokens.shape[1], tokens.device)
             tokens, prev, rope = tokens[:, local], prev[:, local], rope[local] if rope.dim() == 2 else rope[:, local]
