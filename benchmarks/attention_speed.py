@@ -2,6 +2,7 @@
 
     python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--reference_max_T 4096] [--peer_max_T 8192]
                                          [--allocators default tuned]
+    python benchmarks/attention_speed.py --profile fast-core 32768
 
 At the M7C attention shape (dim 768, 12 query heads, 2 KV groups, head dim 64; NSA l=32, d=16,
 l'=64, n=16, w=512), batch 1, fp32 on CPU (bf16 on a GPU), forward + backward of one attention
@@ -23,6 +24,9 @@ layer *module* on x (1, T, 768), projections included:
              nsa_fast with NSA's C++ kernels (CPUs) and their own backward for cmp however many
              compressed keys (`fast-core` leaves runs of `cpu_attention.FUSED_BACKWARD_KEYS` keys or more
              to ATen's fused attention)
+
+`--profile VARIANT T` prints instead torch.profiler's table of one forward + backward (the ops by their own
+device time on a GPU, CPU time on CPUs): where the time goes.
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
 one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,
@@ -103,27 +107,51 @@ def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, 
     return module, lambda x: module(x, rope)
 
 
-def measure_one(variant: str, T: int, repeats: int) -> dict:
-    """In this process: warm up once, then time `repeats` forward+backward passes."""
+def step_of(variant: str, T: int) -> tuple[object, torch.device]:
+    """One forward + backward of `variant` at T (bf16 on a GPU, fp32 on CPUs), waiting for the device."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     module, fn = build(variant, T, device)
     module.to(dtype)
     x = torch.randn(1, T, 768, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        fn(x).float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return step, device
+
+
+def measure_one(variant: str, T: int, repeats: int) -> dict:
+    """In this process: warm up once, then time `repeats` forward+backward passes."""
+    step, device = step_of(variant, T)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for k in range(repeats + 1):
         start = time.perf_counter()
-        fn(x).float().square().mean().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        step()
         if k:  # the first run warms up
             times.append(time.perf_counter() - start)
     peak = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
             else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
     return {"seconds": statistics.median(times), "peak_gib": peak, "device": device.type}
+
+
+def profile_one(variant: str, T: int, rows: int = 20) -> str:
+    """torch.profiler's table of one forward + backward after a warm-up, by the ops' own device time
+    (CPU time on CPUs): where the time goes."""
+    step, device = step_of(variant, T)
+    step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
 
 def keys_per_query(T: int) -> tuple[float, float, float, float]:
@@ -142,7 +170,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["fast", "reference", "dense", "peer"])
     parser.add_argument("--allocators", nargs="+", choices=["default", "tuned"], default=["default", "tuned"])
     parser.add_argument("--one", nargs=3, metavar=("VARIANT", "T", "REPEATS"), help=argparse.SUPPRESS)
+    parser.add_argument("--profile", nargs=2, metavar=("VARIANT", "T"),
+                        help="instead of timing: the profiler's table of one forward + backward of VARIANT at T")
     args = parser.parse_args()
+    if args.profile:
+        print(profile_one(args.profile[0], int(args.profile[1])))
+        return
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
