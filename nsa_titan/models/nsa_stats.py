@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .attention import BRANCHES, Documents, NSASpec
-from .attention.common import forced_blocks
+from .attention.common import forced_blocks, query_positions
 
 
 def gate_stats(gates: torch.Tensor, tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -27,9 +27,8 @@ def selection_stats(idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, docs:
     """Among the sel blocks idx (B, G, T, n') that each query's group read (`valid`): the share
     picked by score (not forced), and how far back (in blocks from the query's own) the scored
     ones lie. With `docs`, positions and blocks count from each query's document start."""
-    t = torch.arange(idx.shape[2], device=idx.device)
-    t = t if docs is None else t - docs.start[:, None, :]  # (T,) or (B, 1, T)
-    jt = (t // spec.l_sel)[..., None]  # (T, 1) or (B, 1, T, 1): the block holding t, in its document
+    t = query_positions(0, idx.shape[2], idx.device, docs)[:, None]  # (1 or B, 1, T)
+    jt = (t // spec.l_sel)[..., None]  # (1 or B, 1, T, 1): the block holding t, in its document
     scored = valid & ~forced_blocks(idx, t, spec)
     distance = ((jt - idx) * scored).sum() / scored.sum().clamp_min(1)
     return {"sel_scored_fraction": scored.sum() / valid.sum().clamp_min(1), "sel_scored_distance": distance.float()}
