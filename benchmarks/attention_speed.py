@@ -26,7 +26,8 @@ layer *module* on x (1, T, 768), projections included:
              to ATen's fused attention)
 
 `--profile VARIANT T` prints instead torch.profiler's table of one forward + backward (the ops by their own
-device time on a GPU, CPU time on CPUs): where the time goes.
+device time on a GPU, CPU time on CPUs), under the launcher's allocator settings (`tuned`; glibc's own with
+`--allocators default`): where the time goes.
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
 one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,
@@ -171,11 +172,19 @@ def main() -> None:
     parser.add_argument("--allocators", nargs="+", choices=["default", "tuned"], default=["default", "tuned"])
     parser.add_argument("--one", nargs=3, metavar=("VARIANT", "T", "REPEATS"), help=argparse.SUPPRESS)
     parser.add_argument("--profile", nargs=2, metavar=("VARIANT", "T"),
-                        help="instead of timing: the profiler's table of one forward + backward of VARIANT at T")
+                        help="instead of timing: the profiler's table of one forward + backward of VARIANT at T, under "
+                             "the launcher's allocator settings (glibc's own with --allocators default)")
+    parser.add_argument("--profile_one", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.profile:
-        print(profile_one(args.profile[0], int(args.profile[1])))
+    if args.profile_one:
+        print(profile_one(args.profile_one[0], int(args.profile_one[1])))
         return
+    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
+    if args.profile:  # in its own process, for the allocator's settings to apply
+        allocator = "tuned" if "tuned" in args.allocators else "default"
+        env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
+        print(f"allocator: {allocator}", flush=True)
+        sys.exit(subprocess.run([sys.executable, __file__, "--profile_one", *args.profile], env=env).returncode)
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
@@ -190,7 +199,6 @@ def main() -> None:
     print()
     print(f"| T | allocator | variant | fwd+bwd median (s) | vs {args.variants[0]} | peak memory added (GiB) |")
     print("|---|---|---|---|---|---|")
-    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
     for T in args.T:
         for allocator in args.allocators:
             env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
