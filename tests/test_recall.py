@@ -215,7 +215,8 @@ def test_drill_rows_label_every_value_whose_key_came_before():
 
 def test_log_scale_draws_every_scale_equally_often():
     """`distance_scale = log`: as many training distances in [16, 32) as in [512, 1024), the ends
-    included; `linear`: each distance once."""
+    included; `linear`: each distance once; `mixed`: half of each, so the longest distances come
+    over twice as often as on the log scale."""
     layout, linear = recall_layout(Recall(min_distance=16, max_distance=1006), 1024, 256)
     assert linear == list(range(16, 1007))
     _, log = recall_layout(Recall(min_distance=16, max_distance=1006, distance_scale="log"), 1024, 256)
@@ -224,6 +225,12 @@ def test_log_scale_draws_every_scale_equally_often():
     assert max(octaves) - min(octaves) <= 2, octaves  # 1006 / 16 = 2^5.97: six octaves, the last one short
     drawn = [d for k in range(40) for d in recall_sample(layout, 0, k, log)[1]]
     assert sum(d < 128 for d in drawn) > len(drawn) / 3  # linear: 11% of [16, 1006] lies below 128
+    _, mixed = recall_layout(Recall(min_distance=16, max_distance=1006, distance_scale="mixed"), 1024, 256)
+    even = mixed[len(log):]  # `mixed`: the log scale's distances and as many evenly spaced ones
+    assert mixed[:len(log)] == log and len(even) == len(log) and even[0] == 16 and even[-1] == 1006
+    assert max(b - a for a, b in zip(even, even[1:])) - min(b - a for a, b in zip(even, even[1:])) <= 1
+    share = lambda ds, lo: sum(d >= lo for d in ds) / len(ds)  # noqa: E731
+    assert share(mixed, 900) > 2 * share(log, 900) and share(mixed, 900) == (share(log, 900) + share(even, 900)) / 2
 
 
 def test_gate_statistics_of_the_labelled_tokens_average_their_gates_alone():

@@ -169,10 +169,11 @@ class Recall:
     """Training draws each pair's distance (query start - pair start) from [min_distance, max_distance]."""
     max_distance: int = 0
     """0: as far as seq_len allows."""
-    distance_scale: Literal["linear", "log"] = "linear"
+    distance_scale: Literal["linear", "log", "mixed"] = "linear"
     """How training draws distances: `linear`, every distance equally often; `log`, every scale
     equally often (as many pairs in [16, 32) as in [512, 1024)), so that short pairs, which the
-    window alone can recall, come often enough to teach the lookup that long ones need."""
+    window alone can recall, come often enough to teach the lookup that long ones need; `mixed`,
+    half the draws each way (short pairs still often, the longest ones 2.5x as often as `log`)."""
     distinct: bool = False
     """Every key and value token of a row distinct (drawn without replacement from the key-value
     alphabet, so pairs * (key_tokens + value_tokens) must fit in it). A key's last token then names

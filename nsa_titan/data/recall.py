@@ -67,13 +67,16 @@ class RecallLayout:
 
 def recall_layout(cfg: Recall, seq_len: int, vocab_size: int) -> tuple[RecallLayout, list[int]]:
     """The layout of `[recall]` and the distances training draws from, each equally often (`log`
-    scale: LOG_STEPS distances in a geometric series, rounded)."""
+    scale: LOG_STEPS distances in a geometric series, rounded; `mixed`: those and LOG_STEPS evenly
+    spaced ones)."""
     layout = RecallLayout(seq_len, vocab_size, cfg.key_tokens, cfg.value_tokens, cfg.pairs, cfg.asks, cfg.drill,
                           cfg.distinct)
     lo, hi = cfg.min_distance, cfg.max_distance or seq_len + 1 - 2 * layout.span
-    if cfg.distance_scale == "log":
-        return layout, [round(lo * (hi / lo) ** (i / (LOG_STEPS - 1))) for i in range(LOG_STEPS)]
-    return layout, list(range(lo, hi + 1))
+    if cfg.distance_scale == "linear":
+        return layout, list(range(lo, hi + 1))
+    log = [round(lo * (hi / lo) ** (i / (LOG_STEPS - 1))) for i in range(LOG_STEPS)]
+    even = [round(lo + (hi - lo) * i / (LOG_STEPS - 1)) for i in range(LOG_STEPS)]
+    return layout, log if cfg.distance_scale == "log" else log + even
 
 
 def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int]) -> tuple[Sample, list[int]]:
