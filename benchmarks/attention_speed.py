@@ -41,12 +41,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
-from nsa_titan.env import MALLOC_TUNING  # noqa: E402
+from nsa_titan.env import allocator_env  # noqa: E402
 from nsa_titan.models.attention import Kernels, NSASpec, cpu_attention, dense_causal, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
 
@@ -108,7 +108,7 @@ def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, 
     return module, lambda x: module(x, rope)
 
 
-def step_of(variant: str, T: int) -> tuple[object, torch.device]:
+def step_of(variant: str, T: int) -> tuple[Callable[[], None], torch.device]:
     """One forward + backward of `variant` at T (bf16 on a GPU, fp32 on CPUs), waiting for the device."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -179,12 +179,11 @@ def main() -> None:
     if args.profile_one:
         print(profile_one(args.profile_one[0], int(args.profile_one[1])))
         return
-    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
     if args.profile:  # in its own process, for the allocator's settings to apply
         allocator = "tuned" if "tuned" in args.allocators else "default"
-        env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
         print(f"allocator: {allocator}", flush=True)
-        sys.exit(subprocess.run([sys.executable, __file__, "--profile_one", *args.profile], env=env).returncode)
+        sys.exit(subprocess.run([sys.executable, __file__, "--profile_one", *args.profile],
+                                env=allocator_env(allocator)).returncode)
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
@@ -201,7 +200,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for T in args.T:
         for allocator in args.allocators:
-            env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
+            env = allocator_env(allocator)
             results = {}
             for variant in args.variants:
                 limit = {"reference": args.reference_max_T, "reference-core": args.reference_max_T,

@@ -14,7 +14,6 @@ default), and/or `default`, glibc as it comes; each variant runs under each, sid
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.env import MALLOC_TUNING  # noqa: E402
+from nsa_titan.env import allocator_env  # noqa: E402
 
 LINE = re.compile(r"step +(\d+)/\d+ \| loss +([\d.]+) .*\| tok/s ([\d,]+) (?:\| mfu +([\d.]+)% )?.*\| mem ([\d.]+)GiB")
 
@@ -71,11 +70,10 @@ def main() -> None:
     print(f"config {opts.config}, {opts.steps} steps, {opts.ranks} rank(s), overrides {opts.overrides}")
     print("| variant | allocator | tokens/s | vs first row | MFU | peak memory (GiB) | loss at last step |")
     print("|---|---|---|---|---|---|---|")
-    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
     base = None
     for name in opts.variants:
         for allocator in opts.allocators:
-            env = {**clean, **(MALLOC_TUNING if allocator == "tuned" else {})}
+            env = allocator_env(allocator)
             tps, mfu, mem, loss = run_variant(opts.config, opts.steps, opts.ranks, [*VARIANTS[name], *opts.overrides],
                                               env)
             base = base or tps

@@ -46,6 +46,13 @@ def malloc_tuning() -> dict[str, str]:
     return dict(MALLOC_TUNING)
 
 
+def allocator_env(allocator: str) -> dict[str, str]:
+    """This process's environment for a child under `allocator`: "tuned", with the launcher's glibc
+    settings (`MALLOC_TUNING`), or "default", without any of them (benchmarks run both side by side)."""
+    clean = {k: v for k, v in os.environ.items() if k not in MALLOC_TUNING}
+    return {**clean, **MALLOC_TUNING} if allocator == "tuned" else clean
+
+
 def allocator_setup() -> str:
     """This process's host allocator setup, in words (for logs and benchmark reports)."""
     preload = os.environ.get("LD_PRELOAD", "")
