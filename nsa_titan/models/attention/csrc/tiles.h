@@ -209,16 +209,26 @@ inline void weighted_rows(v16 (&acc)[R][DV], const float* c, int cs, const float
   }
 }
 
-// dst[p + j] += sum_h c[h][j] * x[h] for the block's keys j < n (x: R rows of D = 16 DV).
+// dst[p + j] += sum_h c[h][j] * x[h] for the block's keys j < n (x: R rows of D = 16 DV). Where the R x DV
+// vectors of x fit in registers beside a row's DV accumulators (AVX-512, R DV <= 24), x is loaded once, not
+// once a key: stores into dst may alias x as far as the compiler knows, so it would reload x for every key.
 template <int R, int DV>
 inline void outer_add(float* dst, const float* c, int cs, const float* x, int64_t p, int n) {
+  constexpr bool HELD = REGISTERS == 32 && R * DV <= 24;
+  v16 xs[HELD ? R : 1][HELD ? DV : 1];
+  if constexpr (HELD)
+    for (int h = 0; h < R; ++h)
+      for (int i = 0; i < DV; ++i) xs[h][i] = load(x + h * 16 * DV + 16 * i);
   for (int j = 0; j < n; ++j) {
     float* d = dst + (p + j) * 16 * DV;
     v16 acc[DV];
     for (int i = 0; i < DV; ++i) acc[i] = load(d + 16 * i);
     for (int h = 0; h < R; ++h) {
       const v16 w = splat(c[h * cs + j]);
-      for (int i = 0; i < DV; ++i) acc[i] += w * load(x + h * 16 * DV + 16 * i);
+      if constexpr (HELD)
+        for (int i = 0; i < DV; ++i) acc[i] += w * xs[h][i];
+      else
+        for (int i = 0; i < DV; ++i) acc[i] += w * load(x + h * 16 * DV + 16 * i);
     }
     for (int i = 0; i < DV; ++i) store(d + 16 * i, acc[i]);
   }
