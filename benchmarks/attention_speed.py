@@ -1,7 +1,7 @@
 """NSA attention speed and memory: fast vs reference vs dense SDPA vs the public peer, side by side.
 
-    python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--reference_max_T 4096] [--peer_max_T 8192]
-                                         [--allocators default tuned]
+    python benchmarks/attention_speed.py [--T 2048 8192 32768] [--repeats 3] [--interleave] [--reference_max_T 4096]
+                                         [--peer_max_T 8192] [--allocators default tuned]
     python benchmarks/attention_speed.py --profile fast-core 32768
 
 At the M7C attention shape (dim 768, 12 query heads, 2 KV groups, head dim 64; NSA l=32, d=16,
@@ -30,7 +30,10 @@ device time on a GPU, CPU time on CPUs), under the launcher's allocator settings
 `--allocators default`): where the time goes.
 
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
-one warm-up, and the peak resident memory it added. Allocators (host memory, CPU runs): `default`,
+one warm-up, and the peak resident memory it added. `--interleave` runs all variants in one process
+instead, a pass of each in turn for `--repeats` rounds, and takes each ratio to the first variant within
+a round (their median and range): on a box whose speed wanders over minutes, variants timed minutes apart
+make a ratio of the box's moods, neighbours in a round one of the code (no peak memory then). Allocators (host memory, CPU runs): `default`,
 glibc malloc as it comes; `tuned`, the settings the launcher gives CPU ranks (`nsa_titan.env.
 MALLOC_TUNING`). Both are measured side by side by default. Also prints the algorithmic limit: the keys a
 query attends to, dense causal vs NSA, averaged over the sequence and at its last query.
@@ -141,6 +144,46 @@ def measure_one(variant: str, T: int, repeats: int) -> dict:
     return {"seconds": statistics.median(times), "peak_gib": peak, "device": device.type}
 
 
+def measure_interleaved(variants: list[str], T: int, repeats: int) -> dict[str, list[float]]:
+    """In this process: each variant warmed up once, then `repeats` rounds of one forward+backward of each in turn
+    -> the seconds of each variant's passes, round by round."""
+    steps = {}
+    for variant in variants:
+        steps[variant] = step_of(variant, T)[0]
+        steps[variant]()
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(repeats):
+        for variant, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[variant].append(time.perf_counter() - start)
+    return times
+
+
+def max_T(variant: str, T: int, args: argparse.Namespace) -> int:
+    """The longest sequence `variant` runs at (the reference's dense masks and the peer: their flags)."""
+    return {"reference": args.reference_max_T, "reference-core": args.reference_max_T, "peer": args.peer_max_T}.get(variant, T)
+
+
+def interleaved_rows(T: int, allocator: str, args: argparse.Namespace) -> None:
+    """The `--interleave` table rows of T: medians, and the ratios to the first variant round by round."""
+    variants = [v for v in args.variants if T <= max_T(v, T, args)]
+    for variant in sorted(set(args.variants) - set(variants)):
+        print(f"| {T} | {allocator} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
+    proc = subprocess.run([sys.executable, __file__, "--interleaved", str(T), str(args.repeats), *variants],
+                          capture_output=True, text=True, env=allocator_env(allocator))
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
+        print(f"| {T} | {allocator} | {' / '.join(variants)} | failed: {why[:80]} | | |", flush=True)
+        return
+    times = json.loads(proc.stdout.strip().splitlines()[-1])
+    first = times[variants[0]]
+    for variant in variants:
+        ratios = sorted(b / a for a, b in zip(first, times[variant]))
+        print(f"| {T} | {allocator} | {variant} | {statistics.median(times[variant]):.4g} | "
+              f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) | - |", flush=True)
+
+
 def profile_one(variant: str, T: int, rows: int = 20) -> str:
     """torch.profiler's table of one forward + backward after a warm-up, by the ops' own device time
     (CPU time on CPUs): where the time goes."""
@@ -170,7 +213,11 @@ def main() -> None:
     parser.add_argument("--peer_max_T", type=int, default=8192, help="the peer runs out of memory above (24 GiB)")
     parser.add_argument("--variants", nargs="+", default=["fast", "reference", "dense", "peer"])
     parser.add_argument("--allocators", nargs="+", choices=["default", "tuned"], default=["default", "tuned"])
+    parser.add_argument("--interleave", action="store_true",
+                        help="all variants in one process, a pass of each in turn, `--repeats` rounds: the ratios taken "
+                             "round by round (median and range); no peak memory")
     parser.add_argument("--one", nargs=3, metavar=("VARIANT", "T", "REPEATS"), help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--profile", nargs=2, metavar=("VARIANT", "T"),
                         help="instead of timing: the profiler's table of one forward + backward of VARIANT at T, under "
                              "the launcher's allocator settings (glibc's own with --allocators default)")
@@ -187,6 +234,10 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
         return
+    if args.interleaved:
+        T, repeats, *variants = args.interleaved
+        print(json.dumps(measure_interleaved(variants, int(T), int(repeats))))
+        return
     if importlib.util.find_spec("native_sparse_attention_pytorch") is None:
         args.variants = [v for v in args.variants if v != "peer"]
         print("peer not installed (pip install native-sparse-attention-pytorch): skipped")
@@ -200,12 +251,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for T in args.T:
         for allocator in args.allocators:
+            if args.interleave:
+                interleaved_rows(T, allocator, args)
+                continue
             env = allocator_env(allocator)
             results = {}
             for variant in args.variants:
-                limit = {"reference": args.reference_max_T, "reference-core": args.reference_max_T,
-                         "peer": args.peer_max_T}.get(variant, T)
-                if T > limit:
+                if T > max_T(variant, T, args):
                     print(f"| {T} | {allocator} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
                     continue
                 proc = subprocess.run([sys.executable, __file__, "--one", variant, str(T), str(args.repeats)],

@@ -1,5 +1,5 @@
 """The check and benchmark scripts' contracts that need no GPU: `scripts/gpu_check.sh` on a machine
-without CUDA, and `benchmarks/attention_speed.py --profile`."""
+without CUDA, and `benchmarks/attention_speed.py --profile` and `--interleave`."""
 
 from __future__ import annotations
 
@@ -30,3 +30,17 @@ def test_attention_profile_prints_where_the_time_goes():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Self CPU time total" in proc.stdout
     assert "nsa_titan::" in proc.stdout  # NSA's own ops are in the table
+
+
+def test_attention_interleave_takes_each_ratio_within_a_round():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_speed.py"), "--T", "512", "--repeats", "3",
+                           "--interleave", "--variants", "fast-core", "dense-core", "reference-core", "--reference_max_T",
+                           "256", "--allocators", "tuned"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[4:7]]
+            for line in proc.stdout.splitlines() if line.startswith("| 512 | tuned |")}
+    assert rows["reference-core"][0] == "skipped (above --reference-core_max_T)"
+    assert rows["fast-core"][1] == "1.00x (1.00-1.00)"  # the first variant against itself, round by round
+    seconds, ratio, memory = rows["dense-core"]
+    low, high = (float(x) for x in ratio.split("(")[1].rstrip(")").split("-"))
+    assert float(seconds) > 0 and 0 < low <= float(ratio.split("x")[0]) <= high and memory == "-"
