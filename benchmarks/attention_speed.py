@@ -32,11 +32,11 @@ device time on a GPU, CPU time on CPUs), under the launcher's allocator settings
 Each (variant, T, allocator) runs in its own process: the median time of `--repeats` runs after
 one warm-up, and the peak resident memory it added. `--interleave` runs all variants in one process
 instead, a pass of each in turn for `--repeats` rounds, and takes each ratio to the first variant within
-a round (their median and range): on a box whose speed wanders over minutes, variants timed minutes apart
-make a ratio of the box's moods, neighbours in a round one of the code (no peak memory then). Allocators (host memory, CPU runs): `default`,
-glibc malloc as it comes; `tuned`, the settings the launcher gives CPU ranks (`nsa_titan.env.
-MALLOC_TUNING`). Both are measured side by side by default. Also prints the algorithmic limit: the keys a
-query attends to, dense causal vs NSA, averaged over the sequence and at its last query.
+a round (their median and range; no peak memory then): on a box whose speed wanders over minutes, a
+ratio of variants timed minutes apart measures the box as much as the code. Allocators (host memory, CPU
+runs): `default`, glibc malloc as it comes; `tuned`, the settings the launcher gives CPU ranks
+(`nsa_titan.env.MALLOC_TUNING`). Both are measured side by side by default. Also prints the algorithmic
+limit: the keys a query attends to, dense causal vs NSA, averaged over the sequence and at its last query.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def measure_interleaved(variants: list[str], T: int, repeats: int) -> dict[str, 
 
 def max_T(variant: str, T: int, args: argparse.Namespace) -> int:
     """The longest sequence `variant` runs at (the reference's dense masks and the peer: their flags)."""
-    return {"reference": args.reference_max_T, "reference-core": args.reference_max_T, "peer": args.peer_max_T}.get(variant, T)
+    limits = {"reference": args.reference_max_T, "reference-core": args.reference_max_T, "peer": args.peer_max_T}
+    return limits.get(variant, T)
 
 
 def interleaved_rows(T: int, allocator: str, args: argparse.Namespace) -> None:

@@ -33,9 +33,10 @@ def test_attention_profile_prints_where_the_time_goes():
 
 
 def test_attention_interleave_takes_each_ratio_within_a_round():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_speed.py"), "--T", "512", "--repeats", "3",
-                           "--interleave", "--variants", "fast-core", "dense-core", "reference-core", "--reference_max_T",
-                           "256", "--allocators", "tuned"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_speed.py"), "--T", "512",
+                           "--repeats", "3", "--interleave", "--variants", "fast-core", "dense-core", "reference-core",
+                           "--reference_max_T", "256", "--allocators", "tuned"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[4:7]]
             for line in proc.stdout.splitlines() if line.startswith("| 512 | tuned |")}
