@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -160,22 +161,26 @@ def measure_interleaved(variants: list[str], T: int, repeats: int) -> dict[str, 
     return times
 
 
-def max_T(variant: str, T: int, args: argparse.Namespace) -> int:
+def max_T(variant: str, args: argparse.Namespace) -> float:
     """The longest sequence `variant` runs at (the reference's dense masks and the peer: their flags)."""
     limits = {"reference": args.reference_max_T, "reference-core": args.reference_max_T, "peer": args.peer_max_T}
-    return limits.get(variant, T)
+    return limits.get(variant, math.inf)
+
+
+def failure(proc: subprocess.CompletedProcess) -> str:
+    """Why a measuring child failed: its last line of stderr, or how it was killed."""
+    return (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
 
 
 def interleaved_rows(T: int, allocator: str, args: argparse.Namespace) -> None:
     """The `--interleave` table rows of T: medians, and the ratios to the first variant round by round."""
-    variants = [v for v in args.variants if T <= max_T(v, T, args)]
+    variants = [v for v in args.variants if T <= max_T(v, args)]
     for variant in sorted(set(args.variants) - set(variants)):
         print(f"| {T} | {allocator} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
     proc = subprocess.run([sys.executable, __file__, "--interleaved", str(T), str(args.repeats), *variants],
                           capture_output=True, text=True, env=allocator_env(allocator))
     if proc.returncode != 0:
-        why = (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
-        print(f"| {T} | {allocator} | {' / '.join(variants)} | failed: {why[:80]} | | |", flush=True)
+        print(f"| {T} | {allocator} | {' / '.join(variants)} | failed: {failure(proc)[:80]} | | |", flush=True)
         return
     times = json.loads(proc.stdout.strip().splitlines()[-1])
     first = times[variants[0]]
@@ -258,7 +263,7 @@ def main() -> None:
             env = allocator_env(allocator)
             results = {}
             for variant in args.variants:
-                if T > max_T(variant, T, args):
+                if T > max_T(variant, args):
                     print(f"| {T} | {allocator} | {variant} | skipped (above --{variant}_max_T) | | |", flush=True)
                     continue
                 proc = subprocess.run([sys.executable, __file__, "--one", variant, str(T), str(args.repeats)],
@@ -267,8 +272,7 @@ def main() -> None:
                     print(f"| {T} | {allocator} | {variant} | skipped (flash-attn is not installed) | | |", flush=True)
                     continue
                 if proc.returncode != 0:
-                    why = (proc.stderr.strip().splitlines() or [f"killed (exit {proc.returncode}; out of memory?)"])[-1]
-                    print(f"| {T} | {allocator} | {variant} | failed: {why[:80]} | | |", flush=True)
+                    print(f"| {T} | {allocator} | {variant} | failed: {failure(proc)[:80]} | | |", flush=True)
                     continue
                 r = results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
                 ratio = r["seconds"] / next(iter(results.values()))["seconds"]
