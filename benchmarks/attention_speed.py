@@ -67,6 +67,10 @@ M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, c
            sel_top_n=16, window_size=512)
 
 
+VARIANTS = ("fast", "reference", "dense", "peer", "fast-core", "reference-core", "dense-core", "flash-core",
+            "fast-torch-core", "fast-own-core")
+
+
 def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module, object]:
     """The attention function alone on random q, k, v (and cmp blocks, gates), no projections."""
     spec = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
@@ -217,7 +221,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reference_max_T", type=int, default=4096)
     parser.add_argument("--peer_max_T", type=int, default=8192, help="the peer runs out of memory above (24 GiB)")
-    parser.add_argument("--variants", nargs="+", default=["fast", "reference", "dense", "peer"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["fast", "reference", "dense", "peer"])
     parser.add_argument("--allocators", nargs="+", choices=["default", "tuned"], default=["default", "tuned"])
     parser.add_argument("--interleave", action="store_true",
                         help="all variants in one process, a pass of each in turn, `--repeats` rounds: the ratios taken "
