@@ -164,16 +164,21 @@ def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
     from nsa_titan.models.attention import fused_attention
 
     calls = {"attend": 0, "attend_backward": 0}
+    unmasked = []  # the key counts of the backward's calls without a bias
     for name in calls:
         def counted(*args, _fn=getattr(fused_attention, name), _name=name):
             calls[_name] += 1
+            if _name == "attend_backward" and args[6] is None:
+                unmasked.append(args[2].shape[1])
             return _fn(*args)
         monkeypatch.setattr(fused_attention, name, counted)
     args = random_inputs(1, 300, 12, 2, 16, SPEC, seed=3)  # cmp: 2 chunks of 256, win: 5 of 64, sel: 1
     for a in args:
         a.requires_grad_(True)
     nsa_fast(*args, SPEC, Kernels()).sum().backward()
-    assert calls == {"attend": 5 + 3, "attend_backward": 2 + 5 + 3}  # sel: tiles, loc, ini
+    # cmp's second chunk (queries 256 ..) in two parts: the slots its first query sees, without a mask, then the rest
+    assert calls == {"attend": 5 + 3, "attend_backward": 3 + 5 + 3}  # sel: tiles, loc, ini
+    assert (256 - SPEC.l) // SPEC.d + 1 in unmasked
 
 
 @pytest.mark.parametrize("kind", ["cmp", "win"])
