@@ -144,17 +144,18 @@ def own_backward(monkeypatch) -> None:
 
 
 @pytest.fixture(params=["rows", "blocks", "blocks-chunked"])
-def backward(request, monkeypatch) -> str:
-    """Both backwards of the kernel: query by query (short sequences), block by block (long ones), the
-    latter with the queries in one chunk or in chunks of a few queries each."""
-    monkeypatch.setattr(cpu_attention, "ROWS_MAX_KEYS", 1 << 30 if request.param == "rows" else 0)
+def sel_path(request, monkeypatch) -> str:
+    """Both ways of the sel kernel, forward and backward: query by query (short sequences), block by block
+    (long ones), the latter with the queries in one chunk or in chunks of a few queries each."""
+    for name in ("ROWS_MAX_KEYS", "FORWARD_ROWS_MAX_KEYS"):
+        monkeypatch.setattr(cpu_attention, name, 1 << 30 if request.param == "rows" else 0)
     monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 4096 if request.param == "blocks-chunked" else 1 << 40)
     return request.param
 
 
 @pytest.mark.parametrize("docs", [False, True])
 @pytest.mark.parametrize("B,G,T,r,D,spec", SHAPES, ids=[f"B{s[0]}-G{s[1]}-T{s[2]}-r{s[3]}-D{s[4]}" for s in SHAPES])
-def test_the_sel_kernel_equals_the_pytorch_tiles(B, G, T, r, D, spec, docs, backward):
+def test_the_sel_kernel_equals_the_pytorch_tiles(B, G, T, r, D, spec, docs, sel_path):
     q, ks, vs, idx, valid, start = sel_inputs(B, G, T, r, D, spec, docs, seed=T + r)
     out, lse = fast_sel.selected_forward(q, ks, vs, idx, valid, spec, start, 0, None)
     got_out, got_lse = cpu_attention.sel_forward(q, ks, vs, idx, valid, spec, start, 0)
@@ -191,7 +192,7 @@ def test_the_weight_gradient_kernel_equals_score_grad(B, G, T, r, D, spec, docs)
 
 
 @pytest.mark.parametrize("with_docs", [False, True])
-def test_parts_of_the_queries_equal_the_whole(with_docs, backward):
+def test_parts_of_the_queries_equal_the_whole(with_docs, sel_path):
     """Context parallelism's contract through the kernels (q0 > 0), and nsa_fast with them equals the
     reference in fp32."""
     args, docs = random_parts_inputs(203, with_docs, torch.float32)

@@ -8,7 +8,8 @@ For cmp it also returns each query's probabilities summed over the group's heads
 blocks are chosen from (without documents here too: `choose_blocks`, per chunk of queries). The backward
 goes query by query, each thread adding into its own dk, dv; the sel backward of longer sequences goes
 block by block instead, through the reverse index (`block_readers`), a chunk of queries at a time, so
-that its working set does not grow with T. The cmp backward of long runs of keys is left to ATen's fused
+that its working set does not grow with T; so does the sel forward of longer sequences (an online
+softmax over each query's blocks). The cmp backward of long runs of keys is left to ATen's fused
 attention (`own_backward`), faster there. The block scores' straight-through gradient (`routing.py`) runs
 here too: dL/dlog s_j query by query (`sel_weight_grad`), the explored blocks' draw (`explore_blocks`)
 and, without documents, its way back through the cmp probabilities (`cmp_scores_backward`). So does the
@@ -51,10 +52,16 @@ here. 2-core Intel Xeon (AVX-512), both on 2 threads (`benchmarks/cpu_kernel.py`
 heads a group) cmp 103-119 against 124-142 ms at 8k (511 keys), 376 against 381 ms at 16k, 1.72 against
 1.49 s at 32k (2,047 keys); recall.toml (2 heads, 511 keys) 35-44 against 21-32 ms; win (w = 512) 225
 against 284-316 ms at 8k and 0.98 against 1.00 s at 32k, (w = 64) 10-15 against 15-23 ms."""
+FORWARD_ROWS_MAX_KEYS = 8192
+"""The sel forward goes query by query up to this many keys per (batch, group), block by block beyond
+(2-core Intel Xeon, AVX-512, M7C shape, random blocks, 3 runs each: 0.09-0.10 against 0.11 s at 4k,
+0.18-0.26 against 0.19-0.25 s at 8k, 1.33-1.38 against 0.99-1.04 s at 32k, 2.50-3.18 against 2.15-2.70 s
+at 64k). Query by query, each query reads its n blocks from all over the sequence, out of cache."""
 CHUNK_BYTES = 1 << 20
-"""The block-by-block sel backward takes the queries in chunks of this many bytes of q (as many of
-dO and dq), so that a chunk's rows stay in cache while the blocks they chose pass (at 32k: 2.41 s
-in one chunk, 1.73 s in chunks of 1 MiB = 682 queries; `benchmarks/sel_backward.py`)."""
+"""The block-by-block sel forward and backward take the queries in chunks of this many bytes of q (as
+many of dO and dq, or of the output), so that a chunk's rows stay in cache while the blocks they chose
+pass (backward at 32k: 2.41 s in one chunk, 1.73 s in chunks of 1 MiB = 682 queries;
+`benchmarks/sel_backward.py`)."""
 
 
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fopenmp"]
@@ -164,8 +171,23 @@ def _backward_rows(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: t
 
 def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
                 spec: NSASpec, start: torch.Tensor | None, q0: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fast_sel.selected_forward`'s contract (no host bounds needed): out (B, G, Tq, r, D), logsumexp (B, G, Tq, r)."""
-    return _forward(q, ks, vs, _sel_runs(idx, valid, spec, start), spec.l_sel, q0)
+    """`fast_sel.selected_forward`'s contract (no host bounds needed): out (B, G, Tq, r, D), logsumexp (B, G, Tq, r).
+    Query by query up to FORWARD_ROWS_MAX_KEYS keys, else block by block through the reverse index."""
+    B, G, Tq, r, D = q.shape
+    T, L = ks.shape[2], spec.l_sel
+    if T <= FORWARD_ROWS_MAX_KEYS:
+        return _forward(q, ks, vs, _sel_runs(idx, valid, spec, start), L, q0)
+    offsets, readers = _readers(idx, valid, start, L, T, B, Tq)
+    out, lse = _build()[0].runs_forward_blocks(_rows(q), _transposed(_keys(ks, L)), _keys(vs, L), offsets, readers, T, L,
+                                               q0, D**-0.5, CHUNK_BYTES // (r * D * 4))
+    return out.view(q.shape), lse.view(B, G, Tq, r)
+
+
+def _readers(idx: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, L: int, T: int, B: int, Tq: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_readers` of the chosen sel blocks idx, valid (B, G, Tq, n), start (B, Tq) or None."""
+    start32 = torch.zeros(B, Tq, dtype=torch.int32) if start is None else start.to(torch.int32)
+    return block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
 
 
 def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor,
@@ -177,8 +199,7 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     T, L = ks.shape[2], spec.l_sel
     if T <= ROWS_MAX_KEYS:
         return _backward_rows(d_out, q, ks, vs, out, lse, _sel_runs(idx, valid, spec, start), L, q0)
-    start32 = torch.zeros(B, Tq, dtype=torch.int32) if start is None else start.to(torch.int32)
-    offsets, readers = block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
+    offsets, readers = _readers(idx, valid, start, L, T, B, Tq)
     keys = _backward_keys(ks, vs, L)  # each block's tile is copied whole, up to a block past its last reader
     module, go = _build()[0], _rows(d_out)
     dq, dk, dv = module.runs_backward_blocks(_rows(q), *keys, offsets, readers, go, _rows(lse), module.delta(go, _rows(out)),

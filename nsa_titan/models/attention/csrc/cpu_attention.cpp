@@ -2,7 +2,7 @@
 // keys (cmp: its visible slots; sel: its chosen blocks of l'; win: the last w keys), the r query heads
 // of the group side by side (the paper's group-centric sharing). Scores, softmax and both products stay
 // in a per-thread buffer of r x (keys read) scores: no gathered rows, no zero-filled tile buffers, no
-// merging of parts. fp32; built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the
+// merging of parts (but in the sel forward of long sequences, block by block: an online softmax). fp32; built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the
 // machine it runs on (-march=native).
 //
 // Layouts (BG = batch x groups; P rows of keys, the last ones zero, so vector loads never leave them):
@@ -118,6 +118,70 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
           }
         }
       }
+    }
+  });
+}
+
+// The forward block by block (the reverse index), for long sequences: each (batch x group, chunk of queries) is one
+// task, which reads each block its queries chose once for all of them (query by query, a query's blocks are read
+// from all over the sequence, and its keys are rarely still in cache). Each reader's scores against the block's
+// keys, then an online softmax: the running max m and sum l of each row, its unnormalised output in `out`, scaled
+// by e^(m_old - m_new) when the max grows. starts: the first keys of each (batch x group)'s chosen blocks, ascending.
+template <int R, int DV>
+void forward_blocks(const float* q, const float* kt, const float* v, const int32_t* offsets, const int32_t* readers,
+                    const std::vector<std::vector<int32_t>>& starts, float* out, float* lse, int64_t BG, int64_t Tq,
+                    int64_t Tk, int L, int64_t P, int64_t q0, float scale, int64_t chunk) {
+  constexpr int D = 16 * DV;
+  const int L16 = padded(L);
+  const int64_t chunks = (Tq + chunk - 1) / chunk;
+  at::parallel_for(0, BG * chunks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> ktile(D * L16), s(R * L16), m(chunk * R), l(chunk * R);
+    float qs[R * D];
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t bg = task / chunks, r0 = task % chunks * chunk, r1 = std::min(Tq, r0 + chunk);
+      float* o = out + (bg * Tq + r0) * R * D;
+      std::fill(o, o + (r1 - r0) * R * D, 0.0f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(l.begin(), l.end(), 0.0f);
+      for (const int32_t p0 : starts[bg]) {
+        const int64_t i = bg * Tk + p0;
+        const int32_t* e0 = std::lower_bound(readers + offsets[i], readers + offsets[i + 1], static_cast<int32_t>(r0));
+        const int32_t* e1 = std::lower_bound(e0, readers + offsets[i + 1], static_cast<int32_t>(r1));
+        if (e0 == e1) continue;
+        for (int d = 0; d < D; ++d) std::memcpy(&ktile[d * L16], kt + (bg * D + d) * P + p0, L * sizeof(float));
+        for (const int32_t* e = e0; e < e1; ++e) {
+          const int64_t row = bg * Tq + *e, t = q0 + *e, j = *e - r0;
+          const int n = static_cast<int>(std::min<int64_t>(L, t - p0 + 1));
+          if (n <= 0) continue;
+          for (int x = 0; x < R * D; ++x) qs[x] = q[row * R * D + x] * scale;
+          scores<R>(qs, D, ktile.data(), L16, 0, s.data(), L16, padded(n), n);  // -inf after t
+          float alpha[R];
+          for (int h = 0; h < R; ++h) {
+            float* sh = &s[h * L16];
+            v16 mx = splat(-INFINITY), sum = {};
+            for (int c = 0; c < n; c += 16) { const v16 x = load(sh + c); mx = select(x > mx, x, mx); }
+            const float mj = m[j * R + h], mn = std::max(mj, hmax(mx));
+            for (int c = 0; c < n; c += 16) { const v16 e = vexp(load(sh + c) - splat(mn)); store(sh + c, e); sum += e; }
+            alpha[h] = std::exp(mj - mn);  // 0 at the first block (m = -inf)
+            l[j * R + h] = l[j * R + h] * alpha[h] + hsum(sum);
+            m[j * R + h] = mn;
+          }
+          float* oj = o + j * R * D;
+          v16 acc[R][DV];
+          for (int h = 0; h < R; ++h)
+            for (int x = 0; x < DV; ++x) acc[h][x] = load(oj + h * D + 16 * x) * splat(alpha[h]);
+          weighted_rows<R, DV>(acc, s.data(), L16, v + bg * P * D, p0, n);
+          for (int h = 0; h < R; ++h)
+            for (int x = 0; x < DV; ++x) store(oj + h * D + 16 * x, acc[h][x]);
+        }
+      }
+      for (int64_t j = 0; j < r1 - r0; ++j)  // a query with no key: output 0, logsumexp 0
+        for (int h = 0; h < R; ++h) {
+          const float total = l[j * R + h];
+          const v16 inv = splat(total > 0 ? 1.0f / total : 0.0f);
+          for (int x = 0; x < DV; ++x) store(o + (j * R + h) * D + 16 * x, load(o + (j * R + h) * D + 16 * x) * inv);
+          lse[(bg * Tq + r0 + j) * R + h] = total > 0 ? m[j * R + h] + std::log(total) : 0.0f;
+        }
     }
   });
 }
@@ -541,6 +605,29 @@ std::vector<torch::Tensor> runs_forward(torch::Tensor q, torch::Tensor kt, torch
   return {out, lse, group};
 }
 
+std::vector<torch::Tensor> runs_forward_blocks(torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor offsets,
+                                              torch::Tensor readers, int64_t Tk, int64_t L, int64_t q0, double scale,
+                                              int64_t chunk) {
+  check(q, "q"); check(kt, "kt"); check(v, "v");
+  TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
+              readers.scalar_type() == torch::kInt32, "cpu_attention: offsets and readers must be contiguous int32");
+  const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = v.size(1);
+  TORCH_CHECK(offsets.numel() == BG * Tk + 1, "cpu_attention: offsets must have BG * Tk + 1 entries");
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  std::vector<std::vector<int32_t>> starts(BG);
+  for (int64_t bg = 0; bg < BG; ++bg)
+    for (int64_t p0 = 0; p0 < Tk; ++p0)
+      if (off[bg * Tk + p0 + 1] > off[bg * Tk + p0]) starts[bg].push_back(static_cast<int32_t>(p0));
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({BG, Tq, r}, q.options());
+  dispatch(r, D, [&](auto R, auto DV) {
+    forward_blocks<decltype(R)::value, decltype(DV)::value>(
+        q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), off, readers.data_ptr<int32_t>(), starts,
+        out.data_ptr<float>(), lse.data_ptr<float>(), BG, Tq, Tk, L, P, q0, scale, std::clamp<int64_t>(chunk, 1, std::max<int64_t>(Tq, 1)));
+  });
+  return {out, lse};
+}
+
 std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k, torch::Tensor kt, torch::Tensor vt,
                                         torch::Tensor offsets, torch::Tensor readers, torch::Tensor dout,
                                         torch::Tensor lse, torch::Tensor delta, int64_t Tk, int64_t L, int64_t q0,
@@ -707,6 +794,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("openmp") = false;
 #endif
   m.def("runs_forward", &runs_forward, "attention over runs of keys, forward (CPU, fp32)");
+  m.def("runs_forward_blocks", &runs_forward_blocks, "attention over runs of keys, forward block by block (sel; CPU, fp32)");
   m.def("runs_backward_rows", &runs_backward_rows, "its backward query by query (CPU, fp32)");
   m.def("runs_backward_blocks", &runs_backward_blocks, "its backward block by block (sel; CPU, fp32)");
   m.def("runs_weight_grad", &runs_weight_grad, "the gradient of a weight on each run's keys (CPU, fp32)");
