@@ -1,12 +1,14 @@
-"""The C++ sel backward alone: query by query against block by block at several query-chunk sizes.
+"""The C++ sel backward (or forward) alone: query by query against block by block at several query-chunk sizes.
 
     python benchmarks/sel_backward.py [--T 8192 32768] [--chunk_mib 0 1 2 4] [--batch 1] [--docs] [--repeats 3]
+                                      [--forward]
 
 Per T, in one process: random q (batch, 2 KV groups, T, 6 heads, 64) and sel keys and values at the
 M7C shape, the sel blocks chosen by the cmp branch over random compressed keys (as training picks
 them), the forward once, then the backward `repeats` times per setting; prints the minimum seconds.
 `--chunk_mib 0` is the block-by-block backward with all queries in one chunk (before session 14).
 Sets `cpu_attention.ROWS_MAX_KEYS` and `CHUNK_BYTES` per row; what training uses is their defaults.
+`--forward` times the forward instead (`FORWARD_ROWS_MAX_KEYS` for the query-by-query row).
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ from test_cpu_attention import sel_inputs  # noqa: E402  (the kernel tests' inpu
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 
 
-def seconds(args: tuple, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, repeats: int) -> float:
+def seconds(args: tuple, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, repeats: int, forward: bool
+            ) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        cpu_attention.sel_backward(d_out, *args[:5], out, lse, SPEC, args[5], 0)
+        if forward:
+            cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
+        else:
+            cpu_attention.sel_backward(d_out, *args[:5], out, lse, SPEC, args[5], 0)
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -44,10 +50,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--docs", action="store_true", help="random documents (~4 per row)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forward", action="store_true", help="time the forward instead of the backward")
     a = parser.parse_args()
     if problem := cpu_attention.problem(torch.device("cpu"), torch.float32, SPEC, 6, 64):
         sys.exit(problem)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {a.batch}, documents {a.docs}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {a.batch}, documents {a.docs}, "
+          f"{'forward' if a.forward else 'backward'}")
     print("| T | query by query | " + " | ".join(f"blocks, {c:g} MiB chunks" if c else "blocks, one chunk"
                                                   for c in a.chunk_mib) + " |")
     print("|---" * (len(a.chunk_mib) + 2) + "|")
@@ -55,12 +63,13 @@ def main() -> None:
         args = sel_inputs(a.batch, 2, T, 6, 64, SPEC, a.docs, seed=0)
         out, lse = cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
         d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        cpu_attention.ROWS_MAX_KEYS = 1 << 30
-        row = [seconds(args, out, lse, d_out, a.repeats)]
-        cpu_attention.ROWS_MAX_KEYS = 0
+        threshold = "FORWARD_ROWS_MAX_KEYS" if a.forward else "ROWS_MAX_KEYS"
+        setattr(cpu_attention, threshold, 1 << 30)
+        row = [seconds(args, out, lse, d_out, a.repeats, a.forward)]
+        setattr(cpu_attention, threshold, 0)
         for c in a.chunk_mib:
             cpu_attention.CHUNK_BYTES = int(c * 2**20) if c else 1 << 40
-            row.append(seconds(args, out, lse, d_out, a.repeats))
+            row.append(seconds(args, out, lse, d_out, a.repeats, a.forward))
         print(f"| {T:,} | " + " | ".join(f"{s:.3f}" for s in row) + " |", flush=True)
 
 
