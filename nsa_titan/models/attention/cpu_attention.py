@@ -54,9 +54,9 @@ heads a group) cmp 103-119 against 124-142 ms at 8k (511 keys), 376 against 381 
 against 284-316 ms at 8k and 0.98 against 1.00 s at 32k, (w = 64) 10-15 against 15-23 ms."""
 FORWARD_ROWS_MAX_KEYS = 8192
 """The sel forward goes query by query up to this many keys per (batch, group), block by block beyond
-(2-core Intel Xeon, AVX-512, M7C shape, random blocks, 3 runs each: 0.09-0.10 against 0.11 s at 4k,
-0.18-0.26 against 0.19-0.25 s at 8k, 1.33-1.38 against 0.99-1.04 s at 32k, 2.50-3.18 against 2.15-2.70 s
-at 64k). Query by query, each query reads its n blocks from all over the sequence, out of cache."""
+(2-core Intel Xeon, AVX-512, M7C shape, `benchmarks/sel_backward.py --forward`: 0.085 against 0.092 s at
+4k, 0.177 against 0.186 s at 8k, 0.53 against 0.48 s at 16k, 1.13 against 0.84 s at 32k, 2.89 against
+2.17 s at 64k). Query by query, each query reads its n blocks from all over the sequence, out of cache."""
 CHUNK_BYTES = 1 << 20
 """The block-by-block sel forward and backward take the queries in chunks of this many bytes of q (as
 many of dO and dq, or of the output), so that a chunk's rows stay in cache while the blocks they chose

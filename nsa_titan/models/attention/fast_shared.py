@@ -171,8 +171,8 @@ def _parts(kind: str, spec: NSASpec, t0: int, lo: int, hi: int, mask: torch.Tens
            ) -> list[tuple[int, int, torch.Tensor | None]]:
     """A chunk's keys [lo, hi) (its first query at t0) as parts (k0, k1, mask of their columns, or None
     where every query of the chunk reads every key of the part). cmp without documents: the slots the
-    first query sees are seen by all, only the last C / d need a mask (M7C at 64k: 5.4-6.6 s against
-    7.3-7.8 s with a bias of C r x 4,096 built and read per chunk). A part's gradients are exact,
+    first query sees are seen by all, only the last C / d need a mask (M7C at 64k: a median of 6.6 s
+    against 7.4 s with a bias of C r x 4,096 built and read per chunk). A part's gradients are exact,
     since the fused backward takes each row's output and logsumexp over all of its keys."""
     if kind != "cmp" or docs is not None:
         return [(lo, hi, mask)]
