@@ -2,8 +2,9 @@
 // keys (cmp: its visible slots; sel: its chosen blocks of l'; win: the last w keys), the r query heads
 // of the group side by side (the paper's group-centric sharing). Scores, softmax and both products stay
 // in a per-thread buffer of r x (keys read) scores: no gathered rows, no zero-filled tile buffers, no
-// merging of parts (but in the sel forward of long sequences, block by block: an online softmax). fp32; built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the
-// machine it runs on (-march=native).
+// merging of parts (but in the sel forward of long sequences, block by block: an online softmax). fp32;
+// built at first use by `cpu_attention.py` (torch.utils.cpp_extension) for the machine it runs on
+// (-march=native).
 //
 // Layouts (BG = batch x groups; P rows of keys, the last ones zero, so vector loads never leave them):
 //   q (BG, Tq, r, D)   kt, vt (BG, D, P): keys / values transposed   k (BG, P, D)
@@ -623,7 +624,8 @@ std::vector<torch::Tensor> runs_forward_blocks(torch::Tensor q, torch::Tensor kt
   dispatch(r, D, [&](auto R, auto DV) {
     forward_blocks<decltype(R)::value, decltype(DV)::value>(
         q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), off, readers.data_ptr<int32_t>(), starts,
-        out.data_ptr<float>(), lse.data_ptr<float>(), BG, Tq, Tk, L, P, q0, scale, std::clamp<int64_t>(chunk, 1, std::max<int64_t>(Tq, 1)));
+        out.data_ptr<float>(), lse.data_ptr<float>(), BG, Tq, Tk, L, P, q0, scale,
+        std::clamp<int64_t>(chunk, 1, std::max<int64_t>(Tq, 1)));  // a chunk of at most all the queries
   });
   return {out, lse};
 }
