@@ -177,15 +177,16 @@ def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.
     T, L = ks.shape[2], spec.l_sel
     if T <= FORWARD_ROWS_MAX_KEYS:
         return _forward(q, ks, vs, _sel_runs(idx, valid, spec, start), L, q0)
-    offsets, readers = _readers(idx, valid, start, L, T, B, Tq)
+    offsets, readers = _readers(idx, valid, start, L, T)
     out, lse = _build()[0].runs_forward_blocks(_rows(q), _transposed(_keys(ks, L)), _keys(vs, L), offsets, readers, T, L,
                                                q0, D**-0.5, CHUNK_BYTES // (r * D * 4))
     return out.view(q.shape), lse.view(B, G, Tq, r)
 
 
-def _readers(idx: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, L: int, T: int, B: int, Tq: int
+def _readers(idx: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, L: int, T: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`block_readers` of the chosen sel blocks idx, valid (B, G, Tq, n), start (B, Tq) or None."""
+    B, _, Tq, _ = idx.shape
     start32 = torch.zeros(B, Tq, dtype=torch.int32) if start is None else start.to(torch.int32)
     return block_readers(torch.where(valid, idx, -1).to(torch.int32), start32, L, T)
 
@@ -199,7 +200,7 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     T, L = ks.shape[2], spec.l_sel
     if T <= ROWS_MAX_KEYS:
         return _backward_rows(d_out, q, ks, vs, out, lse, _sel_runs(idx, valid, spec, start), L, q0)
-    offsets, readers = _readers(idx, valid, start, L, T, B, Tq)
+    offsets, readers = _readers(idx, valid, start, L, T)
     keys = _backward_keys(ks, vs, L)  # each block's tile is copied whole, up to a block past its last reader
     module, go = _build()[0], _rows(d_out)
     dq, dk, dv = module.runs_backward_blocks(_rows(q), *keys, offsets, readers, go, _rows(lse), module.delta(go, _rows(out)),
