@@ -108,11 +108,13 @@ void forward_rows(const float* q, const float* kt, const float* v, const int32_t
       if (group) {  // sum over heads of e / total, in head order, as the reference sums its probabilities
         float* g = group + row * L;
         std::fill(g, g + L, 0.0f);
+        v16 inv[R];  // e times 1 / total: a vector division costs as much as a dozen multiplies
+        for (int h = 0; h < R; ++h) inv[h] = splat(1.0f / total[h]);
         for (int b = 0; b < nb; ++b) {
           const int n = blocks[b].n;
           for (int c = 0; c < n; c += 16) {
             v16 sum = {};
-            for (int h = 0; h < R; ++h) sum += load(s + h * cols + blocks[b].col + c) / splat(total[h]);
+            for (int h = 0; h < R; ++h) sum += load(s + h * cols + blocks[b].col + c) * inv[h];
             float* dst = g + blocks[b].p + c;  // keys 0 .. L - 1: the runs lie in them
             if (n - c >= 16) store(dst, sum);
             else for (int j = 0; j < n - c; ++j) dst[j] = sum[j];
@@ -508,11 +510,7 @@ void explore_rows(const int64_t* idx, const int64_t* tpos, int64_t* extra, bool*
 // a[i] . b[i] over D for each row i (the softmax backward's delta = dO . O of each (query, head)).
 void row_dots(const float* a, const float* b, float* out, int64_t rows, int64_t D) {
   at::parallel_for(0, rows, 1024, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < D; ++j) sum += a[i * D + j] * b[i * D + j];
-      out[i] = sum;
-    }
+    for (int64_t i = lo; i < hi; ++i) out[i] = dot(a + i * D, b + i * D, D);
   });
 }
 
@@ -551,9 +549,8 @@ void mix_backward_rows(const float* d_out, const float* gates, const std::vector
       for (size_t i = 0; i < outs.size(); ++i) {
         const float g = gates[row * 3 + which[i]], *x = outs[i] + src;
         float* dx = d_outs[i] + src;
-        float dot = 0.0f;
-        for (int64_t j = 0; j < D; ++j) dx[j] = g * dy[j], dot += x[j] * dy[j];
-        d_gates[row * 3 + which[i]] = dot;
+        for (int64_t j = 0; j < D; ++j) dx[j] = g * dy[j];
+        d_gates[row * 3 + which[i]] = dot(x, dy, D);
       }
     }
   });
@@ -606,14 +603,19 @@ std::vector<torch::Tensor> runs_forward(torch::Tensor q, torch::Tensor kt, torch
   return {out, lse, group};
 }
 
+// The reverse index (`common.block_readers`): offsets of `entries` = BG * Tk + 1, readers, both contiguous int32.
+void check_reverse_index(const torch::Tensor& offsets, const torch::Tensor& readers, int64_t entries) {
+  TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
+              readers.scalar_type() == torch::kInt32, "cpu_attention: offsets and readers must be contiguous int32");
+  TORCH_CHECK(offsets.numel() == entries, "cpu_attention: offsets must have BG * Tk + 1 entries");
+}
+
 std::vector<torch::Tensor> runs_forward_blocks(torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor offsets,
                                               torch::Tensor readers, int64_t Tk, int64_t L, int64_t q0, double scale,
                                               int64_t chunk) {
   check(q, "q"); check(kt, "kt"); check(v, "v");
-  TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
-              readers.scalar_type() == torch::kInt32, "cpu_attention: offsets and readers must be contiguous int32");
   const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = v.size(1);
-  TORCH_CHECK(offsets.numel() == BG * Tk + 1, "cpu_attention: offsets must have BG * Tk + 1 entries");
+  check_reverse_index(offsets, readers, BG * Tk + 1);
   const int32_t* off = offsets.data_ptr<int32_t>();
   std::vector<std::vector<int32_t>> starts(BG);
   for (int64_t bg = 0; bg < BG; ++bg)
@@ -636,10 +638,8 @@ std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k
                                         double scale, int64_t chunk) {
   for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}, {lse, "lse"},
                          {delta, "delta"}}) check(x, name);
-  TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
-              readers.scalar_type() == torch::kInt32, "cpu_attention: offsets and readers must be contiguous int32");
   const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = k.size(1);
-  TORCH_CHECK(offsets.numel() == BG * Tk + 1, "cpu_attention: offsets must have BG * Tk + 1 entries");
+  check_reverse_index(offsets, readers, BG * Tk + 1);
   auto dq = torch::zeros({at::get_num_threads(), BG, Tq, r, D}, q.options());
   auto dk = torch::zeros({BG, Tk, D}, q.options()), dv = torch::zeros({BG, Tk, D}, q.options());
   dispatch(r, D, [&](auto R, auto DV) {

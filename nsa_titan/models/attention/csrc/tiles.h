@@ -122,6 +122,16 @@ inline v16 vexp(v16 x) {
 inline float hmax(v16 x) { float m = x[0]; for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m; return m; }
 inline float hsum(v16 x) { float s = 0; for (int i = 0; i < 16; ++i) s += x[i]; return s; }
 
+// a . b over n floats, 16 lanes at a time (a vector of partial sums, then across it), then the rest.
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc += load(a + j) * load(b + j);
+  float sum = hsum(acc);
+  for (; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
 // s[h][c .. c + 16 NV) = sum_d a[h][d] * bt[d][p .. p + 16 NV): R rows against 16 NV columns of a transposed
 // matrix, -inf in the columns from n on.
 template <int R, int NV>
