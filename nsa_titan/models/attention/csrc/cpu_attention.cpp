@@ -603,11 +603,12 @@ std::vector<torch::Tensor> runs_forward(torch::Tensor q, torch::Tensor kt, torch
   return {out, lse, group};
 }
 
-// The reverse index (`common.block_readers`): offsets of `entries` = BG * Tk + 1, readers, both contiguous int32.
-void check_reverse_index(const torch::Tensor& offsets, const torch::Tensor& readers, int64_t entries) {
+// The reverse index (`common.block_readers`) of BG (batch x group) rows of Tk keys: offsets of BG * Tk + 1
+// entries and readers, both contiguous int32.
+void check_reverse_index(const torch::Tensor& offsets, const torch::Tensor& readers, int64_t BG, int64_t Tk) {
   TORCH_CHECK(offsets.is_contiguous() && offsets.scalar_type() == torch::kInt32 && readers.is_contiguous() &&
               readers.scalar_type() == torch::kInt32, "cpu_attention: offsets and readers must be contiguous int32");
-  TORCH_CHECK(offsets.numel() == entries, "cpu_attention: offsets must have BG * Tk + 1 entries");
+  TORCH_CHECK(offsets.numel() == BG * Tk + 1, "cpu_attention: offsets must have BG * Tk + 1 entries");
 }
 
 std::vector<torch::Tensor> runs_forward_blocks(torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor offsets,
@@ -615,7 +616,7 @@ std::vector<torch::Tensor> runs_forward_blocks(torch::Tensor q, torch::Tensor kt
                                               int64_t chunk) {
   check(q, "q"); check(kt, "kt"); check(v, "v");
   const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = v.size(1);
-  check_reverse_index(offsets, readers, BG * Tk + 1);
+  check_reverse_index(offsets, readers, BG, Tk);
   const int32_t* off = offsets.data_ptr<int32_t>();
   std::vector<std::vector<int32_t>> starts(BG);
   for (int64_t bg = 0; bg < BG; ++bg)
@@ -639,7 +640,7 @@ std::vector<torch::Tensor> runs_backward_blocks(torch::Tensor q, torch::Tensor k
   for (auto [x, name] : {std::pair{q, "q"}, {k, "k"}, {kt, "kt"}, {vt, "vt"}, {dout, "d_out"}, {lse, "lse"},
                          {delta, "delta"}}) check(x, name);
   const int64_t BG = q.size(0), Tq = q.size(1), r = q.size(2), D = q.size(3), P = k.size(1);
-  check_reverse_index(offsets, readers, BG * Tk + 1);
+  check_reverse_index(offsets, readers, BG, Tk);
   auto dq = torch::zeros({at::get_num_threads(), BG, Tq, r, D}, q.options());
   auto dk = torch::zeros({BG, Tk, D}, q.options()), dv = torch::zeros({BG, Tk, D}, q.options());
   dispatch(r, D, [&](auto R, auto DV) {
