@@ -138,10 +138,12 @@ def opcheck() -> list:
 
 def shared_kernels() -> list:
     """The Triton cmp and win kernels against the PyTorch chunks, op by op: output, logsumexp, the
-    chosen blocks and every gradient, over several chunks and key tiles, with and without documents;
-    and a chunk's cmp scores against the PyTorch probabilities summed over the group's heads."""
+    chosen blocks and every gradient, over several chunks and key tiles (the cmp dK, dV over several
+    segments of the queries, each of 2 steps), with and without documents; and a chunk's cmp scores
+    against the PyTorch probabilities summed over the group's heads."""
     from nsa_titan.models.attention import Documents, fast_shared, triton_shared
     fast_shared.CHUNK_CMP, triton_shared.BLOCK_N, triton_shared.ROWS, T = 48, 16, 16, 150  # many tiles
+    triton_shared.DKV_ROWS, triton_shared.DKV_SEGMENT = 16, 32  # cmp dK, dV: 4 segments of 3 steps
     docs = Documents.of(torch.stack([torch.arange(T) // 70, torch.arange(T) // 40]), SPEC)
     report = []
     for kind, with_docs, q0, dtype in (("cmp", False, 0, torch.float32), ("cmp", True, 0, torch.float32),

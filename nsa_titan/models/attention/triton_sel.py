@@ -4,9 +4,10 @@ One program per (query t, batch b, KV group g): it loads the query rows of all r
 group once (padded to at least 16 rows for tl.dot), walks the n chosen blocks of l' keys with an
 online softmax, and writes the r outputs and their logsumexps. The backward recomputes the
 probabilities from the logsumexp in two kernels, neither with atomics: dQ one program per
-query (its n blocks, as the forward), and dK, dV block-centric, one program per key block over the
-queries that chose it (a reverse index: the chosen blocks sorted by block), written once. Each
-loop is over n blocks or a block's readers, never over T; memory is the inputs and outputs.
+query (its n blocks, as the forward), and dK, dV block-centric, one program per (key block, head)
+over the queries that chose it (a reverse index: the chosen blocks sorted by block), each head's
+part written once and the r parts summed. Each loop is over n blocks or a block's readers, never
+over T; memory is the inputs and outputs, and the heads' parts of dK, dV in fp32.
 
 Used by `nsa_fast` when `kernels.py` chooses it (CUDA, Triton installed, head dim and l' powers of
 two >= 16); checked on CPU against the PyTorch path under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
@@ -27,9 +28,9 @@ from .common import NSASpec, block_readers
 AVAILABLE = triton is not None
 """Whether the kernels can be used (Triton importable)."""
 DKV_ROWS, DKV_WARPS = 32, 8
-"""The block-centric backward's rows (readers x padded heads) per step and warps: at M7C's shape
-(r = 6, head dim 64, l' = 64) in bf16 it compiles for sm_90 without spilling registers (64 rows
-or 4 warps spill; tests/test_triton_compile.py)."""
+"""The block-centric backward's rows (readers, one head a program) per step and warps: at M7C's
+shape (head dim 64, l' = 64) in bf16 it compiles for sm_90 without spilling registers (64 rows or
+4 warps spill; tests/test_triton_compile.py)."""
 
 if AVAILABLE:
 
@@ -119,43 +120,54 @@ if AVAILABLE:
     @triton.jit
     def _sel_bwd_dkv(Q, K, V, DO, LSE, DELTA, OFFSETS, READERS, DK, DV, scale,
                      sq_t, sk_t, slse_t, Tq, Tk, q0,
-                     R: tl.constexpr, RP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
-        """dK, dV of the block of L keys starting at position p0: one program per (p0, b * G + g)
-        walks the queries that chose it (READERS[OFFSETS[i] : OFFSETS[i + 1]], i = bg * Tk + p0),
-        BQ of them (BQ * RP rows of heads) at a time, and writes the block once: no atomics."""
-        p0 = tl.program_id(0)
+                     R: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
+        """Head h's part of dK, dV of the blocks of L keys that start at positions c0 .. c0 + L - 1
+        (one without documents; one per document starting there with them): one program per (c0 / L,
+        b * G + g, h) walks the queries that chose each (READERS[OFFSETS[i] : OFFSETS[i + 1]],
+        i = bg * Tk + p0), BQ of them at a time, and writes the part (B, G, r, Tk, D) once, in fp32:
+        no atomics; the wrapper sums the r parts. A block every query reads (block 0 is forced)
+        takes Tq / BQ steps, not the r-fold that rows of all r heads would."""
         bg = tl.program_id(1)
-        first = tl.load(OFFSETS + bg * Tk + p0)
-        last = tl.load(OFFSETS + bg * Tk + p0 + 1)
+        h = tl.program_id(2)
+        starts = tl.program_id(0) * L + tl.arange(0, L)  # the positions a block may start at
+        firsts = tl.load(OFFSETS + bg * Tk + starts, mask=starts < Tk, other=0)
+        lasts = tl.load(OFFSETS + bg * Tk + starts + 1, mask=starts < Tk, other=0)
+        chosen = lasts > firsts
+        rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
         dd = tl.arange(0, D)
-        pos = p0 + tl.arange(0, L)
-        kv_off = bg * Tk * sk_t + pos[:, None] * sk_t + dd[None, :]
-        k = tl.load(K + kv_off, mask=pos[:, None] < Tk, other=0.0)
-        v = tl.load(V + kv_off, mask=pos[:, None] < Tk, other=0.0)
-        mm = tl.arange(0, BQ * RP)  # row m: the (m // RP)-th reader's head m % RP
-        head = mm % RP
-        dk = tl.zeros([L, D], tl.float32)
-        dv = tl.zeros([L, D], tl.float32)
-        t_max = -1
-        for e0 in range(first, last, BQ):
-            e = e0 + mm // RP
-            live = (e < last) & (head < R)
-            tq = tl.load(READERS + e, mask=e < last, other=0)
-            t = q0 + tq
-            q_off = bg * Tq * sq_t + tq[:, None] * sq_t + head[:, None] * D + dd[None, :]
-            q = tl.load(Q + q_off, mask=live[:, None], other=0.0)
-            do = tl.load(DO + q_off, mask=live[:, None], other=0.0)
-            stat_off = bg * Tq * slse_t + tq * slse_t + head
-            lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
-            delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
-            ok = pos[None, :] <= t[:, None]  # the reader's causal part of the block
-            p, ds = tile_grads(q, do, k, v, ok, lse, delta, scale, None)  # (BQ * RP, L)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
-            t_max = tl.maximum(t_max, tl.max(tl.where(e < last, t, -1), 0))
-        written = pos[:, None] <= t_max  # the keys some reader read (blocks of other documents follow)
-        tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=written)
-        tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=written)
+        ee = tl.arange(0, BQ)
+        for i in range(tl.sum(chosen.to(tl.int32), 0)):  # the chosen blocks starting here, in order
+            this = chosen & (rank == i)
+            p0 = tl.sum(tl.where(this, starts, 0), 0)
+            first = tl.sum(tl.where(this, firsts, 0), 0)
+            last = tl.sum(tl.where(this, lasts, 0), 0)
+            pos = p0 + tl.arange(0, L)
+            kv_off = bg * Tk * sk_t + pos[:, None] * sk_t + dd[None, :]
+            k = tl.load(K + kv_off, mask=pos[:, None] < Tk, other=0.0)
+            v = tl.load(V + kv_off, mask=pos[:, None] < Tk, other=0.0)
+            dk = tl.zeros([L, D], tl.float32)
+            dv = tl.zeros([L, D], tl.float32)
+            t_max = -1
+            for e0 in range(first, last, BQ):
+                e = e0 + ee
+                live = e < last
+                tq = tl.load(READERS + e, mask=live, other=0)
+                t = q0 + tq
+                q_off = bg * Tq * sq_t + tq[:, None] * sq_t + h * D + dd[None, :]
+                q = tl.load(Q + q_off, mask=live[:, None], other=0.0)
+                do = tl.load(DO + q_off, mask=live[:, None], other=0.0)
+                stat_off = bg * Tq * slse_t + tq * slse_t + h
+                lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
+                delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
+                ok = pos[None, :] <= t[:, None]  # the reader's causal part of the block
+                p, ds = tile_grads(q, do, k, v, ok, lse, delta, scale, None)  # (BQ, L)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+                t_max = tl.maximum(t_max, tl.max(tl.where(live, t, -1), 0))
+            written = pos[:, None] <= t_max  # the keys some reader read (blocks of other documents follow)
+            part_off = ((bg * R + h) * Tk + pos[:, None]) * D + dd[None, :]
+            tl.store(DK + part_off, dk, mask=written)
+            tl.store(DV + part_off, dv, mask=written)
 
 
 def _launch_args(q: torch.Tensor, ks: torch.Tensor, idx: torch.Tensor, spec: NSASpec, q0: int) -> dict:
@@ -201,9 +213,9 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     dq = torch.empty_like(q)
     _sel_bwd_dq[(Tq, B * G)](q, ks, vs, idx32, start32, d_out, lse, delta, dq, **args)
     offsets, readers = block_readers(idx32, start32, spec.l_sel, Tk)
-    dks, dvs = torch.zeros_like(ks), torch.zeros_like(vs)  # keys no query chose: 0
-    rp = triton.next_power_of_2(r)
-    _sel_bwd_dkv[(Tk, B * G)](q, ks, vs, d_out, lse, delta, offsets, readers, dks, dvs, args["scale"],
-                              args["sq_t"], args["sk_t"], args["slse_t"], Tq, Tk, q0,
-                              R=r, RP=rp, BQ=max(1, DKV_ROWS // rp), D=D, L=spec.l_sel, num_warps=DKV_WARPS)
+    parts = torch.zeros(2, B, G, r, Tk, D, dtype=torch.float32, device=q.device)  # keys no query chose: 0
+    _sel_bwd_dkv[(triton.cdiv(Tk, spec.l_sel), B * G, r)](
+        q, ks, vs, d_out, lse, delta, offsets, readers, parts[0], parts[1], args["scale"], args["sq_t"], args["sk_t"],
+        args["slse_t"], Tq, Tk, q0, R=r, BQ=DKV_ROWS, D=D, L=spec.l_sel, num_warps=DKV_WARPS)
+    dks, dvs = parts[0].sum(2).to(ks.dtype), parts[1].sum(2).to(vs.dtype)  # the r heads' parts
     return dq, dks, dvs

@@ -36,6 +36,10 @@ ROWS = 64
 DKV_ROWS, DKV_WARPS = 32, 8
 """Rows per step and warps of the dK, dV kernel: with 64 rows or 4 warps it spills registers on
 sm_90 (tests/test_triton_compile.py)."""
+DKV_PROGRAMS, DKV_SEGMENT = 1024, 512
+"""The cmp dK, dV kernel runs one head a program and splits the queries into segments of at least
+DKV_SEGMENT rows until about DKV_PROGRAMS programs run: a slot tile is seen by every later query,
+so with all r heads as rows of one program M7C at 8k ran 16 programs, the first 2,048 steps long."""
 
 if AVAILABLE:
     import triton
@@ -153,11 +157,17 @@ if AVAILABLE:
 
     @triton.jit
     def _bwd_dkv(Q, K, V, CSTART, QSTART, DO, LSE, DELTA, DK, DV, scale, Tq, S, q0, s_cstart, s_qstart, G, d, l, w,
-                 WIN: tl.constexpr, DOCS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, D: tl.constexpr):
+                 SEG, WIN: tl.constexpr, DOCS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, NH: tl.constexpr):
+        """Part `pid 2` of dK, dV of the keys n0 .. n0 + BN - 1: the rows of HEADS heads from head
+        (part % NH) * HEADS, over the queries that may see the keys and lie in the part's segment of
+        SEG query rows (part // NH). Written once into (B, G, parts, S, D); the wrapper sums the parts."""
         bg = tl.program_id(1)
         b = bg // G
         n0 = tl.program_id(0) * BN
+        part = tl.program_id(2)
+        h0 = (part % NH) * HEADS
+        seg0 = (part // NH) * SEG
         # the queries that may see keys n0 .. n0 + BN - 1 (cmp slots are in position order)
         if WIN:
             t_lo, t_hi = n0, n0 + BN + w - 1
@@ -165,21 +175,23 @@ if AVAILABLE:
             t_lo, t_hi = tl.load(CSTART + b * s_cstart + n0) + l - 1, q0 + Tq
         else:
             t_lo, t_hi = n0 * d + l - 1, q0 + Tq
-        r_lo, r_hi = tl.maximum(t_lo - q0, 0), tl.minimum(t_hi - q0, Tq)
-        mm = tl.arange(0, BM * RP)
+        r_lo = tl.maximum(tl.maximum(t_lo - q0, 0), seg0)
+        r_hi = tl.minimum(tl.minimum(t_hi - q0, Tq), seg0 + SEG)
+        mm = tl.arange(0, BM * HEADS)
+        head = h0 + mm % HEADS
         k, v = _keys(K, V, bg, n0, S, BN, D)  # read once
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         for m0 in range(r_lo, r_hi, BM):
-            row = m0 + mm // RP
-            live, t, s, q_off, q = _queries(Q, QSTART, b, bg, row, mm % RP, Tq, q0, s_qstart, R, DOCS, D)
-            do, lse, delta = _row_grads(DO, LSE, DELTA, bg, row, mm % RP, q_off, live, Tq, R)
+            row = tl.where(m0 + mm // HEADS < r_hi, m0 + mm // HEADS, Tq)  # Tq: past the segment, not a row
+            live, t, s, q_off, q = _queries(Q, QSTART, b, bg, row, head, Tq, q0, s_qstart, R, DOCS, D)
+            do, lse, delta = _row_grads(DO, LSE, DELTA, bg, row, head, q_off, live, Tq, R)
             seen = _seen(CSTART, b, t, s, live, n0, S, s_cstart, d, l, w, WIN, DOCS, BN)
             p, ds = tile_grads(q, do, k, v, seen, lse, delta, scale, "ieee")
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
         j = n0 + tl.arange(0, BN)
-        out = bg * S * D + j[:, None] * D + tl.arange(0, D)[None, :]
+        out = ((bg * tl.num_programs(2) + part) * S + j[:, None]) * D + tl.arange(0, D)[None, :]
         tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=j[:, None] < S)
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=j[:, None] < S)
 
@@ -216,9 +228,23 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     B, G = q.shape[:2]
     geo = _geometry(q, k, kind, spec, docs)
     delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
     _bwd_dq[(triton.cdiv(q.shape[2], geo["BM"]), B * G)](q, k, v, DO=d_out, LSE=lse, DELTA=delta, DQ=dq, q0=q0, **geo)
-    geo["BM"] = max(1, DKV_ROWS // geo["RP"])
-    _bwd_dkv[(triton.cdiv(k.shape[2], BLOCK_N), B * G)](q, k, v, DO=d_out, LSE=lse, DELTA=delta, DK=dk, DV=dv, q0=q0,
-                                                        num_warps=DKV_WARPS, **geo)
+    Tq, S, r, rp = q.shape[2], k.shape[2], q.shape[3], geo["RP"]
+    if kind == "cmp":  # one head a program, the queries in segments: parts summed below
+        heads, nh, geo["BM"] = 1, r, DKV_ROWS
+        programs = max(1, triton.cdiv(S, BLOCK_N) * B * G * r)
+        seg = triton.cdiv(Tq, max(1, min(triton.cdiv(DKV_PROGRAMS, programs), Tq // DKV_SEGMENT)))
+    else:  # win: a tile's queries are its C + w - 1, all r heads as rows of one program
+        heads, nh, geo["BM"], seg = rp, 1, max(1, DKV_ROWS // rp), Tq
+    seg = triton.cdiv(seg, geo["BM"]) * geo["BM"]
+    n_parts = triton.cdiv(Tq, seg) * nh
+    if n_parts == 1:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        dk, dv = torch.empty(2, B, G, n_parts, S, k.shape[-1], dtype=torch.float32, device=k.device)
+    _bwd_dkv[(triton.cdiv(S, BLOCK_N), B * G, n_parts)](q, k, v, DO=d_out, LSE=lse, DELTA=delta, DK=dk, DV=dv, q0=q0,
+                                                       SEG=seg, HEADS=heads, NH=nh, num_warps=DKV_WARPS, **geo)
+    if n_parts > 1:
+        dk, dv = dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
     return dq, dk, dv
