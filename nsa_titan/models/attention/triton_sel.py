@@ -1,13 +1,15 @@
-"""The sel branch as Triton kernels (GPU), after the paper's group-centric kernel.
+"""The sel branch as Triton kernels (GPU), after the paper's group-centric kernel, over tiles of queries.
 
-One program per (query t, batch b, KV group g): it loads the query rows of all r heads of the
-group once (padded to at least 16 rows for tl.dot), walks the n chosen blocks of l' keys with an
-online softmax, and writes the r outputs and their logsumexps. The backward recomputes the
-probabilities from the logsumexp in two kernels, neither with atomics: dQ one program per
-query (its n blocks, as the forward), and dK, dV block-centric, one program per (key block, head)
-over the queries that chose it (a reverse index: the chosen blocks sorted by block), each head's
-part written once and the r parts summed. Each loop is over n blocks or a block's readers, never
-over T; memory is the inputs and outputs, and the heads' parts of dK, dV in fp32.
+One program per (tile of BT consecutive queries, batch b, KV group g): it loads the query rows of
+all r heads of the group for its BT queries once (BT * r padded = 64 rows, one tensor-core tile),
+walks the union of the blocks of l' keys those queries chose (neighbouring queries mostly choose
+the same ones: each is loaded once for the tile, not once per query), and runs an online softmax
+per row over its own query's blocks. The backward recomputes the probabilities from the
+logsumexp in two kernels, neither with atomics: dQ by the same tiles, and dK, dV block-centric,
+one program per (key block, head) over the queries that chose it (a reverse index: the chosen
+blocks sorted by block), each head's part written once and the r parts summed. Each loop is over a
+tile's blocks or a block's readers, never over T; memory is the inputs and outputs, the tiles'
+unions, and the heads' parts of dK, dV in fp32.
 
 Used by `nsa_fast` when `kernels.py` chooses it (CUDA, Triton installed, head dim and l' powers of
 two >= 16); checked on CPU against the PyTorch path under TRITON_INTERPRET=1 (tests/test_nsa_triton.py).
@@ -27,6 +29,8 @@ from .common import NSASpec, block_readers
 
 AVAILABLE = triton is not None
 """Whether the kernels can be used (Triton importable)."""
+ROWS = 64
+"""Rows (queries x padded heads) of the forward's and dQ's tiles: 8 queries at M7C's r = 6."""
 DKV_ROWS, DKV_WARPS = 32, 8
 """The block-centric backward's rows (readers, one head a program) per step and warps: at M7C's
 shape (head dim 64, l' = 64) in bf16 it compiles for sm_90 without spilling registers (64 rows or
@@ -55,67 +59,73 @@ if AVAILABLE:
         return p, p * (dp - delta[:, None]) * scale
 
     @triton.jit
-    def _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L: tl.constexpr):
-        """Keys and values (L, D) of the i-th chosen block of query row tq (position t), counted
-        from its document's start s, zero where it may not read; the readable mask (L,) and the
-        offsets. A block index of -1 (not a candidate) reads nothing."""
-        j = tl.load(IDX + bg * Tq * si_t + tq * si_t + i)
-        pos = s + j * L + ll
-        ok = (pos >= s) & (pos <= t)
-        kv_off = bg * Tk * sk_t + pos[:, None] * sk_t + dd[None, :]
-        k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
-        return k, v, ok, kv_off
+    def _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t,
+              R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+              NP: tl.constexpr):
+        """The rows of query tile `pid 0` (BT queries x RP heads): whether each is real, its position,
+        its (B, G, Tq, r, D) offsets, q, the first keys of its query's chosen blocks (rows, N), and
+        where the tile's union of blocks (`_tile_blocks`) starts and how many it holds."""
+        tile = tl.program_id(0)
+        mm = tl.arange(0, BT * RP)  # row mm: head mm % RP of query row tile * BT + mm // RP
+        tq = tile * BT + mm // RP
+        live = (tq < Tq) & (mm % RP < R)
+        q_off = bg * Tq * sq_t + tq[:, None] * sq_t + (mm % RP)[:, None] * D + tl.arange(0, D)[None, :]
+        q = tl.load(Q + q_off, mask=live[:, None], other=0.0)
+        nn = tl.arange(0, NP)  # N padded to a power of two
+        chosen = tl.load(CHOSEN + (bg * Tq + tq[:, None]) * N + nn[None, :], mask=live[:, None] & (nn < N)[None, :],
+                         other=-1)
+        at = bg * tl.num_programs(0) + tile
+        return live, q0 + tq, q_off, q, chosen, at * BT * N, tl.load(COUNT + at)
 
     @triton.jit
-    def _sel_fwd(Q, K, V, IDX, START, O, LSE, scale,
-                 sq_t, sk_t, si_t, slse_t, Tq, Tk, q0, G,
-                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
-        tq = tl.program_id(0)  # the query row; its position t = q0 + tq among the Tk keys
-        t = q0 + tq
-        bg = tl.program_id(1)  # b * G + g: q, o (B, G, Tq, r, D), k, v (B, G, Tk, D), idx (B, G, Tq, N)
-        s = tl.load(START + (bg // G) * Tq + tq)  # start (B, Tq): t's document start
-        rr = tl.arange(0, BLOCK_R)
-        dd = tl.arange(0, D)
-        ll = tl.arange(0, L)
-        q_off = bg * Tq * sq_t + tq * sq_t + rr[:, None] * D + dd[None, :]
-        q = tl.load(Q + q_off, mask=rr[:, None] < R, other=0.0)
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for i in range(N):
-            k, v, ok, kv_off = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
+    def _union_block(K, V, UNION, u, chosen, t, bg, Tk, D: tl.constexpr, L: tl.constexpr):
+        """Keys and values (L, D) of the tile's u-th block and which of them each row reads: those
+        of its query's blocks, up to its position (rows, L)."""
+        p0 = tl.load(UNION + u)
+        pos = p0 + tl.arange(0, L)
+        kv_off = bg * Tk * D + pos[:, None] * D + tl.arange(0, D)[None, :]
+        k = tl.load(K + kv_off, mask=pos[:, None] < Tk, other=0.0)
+        v = tl.load(V + kv_off, mask=pos[:, None] < Tk, other=0.0)
+        reads = tl.sum((chosen == p0).to(tl.int32), 1) > 0
+        return k, v, reads[:, None] & (pos[None, :] <= t[:, None])
+
+    @triton.jit
+    def _sel_fwd(Q, K, V, CHOSEN, UNION, COUNT, O, LSE, scale, sq_t, slse_t, Tq, Tk, q0,
+                 R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                 N: tl.constexpr, NP: tl.constexpr):
+        """out and logsumexp of a tile of BT queries (all r heads of their group as rows): each block
+        any of them chose is loaded once for the tile, an online softmax per row over its own."""
+        bg = tl.program_id(1)  # b * G + g: q, o (B, G, Tq, r, D), k, v (B, G, Tk, D), chosen (B, G, Tq, N)
+        live, t, q_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, R, RP, BT, D, N, NP)
+        m = tl.full([BT * RP], float("-inf"), tl.float32)
+        total = tl.zeros([BT * RP], tl.float32)
+        acc = tl.zeros([BT * RP, D], tl.float32)
+        for u in range(u0, u0 + count):
+            k, v, ok = _union_block(K, V, UNION, u, chosen, t, bg, Tk, D, L)
             sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            m, total, acc = online_step(m, total, acc, tl.where(ok[None, :], sc, float("-inf")), v)
-        o = acc / total[:, None]
-        tl.store(O + q_off, o.to(O.dtype.element_ty), mask=rr[:, None] < R)
-        tl.store(LSE + bg * Tq * slse_t + tq * slse_t + rr, m + tl.log(total), mask=rr < R)
+            m, total, acc = online_step(m, total, acc, tl.where(ok, sc, float("-inf")), v)
+        total = tl.where(live, total, 1.0)  # a real row reads its own block: total > 0
+        tl.store(O + q_off, (acc / total[:, None]).to(O.dtype.element_ty), mask=live[:, None])
+        tq = t - q0
+        tl.store(LSE + bg * Tq * slse_t + tq * slse_t + tl.arange(0, BT * RP) % RP, m + tl.log(total), mask=live)
 
     @triton.jit
-    def _sel_bwd_dq(Q, K, V, IDX, START, DO, LSE, DELTA, DQ, scale,
-                    sq_t, sk_t, si_t, slse_t, Tq, Tk, q0, G,
-                    R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr):
-        """dQ of one query row's r heads: its n blocks' probabilities again, from the logsumexp."""
-        tq = tl.program_id(0)
-        t = q0 + tq
+    def _sel_bwd_dq(Q, K, V, CHOSEN, UNION, COUNT, DO, LSE, DELTA, DQ, scale, sq_t, slse_t, Tq, Tk, q0,
+                    R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                    N: tl.constexpr, NP: tl.constexpr):
+        """dQ of a tile of BT queries: the tile's blocks' probabilities again, from the logsumexp."""
         bg = tl.program_id(1)
-        s = tl.load(START + (bg // G) * Tq + tq)
-        rr = tl.arange(0, BLOCK_R)
-        dd = tl.arange(0, D)
-        ll = tl.arange(0, L)
-        q_off = bg * Tq * sq_t + tq * sq_t + rr[:, None] * D + dd[None, :]
-        rows = rr[:, None] < R
-        q = tl.load(Q + q_off, mask=rows, other=0.0)
-        do = tl.load(DO + q_off, mask=rows, other=0.0)
-        stat_off = bg * Tq * slse_t + tq * slse_t + rr
-        lse = tl.load(LSE + stat_off, mask=rr < R, other=float("inf"))  # padded rows: p = 0
-        delta = tl.load(DELTA + stat_off, mask=rr < R, other=0.0)
-        dq = tl.zeros([BLOCK_R, D], tl.float32)
-        for i in range(N):
-            k, v, ok, _ = _block(K, V, IDX, i, tq, t, s, bg, Tq, Tk, sk_t, si_t, dd, ll, L)
-            _, ds = tile_grads(q, do, k, v, ok[None, :], lse, delta, scale, None)  # (BLOCK_R, L)
+        live, t, q_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, R, RP, BT, D, N, NP)
+        do = tl.load(DO + q_off, mask=live[:, None], other=0.0)
+        stat_off = bg * Tq * slse_t + (t - q0) * slse_t + tl.arange(0, BT * RP) % RP
+        lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
+        delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
+        dq = tl.zeros([BT * RP, D], tl.float32)
+        for u in range(u0, u0 + count):
+            k, v, ok = _union_block(K, V, UNION, u, chosen, t, bg, Tk, D, L)
+            _, ds = tile_grads(q, do, k, v, ok, lse, delta, scale, None)  # (rows, L)
             dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=rows)
+        tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
     def _sel_bwd_dkv(Q, K, V, DO, LSE, DELTA, OFFSETS, READERS, DK, DV, scale,
@@ -170,18 +180,35 @@ if AVAILABLE:
             tl.store(DV + part_off, dv, mask=written)
 
 
-def _launch_args(q: torch.Tensor, ks: torch.Tensor, idx: torch.Tensor, spec: NSASpec, q0: int) -> dict:
-    B, G, Tq, r, D = q.shape
-    return dict(scale=D**-0.5, sq_t=r * D, sk_t=D, si_t=idx.shape[-1], slse_t=r, Tq=Tq, Tk=ks.shape[2], q0=q0, G=G,
-                R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), D=D, L=spec.l_sel, N=idx.shape[-1])
-
-
 def _prepared(idx: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, B: int, Tq: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' int32 block indices (-1: not a candidate) and document starts (0: none)."""
     idx32 = torch.where(valid, idx, -1).to(torch.int32).contiguous()
     start32 = (torch.zeros(B, Tq, device=idx.device) if start is None else start).to(torch.int32).contiguous()
     return idx32, start32
+
+
+def _tile_blocks(idx32: torch.Tensor, start32: torch.Tensor, L: int, r: int
+                 ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """What the tile kernels read: the first key of each chosen block, -1 for none (B, G, Tq, N);
+    BT, the queries of a tile (BT * r padded to a power of two = ROWS rows); and each tile's union of
+    its queries' blocks, in position order (B, G, tiles, BT * N, padding after it) with its size
+    (B, G, tiles). Two sorts per tile of BT * N entries, no host sync."""
+    B, G, Tq, N = idx32.shape
+    chosen = torch.where(idx32 >= 0, start32[:, None, :, None] + idx32 * L, -1).contiguous()
+    BT = max(1, ROWS // triton.next_power_of_2(r))
+    none = torch.iinfo(torch.int32).max
+    x = torch.nn.functional.pad(chosen, (0, 0, 0, -Tq % BT), value=-1).view(B, G, -1, BT * N)
+    x = torch.where(x < 0, none, x).sort(-1).values
+    x = torch.cat([x[..., :1], torch.where(x[..., 1:] == x[..., :-1], none, x[..., 1:])], -1).sort(-1).values
+    return chosen, BT, x.contiguous(), (x < none).sum(-1, dtype=torch.int32)
+
+
+def _tile_args(q: torch.Tensor, ks: torch.Tensor, chosen: torch.Tensor, spec: NSASpec, q0: int, BT: int) -> dict:
+    B, G, Tq, r, D = q.shape
+    N = chosen.shape[-1]
+    return dict(scale=D**-0.5, sq_t=r * D, slse_t=r, Tq=Tq, Tk=ks.shape[2], q0=q0, R=r,
+                RP=triton.next_power_of_2(r), BT=BT, D=D, L=spec.l_sel, N=N, NP=triton.next_power_of_2(N))
 
 
 def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
@@ -192,10 +219,11 @@ def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.
     must be powers of two >= 16. `ops.selected_triton` is its custom op (one node under compile)."""
     q, ks, vs = q.contiguous(), ks.contiguous(), vs.contiguous()
     B, G, Tq, r, D = q.shape
-    idx32, start32 = _prepared(idx, valid, start, B, Tq)
+    chosen, BT, union, count = _tile_blocks(*_prepared(idx, valid, start, B, Tq), spec.l_sel, r)
     out = torch.empty_like(q)
     lse = torch.empty(B, G, Tq, r, dtype=torch.float32, device=q.device)
-    _sel_fwd[(Tq, B * G)](q, ks, vs, idx32, start32, out, lse, **_launch_args(q, ks, idx32, spec, q0))
+    _sel_fwd[(count.shape[-1], B * G)](q, ks, vs, chosen, union, count, out, lse,
+                                       **_tile_args(q, ks, chosen, spec, q0, BT))
     return out, lse
 
 
@@ -208,14 +236,15 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     B, G, Tq, r, D = q.shape
     Tk = ks.shape[2]
     idx32, start32 = _prepared(idx, valid, start, B, Tq)
+    chosen, BT, union, count = _tile_blocks(idx32, start32, spec.l_sel, r)
     delta = (d_out.float() * out.float()).sum(-1).contiguous()  # (B, G, Tq, r)
-    args = _launch_args(q, ks, idx32, spec, q0)
+    args = _tile_args(q, ks, chosen, spec, q0, BT)
     dq = torch.empty_like(q)
-    _sel_bwd_dq[(Tq, B * G)](q, ks, vs, idx32, start32, d_out, lse, delta, dq, **args)
+    _sel_bwd_dq[(count.shape[-1], B * G)](q, ks, vs, chosen, union, count, d_out, lse, delta, dq, **args)
     offsets, readers = block_readers(idx32, start32, spec.l_sel, Tk)
     parts = torch.zeros(2, B, G, r, Tk, D, dtype=torch.float32, device=q.device)  # keys no query chose: 0
     _sel_bwd_dkv[(triton.cdiv(Tk, spec.l_sel), B * G, r)](
-        q, ks, vs, d_out, lse, delta, offsets, readers, parts[0], parts[1], args["scale"], args["sq_t"], args["sk_t"],
+        q, ks, vs, d_out, lse, delta, offsets, readers, parts[0], parts[1], args["scale"], args["sq_t"], D,
         args["slse_t"], Tq, Tk, q0, R=r, BQ=DKV_ROWS, D=D, L=spec.l_sel, num_warps=DKV_WARPS)
     dks, dvs = parts[0].sum(2).to(ks.dtype), parts[1].sum(2).to(vs.dtype)  # the r heads' parts
     return dq, dks, dvs
