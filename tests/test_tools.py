@@ -1,8 +1,10 @@
 """The check and benchmark scripts' contracts that need no GPU: `scripts/gpu_check.sh` on a machine
-without CUDA, and `benchmarks/attention_speed.py --profile` and `--interleave`."""
+without CUDA, `benchmarks/attention_speed.py --profile` and `--interleave`, and
+`benchmarks/triton_work.py`."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -45,3 +47,21 @@ def test_attention_interleave_takes_each_ratio_within_a_round():
     seconds, ratio, memory = rows["dense-core"]
     low, high = (float(x) for x in ratio.split("(")[1].rstrip(")").split("-"))
     assert float(seconds) > 0 and 0 < low <= float(ratio.split("x")[0]) <= high and memory == "-"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_work_counts_the_launches_the_wrappers_make():
+    """The Triton kernels' longest programs, counted from their recorded launches at the M7C shape:
+    the dK, dV kernels walk a block every query reads in 32 queries a step, not 4 (r = 6 heads as
+    rows), and the sel forward's tiles load fewer blocks than query by query."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_work.py"), "--T", "2048"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[3:8]]
+            for line in proc.stdout.splitlines() if line.startswith("| 2,048 |")}
+    assert rows.keys() == {"sel forward, dQ", "sel dK, dV", "cmp dK, dV"}
+    steps = lambda x: int(x.split()[0].replace(",", ""))  # noqa: E731
+    assert steps(rows["sel dK, dV"][1]) == 2048 // 4 and steps(rows["sel dK, dV"][3]) == 2048 // 32
+    assert steps(rows["cmp dK, dV"][1]) == -(-(2048 - 31) // 4) and steps(rows["cmp dK, dV"][3]) <= (2048 - 31) // 32 + 1
+    before, now = (int(x.replace(",", "")) for x in rows["sel forward, dQ"][4].split(" (")[0].split(" / "))
+    assert now < before

@@ -1,0 +1,110 @@
+"""The Triton kernels' work per program at the M7C shape, counted on a CPU: what bounds them on a GPU.
+
+    python benchmarks/triton_work.py [--T 8192 32768 65536] [--docs]
+
+No kernel runs: each wrapper's launches are recorded instead (grid and arguments), on the sel blocks
+the cmp branch chooses over random inputs (`sel_inputs`, as training picks them at initialisation).
+For the kernels whose programs loop a data-dependent number of times, it prints the programs
+launched and the longest program's serial steps, for the launch the wrappers make now and for the
+layout before session 38 (one program per query, or all r heads as the rows of one program):
+  sel forward, dQ   blocks loaded per program and in all (per query before; per tile of BT queries,
+                    the union of their blocks, now)
+  sel dK, dV        steps of the block with the most readers (block 0: every query reads it)
+  cmp dK, dV        steps of the longest program (the first slot tile sees every query; without
+                    documents, which only shorten it)
+A GPU runs a kernel no faster than its longest program, one step after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from nsa_titan.models.attention import NSASpec, triton_sel, triton_shared  # noqa: E402
+from nsa_titan.models.attention.common import block_readers  # noqa: E402
+from test_cpu_attention import sel_inputs  # noqa: E402  (the kernel tests' inputs, at the M7C shape)
+
+SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+G, R, D = 2, 6, 64  # M7C: 12 heads in 2 KV groups, head dim 64
+
+
+def recorded(module, names: tuple[str, ...], call) -> dict[str, tuple[tuple, dict]]:
+    """{kernel: (grid, arguments by name)} of the launches `call()` makes, none run."""
+    launches = {}
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[self.fn.__name__] = (grid, {**dict(zip(self.fn.arg_names, args)), **kwargs})
+            return launch
+
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n in names:
+            setattr(module, n, Recorder(saved[n]))
+        call()
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+    return launches
+
+
+def programs(grid: tuple) -> int:
+    total = 1
+    for g in grid:
+        total *= g
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 65536])
+    parser.add_argument("--docs", action="store_true", help="random documents (~4 per row)")
+    a = parser.parse_args()
+    if not triton_sel.AVAILABLE:
+        sys.exit("triton is not installed (pip install -e '.[test]')")
+    print(f"M7C attention (B 1, G {G}, r {R}, D {D}, l' {SPEC.l_sel}, n {SPEC.n}), documents {a.docs}; "
+          "the sel blocks chosen over random inputs")
+    print("| T | kernel | programs before | longest before (steps) | programs now | longest now (steps) | blocks loaded "
+          "before / now |")
+    print("|---|---|---|---|---|---|---|")
+    for T in a.T:
+        q, ks, vs, idx, valid, start = sel_inputs(1, G, T, R, D, SPEC, a.docs, seed=T)
+        lse = torch.zeros(1, G, T, R)
+        sel = recorded(triton_sel, ("_sel_fwd", "_sel_bwd_dq", "_sel_bwd_dkv"),
+                       lambda: triton_sel.sel_backward(q, q, ks, vs, idx, valid, q, lse, SPEC, start, 0))
+        grid, args = sel["_sel_bwd_dq"]
+        per_query, union = int(valid.sum()), int(args["COUNT"].sum())
+        print(f"| {T:,} | sel forward, dQ | {T * G:,} | {SPEC.n} | {programs(grid):,} | "
+              f"{int(args['COUNT'].max())} (mean {union / programs(grid):.1f}, {args['BT']} queries) | "
+              f"{per_query:,} / {union:,} ({per_query / union:.2f}x fewer) |")
+        idx32, start32 = triton_sel._prepared(idx, valid, start, 1, T)
+        offsets, _ = block_readers(idx32, start32, SPEC.l_sel, T)
+        most = int((offsets[1:] - offsets[:-1]).max())
+        grid, args = sel["_sel_bwd_dkv"]
+        before_rows = triton_sel.DKV_ROWS // triton_shared.triton.next_power_of_2(R)
+        print(f"| {T:,} | sel dK, dV | {T * G:,} | {-(-most // before_rows):,} | {programs(grid):,} | "
+              f"{-(-most // args['BQ']):,} | |")
+        S = SPEC.num_cmp_blocks(T)
+        kc = torch.zeros(1, G, S, D)
+        cmp = recorded(triton_shared, ("_bwd_dq", "_bwd_dkv"),
+                       lambda: triton_shared.backward(q, q, kc, kc, q, lse, "cmp", 0, SPEC, None))
+        grid, args = cmp["_bwd_dkv"]
+        rows = T - (SPEC.l - 1)  # the queries that may see the first slot tile
+        tiles = -(-S // triton_shared.BLOCK_N)
+        print(f"| {T:,} | cmp dK, dV | {tiles * G:,} | {-(-rows // before_rows):,} | {programs(grid):,} | "
+              f"{-(-min(rows, args['SEG']) // args['BM']):,} | |")
+
+
+if __name__ == "__main__":
+    main()
