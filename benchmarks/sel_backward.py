@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,15 +31,12 @@ from test_cpu_attention import sel_inputs  # noqa: E402  (the kernel tests' inpu
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 
 
-def seconds(args: tuple, out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, repeats: int, forward: bool
-            ) -> float:
+def seconds(run: Callable[[], object], repeats: int) -> float:
+    """The least seconds of `repeats` calls of run()."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        if forward:
-            cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
-        else:
-            cpu_attention.sel_backward(d_out, *args[:5], out, lse, SPEC, args[5], 0)
+        run()
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -63,13 +61,17 @@ def main() -> None:
         args = sel_inputs(a.batch, 2, T, 6, 64, SPEC, a.docs, seed=0)
         out, lse = cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
         d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        threshold = "FORWARD_ROWS_MAX_KEYS" if a.forward else "ROWS_MAX_KEYS"
+        if a.forward:
+            threshold, run = "FORWARD_ROWS_MAX_KEYS", lambda: cpu_attention.sel_forward(*args[:5], SPEC, args[5], 0)
+        else:
+            threshold, run = "ROWS_MAX_KEYS", lambda: cpu_attention.sel_backward(d_out, *args[:5], out, lse, SPEC,
+                                                                                   args[5], 0)
         setattr(cpu_attention, threshold, 1 << 30)
-        row = [seconds(args, out, lse, d_out, a.repeats, a.forward)]
+        row = [seconds(run, a.repeats)]
         setattr(cpu_attention, threshold, 0)
         for c in a.chunk_mib:
             cpu_attention.CHUNK_BYTES = int(c * 2**20) if c else 1 << 40
-            row.append(seconds(args, out, lse, d_out, a.repeats, a.forward))
+            row.append(seconds(run, a.repeats))
         print(f"| {T:,} | " + " | ".join(f"{s:.3f}" for s in row) + " |", flush=True)
 
 
