@@ -33,8 +33,8 @@ ROWS = 64
 """Rows (queries x padded heads) of the forward's and dQ's tiles: 8 queries at M7C's r = 6."""
 DKV_ROWS, DKV_WARPS = 32, 8
 """The block-centric backward's rows (readers, one head a program) per step and warps: at M7C's
-shape (head dim 64, l' = 64) in bf16 it compiles for sm_90 without spilling registers (64 rows or
-4 warps spill; tests/test_triton_compile.py)."""
+shape (head dim 64, l' = 64) in bf16 it takes 163 registers on sm_90, no spills (64 rows, or 4
+warps, take 249-254 of the 255; tests/test_triton_compile.py)."""
 
 if AVAILABLE:
 
@@ -63,8 +63,8 @@ if AVAILABLE:
               R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
               NP: tl.constexpr):
         """The rows of query tile `pid 0` (BT queries x RP heads): whether each is real, its position,
-        its (B, G, Tq, r, D) offsets, q, the first keys of its query's chosen blocks (rows, N), and
-        where the tile's union of blocks (`_tile_blocks`) starts and how many it holds."""
+        its (B, G, Tq, r, D) offsets, q, the first keys of its query's chosen blocks (rows, NP; -1:
+        none), and where the tile's union of blocks (`_tile_blocks`) starts and how many it holds."""
         tile = tl.program_id(0)
         mm = tl.arange(0, BT * RP)  # row mm: head mm % RP of query row tile * BT + mm // RP
         tq = tile * BT + mm // RP
@@ -129,7 +129,7 @@ if AVAILABLE:
 
     @triton.jit
     def _sel_bwd_dkv(Q, K, V, DO, LSE, DELTA, OFFSETS, READERS, DK, DV, scale,
-                     sq_t, sk_t, slse_t, Tq, Tk, q0,
+                     sq_t, slse_t, Tq, Tk, q0,
                      R: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
         """Head h's part of dK, dV of the blocks of L keys that start at positions c0 .. c0 + L - 1
         (one without documents; one per document starting there with them): one program per (c0 / L,
@@ -152,7 +152,7 @@ if AVAILABLE:
             first = tl.sum(tl.where(this, firsts, 0), 0)
             last = tl.sum(tl.where(this, lasts, 0), 0)
             pos = p0 + tl.arange(0, L)
-            kv_off = bg * Tk * sk_t + pos[:, None] * sk_t + dd[None, :]
+            kv_off = bg * Tk * D + pos[:, None] * D + dd[None, :]
             k = tl.load(K + kv_off, mask=pos[:, None] < Tk, other=0.0)
             v = tl.load(V + kv_off, mask=pos[:, None] < Tk, other=0.0)
             dk = tl.zeros([L, D], tl.float32)
@@ -244,7 +244,7 @@ def sel_backward(d_out: torch.Tensor, q: torch.Tensor, ks: torch.Tensor, vs: tor
     offsets, readers = block_readers(idx32, start32, spec.l_sel, Tk)
     parts = torch.zeros(2, B, G, r, Tk, D, dtype=torch.float32, device=q.device)  # keys no query chose: 0
     _sel_bwd_dkv[(triton.cdiv(Tk, spec.l_sel), B * G, r)](
-        q, ks, vs, d_out, lse, delta, offsets, readers, parts[0], parts[1], args["scale"], args["sq_t"], D,
+        q, ks, vs, d_out, lse, delta, offsets, readers, parts[0], parts[1], args["scale"], args["sq_t"],
         args["slse_t"], Tq, Tk, q0, R=r, BQ=DKV_ROWS, D=D, L=spec.l_sel, num_warps=DKV_WARPS)
     dks, dvs = parts[0].sum(2).to(ks.dtype), parts[1].sum(2).to(vs.dtype)  # the r heads' parts
     return dq, dks, dvs
