@@ -18,6 +18,7 @@ A GPU runs a kernel no faster than its longest program, one step after another.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -59,13 +60,6 @@ def recorded(module, names: tuple[str, ...], call) -> dict[str, tuple[tuple, dic
     return launches
 
 
-def programs(grid: tuple) -> int:
-    total = 1
-    for g in grid:
-        total *= g
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 65536])
@@ -85,15 +79,15 @@ def main() -> None:
                        lambda: triton_sel.sel_backward(q, q, ks, vs, idx, valid, q, lse, SPEC, start, 0))
         grid, args = sel["_sel_bwd_dq"]
         per_query, union = int(valid.sum()), int(args["COUNT"].sum())
-        print(f"| {T:,} | sel forward, dQ | {T * G:,} | {SPEC.n} | {programs(grid):,} | "
-              f"{int(args['COUNT'].max())} (mean {union / programs(grid):.1f}, {args['BT']} queries) | "
+        print(f"| {T:,} | sel forward, dQ | {T * G:,} | {SPEC.n} | {math.prod(grid):,} | "
+              f"{int(args['COUNT'].max())} (mean {union / math.prod(grid):.1f}, {args['BT']} queries) | "
               f"{per_query:,} / {union:,} ({per_query / union:.2f}x fewer) |")
         idx32, start32 = triton_sel._prepared(idx, valid, start, 1, T)
         offsets, _ = block_readers(idx32, start32, SPEC.l_sel, T)
         most = int((offsets[1:] - offsets[:-1]).max())
         grid, args = sel["_sel_bwd_dkv"]
-        before_rows = triton_sel.DKV_ROWS // triton_shared.triton.next_power_of_2(R)
-        print(f"| {T:,} | sel dK, dV | {T * G:,} | {-(-most // before_rows):,} | {programs(grid):,} | "
+        before_rows = triton_sel.DKV_ROWS // (1 << (R - 1).bit_length())  # a reader: r heads padded to 2^k rows
+        print(f"| {T:,} | sel dK, dV | {T * G:,} | {-(-most // before_rows):,} | {math.prod(grid):,} | "
               f"{-(-most // args['BQ']):,} | |")
         S = SPEC.num_cmp_blocks(T)
         kc = torch.zeros(1, G, S, D)
@@ -102,7 +96,7 @@ def main() -> None:
         grid, args = cmp["_bwd_dkv"]
         rows = T - (SPEC.l - 1)  # the queries that may see the first slot tile
         tiles = -(-S // triton_shared.BLOCK_N)
-        print(f"| {T:,} | cmp dK, dV | {tiles * G:,} | {-(-rows // before_rows):,} | {programs(grid):,} | "
+        print(f"| {T:,} | cmp dK, dV | {tiles * G:,} | {-(-rows // before_rows):,} | {math.prod(grid):,} | "
               f"{-(-min(rows, args['SEG']) // args['BM']):,} | |")
 
 

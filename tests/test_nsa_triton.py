@@ -139,7 +139,7 @@ def opcheck() -> list:
 def shared_kernels() -> list:
     """The Triton cmp and win kernels against the PyTorch chunks, op by op: output, logsumexp, the
     chosen blocks and every gradient, over several chunks and key tiles (the cmp dK, dV over several
-    segments of the queries, each of 2 steps), with and without documents; and a chunk's cmp scores
+    segments of the queries, each of 3 steps), with and without documents; and a chunk's cmp scores
     against the PyTorch probabilities summed over the group's heads."""
     from nsa_titan.models.attention import Documents, fast_shared, triton_shared
     fast_shared.CHUNK_CMP, triton_shared.BLOCK_N, triton_shared.ROWS, T = 48, 16, 16, 150  # many tiles

@@ -59,12 +59,13 @@ if AVAILABLE:
         return p, p * (dp - delta[:, None]) * scale
 
     @triton.jit
-    def _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t,
+    def _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t,
               R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
               NP: tl.constexpr):
         """The rows of query tile `pid 0` (BT queries x RP heads): whether each is real, its position,
-        its (B, G, Tq, r, D) offsets, q, the first keys of its query's chosen blocks (rows, NP; -1:
-        none), and where the tile's union of blocks (`_tile_blocks`) starts and how many it holds."""
+        its (B, G, Tq, r, D) offsets and (B, G, Tq, r) logsumexp offsets, q, the first keys of its
+        query's chosen blocks (rows, NP; -1: none), and where the tile's union of blocks
+        (`_tile_blocks`) starts and how many it holds."""
         tile = tl.program_id(0)
         mm = tl.arange(0, BT * RP)  # row mm: head mm % RP of query row tile * BT + mm // RP
         tq = tile * BT + mm // RP
@@ -75,7 +76,8 @@ if AVAILABLE:
         chosen = tl.load(CHOSEN + (bg * Tq + tq[:, None]) * N + nn[None, :], mask=live[:, None] & (nn < N)[None, :],
                          other=-1)
         at = bg * tl.num_programs(0) + tile
-        return live, q0 + tq, q_off, q, chosen, at * BT * N, tl.load(COUNT + at)
+        stat_off = bg * Tq * slse_t + tq * slse_t + mm % RP
+        return live, q0 + tq, q_off, stat_off, q, chosen, at * BT * N, tl.load(COUNT + at)
 
     @triton.jit
     def _union_block(K, V, UNION, u, chosen, t, bg, Tk, D: tl.constexpr, L: tl.constexpr):
@@ -96,7 +98,8 @@ if AVAILABLE:
         """out and logsumexp of a tile of BT queries (all r heads of their group as rows): each block
         any of them chose is loaded once for the tile, an online softmax per row over its own."""
         bg = tl.program_id(1)  # b * G + g: q, o (B, G, Tq, r, D), k, v (B, G, Tk, D), chosen (B, G, Tq, N)
-        live, t, q_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, R, RP, BT, D, N, NP)
+        live, t, q_off, stat_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t, R, RP, BT,
+                                                               D, N, NP)
         m = tl.full([BT * RP], float("-inf"), tl.float32)
         total = tl.zeros([BT * RP], tl.float32)
         acc = tl.zeros([BT * RP, D], tl.float32)
@@ -106,8 +109,7 @@ if AVAILABLE:
             m, total, acc = online_step(m, total, acc, tl.where(ok, sc, float("-inf")), v)
         total = tl.where(live, total, 1.0)  # a real row reads its own block: total > 0
         tl.store(O + q_off, (acc / total[:, None]).to(O.dtype.element_ty), mask=live[:, None])
-        tq = t - q0
-        tl.store(LSE + bg * Tq * slse_t + tq * slse_t + tl.arange(0, BT * RP) % RP, m + tl.log(total), mask=live)
+        tl.store(LSE + stat_off, m + tl.log(total), mask=live)
 
     @triton.jit
     def _sel_bwd_dq(Q, K, V, CHOSEN, UNION, COUNT, DO, LSE, DELTA, DQ, scale, sq_t, slse_t, Tq, Tk, q0,
@@ -115,9 +117,9 @@ if AVAILABLE:
                     N: tl.constexpr, NP: tl.constexpr):
         """dQ of a tile of BT queries: the tile's blocks' probabilities again, from the logsumexp."""
         bg = tl.program_id(1)
-        live, t, q_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, R, RP, BT, D, N, NP)
+        live, t, q_off, stat_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t, R, RP, BT,
+                                                               D, N, NP)
         do = tl.load(DO + q_off, mask=live[:, None], other=0.0)
-        stat_off = bg * Tq * slse_t + (t - q0) * slse_t + tl.arange(0, BT * RP) % RP
         lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
         delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
         dq = tl.zeros([BT * RP, D], tl.float32)
