@@ -13,22 +13,30 @@ layout before session 38 (one program per query, or all r heads as the rows of o
   cmp dK, dV        steps of the longest program (the first slot tile sees every query; without
                     documents, which only shorten it)
 A GPU runs a kernel no faster than its longest program, one step after another.
+
+Then, for the whole M7C attention (`nsa_fast`, bf16, the GPU's chunk sizes), forward and backward:
+the Triton launches, and the ATen ops dispatched besides them (each a kernel launch on a GPU; views
+and other metadata-only ops not counted), with the sel blocks chosen by PyTorch ops (as before
+session 39) and by the `_choose` kernel, one launch per cmp chunk.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from nsa_titan.models.attention import NSASpec, triton_sel, triton_shared  # noqa: E402
+from nsa_titan.models.attention import (Documents, Kernels, NSASpec, common, fast_shared, nsa_fast,  # noqa: E402
+                                        triton_sel, triton_shared)
 from nsa_titan.models.attention.common import block_readers  # noqa: E402
 from test_cpu_attention import sel_inputs  # noqa: E402  (the kernel tests' inputs, at the M7C shape)
 
@@ -36,9 +44,18 @@ SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D = 2, 6, 64  # M7C: 12 heads in 2 KV groups, head dim 64
 
 
-def recorded(module, names: tuple[str, ...], call) -> dict[str, tuple[tuple, dict]]:
-    """{kernel: (grid, arguments by name)} of the launches `call()` makes, none run."""
-    launches = {}
+KERNELS = {triton_sel: ("_sel_fwd", "_sel_bwd_dq", "_sel_bwd_dkv"), triton_shared: ("_fwd", "_bwd_dq", "_bwd_dkv", "_choose")}
+METADATA = {"detach", "view", "transpose", "slice", "expand", "_unsafe_view", "select", "unsqueeze", "squeeze", "t",
+            "as_strided", "permute", "alias", "unbind", "split", "lift_fresh", "empty", "empty_strided", "reshape",
+            "result_type", "to", "contiguous", "new_empty", "new_empty_strided", "empty_like", "flatten", "view_as",
+            "chunk", "narrow", "unflatten", "promote_types", "resolve_conj", "resolve_neg"}
+"""ATen ops that launch no kernel on a GPU (views, allocations, type queries), left out of the counts."""
+
+
+def recorded(call) -> tuple[dict[str, tuple[tuple, dict]], collections.Counter]:
+    """{kernel: (grid, arguments by name)} of the last launch of each kernel `call()` makes, none run,
+    and the launches of each."""
+    launches, counts = {}, collections.Counter()
 
     class Recorder:
         def __init__(self, fn):
@@ -47,17 +64,61 @@ def recorded(module, names: tuple[str, ...], call) -> dict[str, tuple[tuple, dic
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches[self.fn.__name__] = (grid, {**dict(zip(self.fn.arg_names, args)), **kwargs})
+                counts[self.fn.__name__] += 1
             return launch
 
-    saved = {n: getattr(module, n) for n in names}
+    saved = {(module, n): getattr(module, n) for module, names in KERNELS.items() for n in names}
     try:
-        for n in names:
-            setattr(module, n, Recorder(saved[n]))
+        for (module, n), fn in saved.items():
+            setattr(module, n, Recorder(fn))
         call()
     finally:
-        for n, fn in saved.items():
+        for (module, n), fn in saved.items():
             setattr(module, n, fn)
-    return launches
+    return launches, counts
+
+
+def aten_ops(call) -> int:
+    """The ATen ops `call()` dispatches that are not nested in another and launch a kernel on a GPU."""
+    with profile() as prof:
+        call()
+    count = 0
+    for e in prof.events():
+        name = e.name.removeprefix("aten::")
+        if not e.name.startswith("aten::") or name in METADATA:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not (parent.name.startswith("aten::") and
+                                           parent.name.removeprefix("aten::") not in METADATA):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+def glue(T: int, docs: bool) -> tuple[int, list[int]]:
+    """The Triton launches of one forward and backward of the M7C attention (bf16, the GPU's chunk sizes, the
+    kernels recorded), and the ATen ops it dispatches with the sel blocks chosen by PyTorch ops and by `_choose`."""
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(1, T, G * R, D, generator=gen)
+    kv = [torch.randn(1, SPEC.num_cmp_blocks(T) if i < 2 else T, G, D, generator=gen) for i in range(6)]
+    inputs = [x.bfloat16().requires_grad_() for x in (q, *kv)]
+    gates = torch.rand(1, T, G * R, 3, generator=gen, requires_grad=True)
+    documents = Documents.of(torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
+    grad = torch.randn(q.shape, generator=gen).bfloat16()
+
+    def step() -> None:
+        nsa_fast(*inputs, gates, SPEC, Kernels("triton", "triton", "triton"), documents).backward(grad)
+
+    counts, sizes, kernel = [], (fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN), triton_shared.choose_blocks
+    try:
+        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = fast_shared.GPU_CHUNK_CMP, fast_shared.GPU_CHUNK_WIN
+        for choose in (common.choose_blocks, kernel):
+            triton_shared.choose_blocks = choose
+            _, launches = recorded(lambda: counts.append(aten_ops(step)))
+    finally:
+        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = sizes
+        triton_shared.choose_blocks = kernel
+    return sum(launches.values()), counts
 
 
 def main() -> None:
@@ -75,8 +136,7 @@ def main() -> None:
     for T in a.T:
         q, ks, vs, idx, valid, start = sel_inputs(1, G, T, R, D, SPEC, a.docs, seed=T)
         lse = torch.zeros(1, G, T, R)
-        sel = recorded(triton_sel, ("_sel_fwd", "_sel_bwd_dq", "_sel_bwd_dkv"),
-                       lambda: triton_sel.sel_backward(q, q, ks, vs, idx, valid, q, lse, SPEC, start, 0))
+        sel, _ = recorded(lambda: triton_sel.sel_backward(q, q, ks, vs, idx, valid, q, lse, SPEC, start, 0))
         grid, args = sel["_sel_bwd_dq"]
         per_query, union = int(valid.sum()), int(args["COUNT"].sum())
         print(f"| {T:,} | sel forward, dQ | {T * G:,} | {SPEC.n} | {math.prod(grid):,} | "
@@ -91,13 +151,17 @@ def main() -> None:
               f"{-(-most // args['BQ']):,} | |")
         S = SPEC.num_cmp_blocks(T)
         kc = torch.zeros(1, G, S, D)
-        cmp = recorded(triton_shared, ("_bwd_dq", "_bwd_dkv"),
-                       lambda: triton_shared.backward(q, q, kc, kc, q, lse, "cmp", 0, SPEC, None))
+        cmp, _ = recorded(lambda: triton_shared.backward(q, q, kc, kc, q, lse, "cmp", 0, SPEC, None))
         grid, args = cmp["_bwd_dkv"]
         rows = T - (SPEC.l - 1)  # the queries that may see the first slot tile
         tiles = -(-S // triton_shared.BLOCK_N)
         print(f"| {T:,} | cmp dK, dV | {tiles * G:,} | {-(-rows // before_rows):,} | {math.prod(grid):,} | "
               f"{-(-min(rows, args['SEG']) // args['BM']):,} | |")
+    print("\n| T | Triton launches | ATen ops, the choice in PyTorch | ATen ops, the choice by `_choose` | fewer by |")
+    print("|---|---|---|---|---|")
+    for T in a.T:
+        launches, (before, now) = glue(T, a.docs)
+        print(f"| {T:,} | {launches} | {before} | {now} | {before / now:.1f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def run_part(part: str) -> dict:
         report["cases"].append({"shape": [B, T, H, G, D], "used": used, "out": rel(out.detach(), ref.detach()),
                                 "grads": {n: rel(a, b) for n, a, b in zip(NAMES, grads, grads_ref)}})
     sections = {"half": half_precision, "documents": documents, "parts": query_parts, "opcheck": opcheck,
-                "shared": shared_kernels, "causal": causal}
+                "shared": shared_kernels, "causal": causal, "choose": choose}
     if part in sections:
         report[part] = sections[part]()
     return report
@@ -177,6 +177,32 @@ def shared_kernels() -> list:
     return report
 
 
+CHOICES = [(NSASpec(l=4, d=2, l_sel=8, n=16, w=64), 1024, 768, 256), (NSASpec(), 1000, 0, 1000), (SPEC, 203, 48, 155),
+           (NSASpec(l=8, d=4, l_sel=8, n=5, w=8), 90, 0, 90), (NSASpec(), 4096, 1024, 512),
+           (NSASpec(l=8, d=4, l_sel=16, n=16, w=24), 100, 0, 100)]
+"""(spec, T, t0, C) of the choice's checks: fewer candidates than n at the start, a partial last block, the
+paper's blocks, a chunk inside the sequence, n above the 7 blocks there are."""
+
+
+def choose() -> list:
+    """The choice of sel blocks in one launch (`triton_shared.choose_blocks`) against `common.choose_blocks`:
+    scores in quarters and zeros (ties go to the lower block), with and without documents (their starts
+    inside the chunk)."""
+    from nsa_titan.models.attention import Documents, common, triton_shared
+    report = []
+    for spec, T, t0, C in CHOICES:
+        gen = torch.Generator().manual_seed(T)
+        group = (torch.rand(3, 2, C, spec.num_cmp_blocks(T), generator=gen) * 4).floor() / 4
+        group[..., ::7] = 0
+        ids = torch.stack([torch.arange(T) // 300, torch.arange(T) // 77, torch.arange(T) * 0])
+        for docs in (None, Documents.of(ids, spec)):
+            want = common.choose_blocks(group, spec, t0, T, docs)
+            got = triton_shared.choose_blocks(group, spec, t0, T, docs)
+            report.append({"T": T, "docs": docs is not None, "idx": bool(torch.equal(got[0], want[0])),
+                           "valid": bool(torch.equal(got[1], want[1])), "fewer": bool((~want[1]).any())})
+    return report
+
+
 def causal() -> list:
     """Changing the inputs at position s leaves every earlier output unchanged."""
     from test_nsa_reference import random_inputs
@@ -194,7 +220,8 @@ def causal() -> list:
     return report
 
 
-PARTS = [f"case{i}" for i in range(len(CASES))] + ["half", "documents", "parts", "opcheck", "shared", "causal"]
+PARTS = [f"case{i}" for i in range(len(CASES))] + ["half", "documents", "parts", "opcheck", "shared", "causal",
+                                                  "choose"]
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +261,15 @@ def test_triton_cmp_and_win_kernels_equal_the_pytorch_chunks(report):
         tol = 1e-6 if c["dtype"] == "torch.float32" else 2e-3
         assert c["blocks"] and c["out"] < tol and c["lse"] < tol and max(c["grads"]) < max(tol, 2e-6), c
         assert "scores" not in c or (c["scores"] < 1e-6 and c["outside"] == 0), c
+
+
+def test_triton_choice_of_sel_blocks_equals_pytorchs(report):
+    """One launch per chunk picks the blocks `common.choose_blocks` picks, in the same order, with and
+    without documents, where a query has fewer candidates than n and where it has more."""
+    cases = report["choose"]
+    assert len(cases) == 2 * len(CHOICES) and {c["docs"] for c in cases} == {False, True}
+    assert {c["fewer"] for c in cases} == {False, True}
+    assert all(c["idx"] and c["valid"] for c in cases), cases
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=["B{}-T{}-H{}-G{}-D{}".format(*c) for c in CASES])

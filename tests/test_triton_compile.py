@@ -25,8 +25,10 @@ import torch
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")]
 
-KERNELS = {"triton_sel": ("_sel_fwd", "_sel_bwd_dq", "_sel_bwd_dkv"), "triton_shared": ("_fwd", "_bwd_dq", "_bwd_dkv")}
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int64: "i64"}
+KERNELS = {"triton_sel": ("_sel_fwd", "_sel_bwd_dq", "_sel_bwd_dkv"),
+           "triton_shared": ("_fwd", "_bwd_dq", "_bwd_dkv", "_choose")}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.int32: "i32",
+         torch.int64: "i64"}
 
 
 def recorded_launches(dtype: torch.dtype) -> list[tuple[object, dict]]:
@@ -59,6 +61,8 @@ def recorded_launches(dtype: torch.dtype) -> list[tuple[object, dict]]:
             for d in (None, docs):
                 triton_shared.forward(q, k, k, q.clone(), lse.clone(), kind, 0, 1024, 0, spec, d)
                 triton_shared.backward(q, q, k, k, q, lse, kind, 0, spec, d)
+        for d in (None, docs):  # the cmp scores of a chunk of 1,024 queries, fp32 in every dtype
+            triton_shared.choose_blocks(torch.zeros(B, G, 1024, T // spec.d), spec, 1024, T, d)
     return calls
 
 
@@ -128,9 +132,10 @@ def test_every_kernel_compiles_for_a100_and_h100(compiled):
 
 def test_no_kernel_uses_atomics_and_every_one_uses_tensor_cores(compiled):
     """The backwards write each gradient once (no atomic adds in the PTX), and in half precision
-    every kernel's products are tensor-core instructions (mma, or wgmma on the H100)."""
+    every kernel's products are tensor-core instructions (mma, or wgmma on the H100); the choice of
+    sel blocks has no products."""
     assert [r for r in compiled if r["atomics"]] == []
-    assert [r for r in compiled if r["dtype"] != "fp32" and not r["tensor_cores"]] == []
+    assert [r for r in compiled if r["dtype"] != "fp32" and not r["tensor_cores"] and r["kernel"] != "_choose"] == []
 
 
 def test_no_kernel_spills_registers_on_h100_in_half_precision(compiled):

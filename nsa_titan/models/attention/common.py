@@ -169,7 +169,8 @@ def block_scores(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Do
     padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)  # Nv: the zero column
     j = torch.arange(Ns, device=p_group.device).expand(1, 1, C, Ns)
     slots = member_slots(j, spec, T, Nv, docs, t0, slot0).expand(B, G, C, Ns, -1)
-    return padded.gather(-1, slots.flatten(-2)).view(slots.shape).sum(-1), t
+    members = padded.gather(-1, slots.flatten(-2)).view(slots.shape).unbind(-1)
+    return sum(members[1:], members[0]), t  # added in member order, as `_pooled` and the kernels add them
 
 
 def forced_blocks(j: torch.Tensor, t: torch.Tensor, spec: NSASpec) -> torch.Tensor:

@@ -11,7 +11,7 @@ cache, one pass), with the chunk's mask as a 0 / -inf bias (the cmp backward wit
 only on the keys that not all of the chunk's queries see); elsewhere they are the same steps as
 separate ops. On CUDA the chunks come in bf16 / fp16 (the cmp scores are computed in fp32); there
 the branches can run as Triton kernels instead (`triton_shared.py`: win in one launch each way, the
-cmp forward one launch per chunk, for its chunk's scores).
+cmp forward two launches per chunk, for its chunk's scores and the sel blocks chosen from them).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
         if kernel != "torch":  # the group's scores over every slot (B, G, C, S), no probabilities written
             scores = (cpu_attention.cmp_forward(q, keys, out, lse, a, b, q0, spec, docs) if kernel == "cpp" else
                       triton_shared.forward(q, k, v, out, lse, kind, a, b, q0, spec, docs))
-            chosen = (cpu_attention.choose_blocks if kernel == "cpp" else choose_blocks)(scores, spec, t0, T, docs)
+            chosen = (cpu_attention if kernel == "cpp" else triton_shared).choose_blocks(scores, spec, t0, T, docs)
             idx.append(chosen[0])
             valid.append(chosen[1])
             continue

@@ -12,8 +12,10 @@ per tile, not per chunk).
             cmp a second pass turns each tile's scores into probabilities through the logsumexp
             and sums them over the group's heads: the importance scores the group shares (the
             paper's Eq. 10) per compressed block, (B, G, C, S) for a chunk of C queries. The
-            per-head probabilities are never written. `choose_blocks` pools them into sel blocks
-            and picks the top n, the same code as the PyTorch path's.
+            per-head probabilities are never written.
+  choose    one launch per chunk for `common.choose_blocks` over those scores: each query's sel
+            block scores (the sums of their cmp members) and its top n, the same blocks in the
+            same order (in PyTorch each chunk's choice was about 35 small ops).
   backward  the probabilities again from the logsumexp, in two kernels without atomics: dQ one
             program per tile of queries, dK and dV one program per tile of keys over the queries
             that can see it.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from . import common
 from .common import NSASpec
 from .documents import Documents
 from .triton_sel import AVAILABLE
@@ -40,6 +43,9 @@ DKV_PROGRAMS, DKV_SEGMENT = 1024, 512
 """The cmp dK, dV kernel runs one head a program and splits the queries into segments of at least
 DKV_SEGMENT rows until about DKV_PROGRAMS programs run: a slot tile is seen by every later query,
 so with all r heads as rows of one program M7C at 8k ran 16 programs, the first 2,048 steps long."""
+CHOOSE_SCORES, CHOOSE_WARPS = 4096, 8
+"""Block scores (rows x sel blocks, padded to a power of two) and warps per program of the choice: 16 a
+thread, 104-128 registers on sm_90 (with 4 warps Triton 3.6 spilled with documents; test_triton_compile.py)."""
 
 if AVAILABLE:
     import triton
@@ -195,6 +201,41 @@ if AVAILABLE:
         tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=j[:, None] < S)
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=j[:, None] < S)
 
+    @triton.jit
+    def _choose(P, START, FIRST, IDX, VALID, rows, C, S, Ns, t0, s_doc, GC, STRIDE: tl.constexpr,
+                BEFORE: tl.constexpr, L: tl.constexpr, DOCS: tl.constexpr, N: tl.constexpr, NSP: tl.constexpr,
+                BR: tl.constexpr):
+        """`common.choose_blocks` of BR rows (b, g, query t0 + c) of a chunk's group scores P (B, G, C, S):
+        sel block j's score adds its cmp members, slots j STRIDE - BEFORE .. (j + 1) STRIDE - 1 (from the
+        first slot of the query's document with DOCS), in that order; block 0 and the 2 local blocks are
+        forced (+inf), blocks past the query no candidates (-inf); then N rounds of the largest score not
+        yet taken, ties to the lower block: the first N of a stable descending sort."""
+        row = tl.program_id(0) * BR + tl.arange(0, BR)
+        live = row < rows
+        c = row % C
+        t = t0 + c  # the position blocks count from: in its document with DOCS
+        first = tl.zeros([BR], tl.int64)
+        if DOCS:
+            at = (row // GC) * s_doc + t0 + c  # (b, t0 + c) of the documents' (B, T)
+            t -= tl.load(START + at, mask=live, other=0)
+            first = tl.load(FIRST + at, mask=live, other=0)
+        jt = t // L  # the block holding the query
+        j = tl.arange(0, NSP)[None, :]
+        base = row.to(tl.int64)[:, None] * S
+        score = tl.zeros([BR, NSP], tl.float32)
+        for k in tl.static_range(STRIDE + BEFORE):
+            member = j * STRIDE - BEFORE + k
+            slot = first[:, None] + member
+            score += tl.load(P + base + slot, mask=live[:, None] & (member >= 0) & (slot < S) & (j < Ns), other=0.0)
+        score = tl.where(j > jt[:, None], float("-inf"), tl.where((j == 0) | (j >= jt[:, None] - 1), float("inf"), score))
+        taken = tl.broadcast_to(j >= Ns, [BR, NSP])
+        for i in tl.static_range(N):
+            best = tl.max(tl.where(taken, float("-inf"), score), 1)
+            pick = tl.min(tl.where(~taken & (score == best[:, None]), j, NSP), 1)
+            tl.store(IDX + row * N + i, pick.to(tl.int64), mask=live)
+            tl.store(VALID + row * N + i, (pick <= jt).to(tl.int8), mask=live)
+            taken = taken | (j == pick[:, None])
+
 
 def _geometry(q: torch.Tensor, k: torch.Tensor, kind: str, spec: NSASpec, docs: Documents | None) -> dict:
     """The launch arguments every kernel shares."""
@@ -219,6 +260,27 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     _fwd[(triton.cdiv(b - a, geo["BM"]), B * G)](q, k, v, O=out, LSE=lse, P=scores if scores is not None else lse,
                                                  a=a, C=b - a, q0=q0, **geo)
     return scores
+
+
+def choose_blocks(group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`common.choose_blocks` of `forward`'s group scores (B, G, C, S) of the queries t0 .. t0 + C - 1 in one
+    launch (`_choose`), where l and l' are multiples of d (else in PyTorch): the same blocks in the same order."""
+    if spec.l % spec.d or spec.l_sel % spec.d:
+        return common.choose_blocks(group, spec, t0, T, docs)
+    B, G, C, S = group.shape
+    Ns = spec.num_sel_blocks(T)
+    n = min(spec.n, Ns)
+    idx = torch.empty(B, G, C, n, dtype=torch.long, device=group.device)
+    valid = torch.empty(B, G, C, n, dtype=torch.bool, device=group.device)
+    start, first = (group, group) if docs is None else (docs.start, docs.first_slot)  # unread without documents
+    nsp = triton.next_power_of_2(Ns)
+    br = max(1, CHOOSE_SCORES // nsp)
+    _choose[(triton.cdiv(B * G * C, br),)](group.contiguous(), start, first, idx, valid.view(torch.int8), B * G * C,
+                                           C, S, Ns, t0, start.stride(0), G * C, STRIDE=spec.l_sel // spec.d,
+                                           BEFORE=spec.l // spec.d - 1, L=spec.l_sel, DOCS=docs is not None, N=n,
+                                           NSP=nsp, BR=br, num_warps=CHOOSE_WARPS)
+    return idx, valid
 
 
 def backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
