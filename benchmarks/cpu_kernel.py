@@ -7,7 +7,9 @@ At the config's batch, seq_len, heads, KV groups, head_dim and NSA block sizes (
 keys and values: the sel forward, its backward and the block scores' weight gradient
 (`sel_weight_grad`, `--explore` explored blocks per query beside the n read ones), the win forward and
 backward, the cmp forward with the group probabilities the sel blocks are chosen from, the cmp
-backward, the choice of the sel blocks from those probabilities, the explored blocks' draw and the
+backward, the choice of the sel blocks from those probabilities (as training makes it: a chunk of
+`CHUNK_CMP` queries at a time, without documents and with documents of ~1,024 tokens, and beside it the
+same in PyTorch, `common.choose_blocks`), the explored blocks' draw and the
 scores' gradient through the cmp probabilities (`cmp_scores_backward`); beside the win and cmp
 backwards, ATen's fused attention on the PyTorch path's chunks, which training takes for runs of
 `FUSED_BACKWARD_KEYS` keys or more. The sel blocks are each query's forced ones (first, local) and
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import load_config  # noqa: E402
-from nsa_titan.models.attention import cpu_attention, fast_shared  # noqa: E402
+from nsa_titan.models.attention import Documents, common, cpu_attention, fast_shared  # noqa: E402
 from nsa_titan.models.transformer import nsa_spec  # noqa: E402
 
 
@@ -74,6 +76,12 @@ def main() -> None:
     c_out, c_lse = torch.empty_like(q), torch.empty(B, G, T, r)
     group = cpu_attention.cmp_forward(q, keys, c_out, c_lse, 0, T, 0, spec, None)
     d_log_s = torch.randn(idx.shape, generator=gen) * (idx > 0)
+    docs = Documents.of(torch.cumsum(torch.rand(B, T, generator=gen) < 1 / 1024, 1), spec)
+    chunks = [(t0, group[:, :, t0:t0 + fast_shared.CHUNK_CMP].contiguous()) for t0 in range(0, T, fast_shared.CHUNK_CMP)]
+
+    def choice(choose: Callable, documents: Documents | None) -> Callable[[], object]:
+        return lambda: [choose(g, spec, t0, T, documents) for t0, g in chunks]
+
     fused = {kind: (lambda a, kind=kind: fast_shared.shared_backward(do, q, *a, kind, spec, 0, None, None, "torch"))
              for kind in ("win", "cmp")}  # the PyTorch path: ATen's fused attention chunk by chunk
     rows: dict[str, Callable[[], object]] = {
@@ -89,7 +97,10 @@ def main() -> None:
             lambda: cpu_attention.cmp_forward(q, keys, c_out, c_lse, 0, T, 0, spec, None),
         "cmp backward": lambda: cpu_attention.cmp_backward(do, q, kc, kc, c_out, c_lse, spec, 0, None),
         "cmp backward, ATen fused (chunks)": lambda: fused["cmp"]((kc, kc, c_out, c_lse)),
-        "sel choice (top n from the group probabilities)": lambda: cpu_attention.choose_blocks(group, spec, 0, T, None),
+        "sel choice (top n from the group probabilities, chunk by chunk)": choice(cpu_attention.choose_blocks, None),
+        "sel choice, PyTorch": choice(common.choose_blocks, None),
+        "sel choice, documents of ~1,024": choice(cpu_attention.choose_blocks, docs),
+        "sel choice, documents of ~1,024, PyTorch": choice(common.choose_blocks, docs),
         f"explored blocks' draw ({idx.shape[-1] - n} a query)":
             lambda: cpu_attention.explore_blocks(idx[..., :n], t[None], Ns, spec, idx.shape[-1] - n, 0),
         "scores' gradient through the cmp probabilities": lambda: cpu_attention.cmp_scores_backward(q, kc, idx, d_log_s,

@@ -276,11 +276,16 @@ CHOICES = [(NSASpec(l=4, d=2, l_sel=8, n=16, w=64), 1024, 768, 256), (M7C, 1000,
 def test_the_kernel_chooses_and_explores_the_blocks_pytorch_does(spec, T, t0, C):
     """The sel blocks picked in the kernel (`cpu_attention.choose_blocks`) are `common.choose_blocks'`, in the
     same order: scores in quarters and zeros (ties go to the lower block), forced blocks first, fewer candidates
-    than n near the start; and the kernel's draw of explored blocks is `routing.explore_blocks'` (where ok), with
-    one position per query or per row and query (documents), for int and tensor seeds."""
+    than n near the start, with and without documents (their starts inside the chunk); and the kernel's draw of
+    explored blocks is `routing.explore_blocks'` (where ok), with one position per query or per row and query
+    (documents), for int and tensor seeds."""
     gen = torch.Generator().manual_seed(T)
     group = (torch.rand(3, 2, C, spec.num_cmp_blocks(T), generator=gen) * 4).floor() / 4
     group[..., ::7] = 0
+    docs = Documents.of(torch.stack([torch.arange(T) // 300, torch.arange(T) // 77, torch.arange(T) * 0]), spec)
+    want = common.choose_blocks(group, spec, t0, T, docs)
+    got = cpu_attention.choose_blocks(group, spec, t0, T, docs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not want[1][1].all()  # row 1: short documents
     idx, valid = common.choose_blocks(group, spec, t0, T)
     got = cpu_attention.choose_blocks(group, spec, t0, T, None)
     assert torch.equal(got[0], idx) and torch.equal(got[1], valid)

@@ -5,7 +5,7 @@ Each branch is, per (batch x group, query), softmax attention over a few runs of
 query heads of the group side by side. The kernel reads each query's runs in one pass: scores,
 softmax and both products in a per-thread buffer, no gathered rows, no zero-filled tile buffers.
 For cmp it also returns each query's probabilities summed over the group's heads, which the sel
-blocks are chosen from (without documents here too: `choose_blocks`, per chunk of queries). The backward
+blocks are chosen from (here too, with or without documents: `choose_blocks`, per chunk of queries). The backward
 goes query by query, each thread adding into its own dk, dv; the sel backward of longer sequences goes
 block by block instead, through the reverse index (`block_readers`), a chunk of queries at a time, so
 that its working set does not grow with T; so does the sel forward of longer sequences (an online
@@ -282,15 +282,18 @@ def cmp_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def choose_blocks(group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`common.choose_blocks` of the cmp forward's group scores (B, G, C, S) (`cmp_forward`): by the kernel
-    where a sel block's score pools its cmp members by strided slices (no documents; l and l' multiples of
-    d), else in PyTorch. The same blocks in the same order either way."""
-    if docs is not None or spec.l % spec.d or spec.l_sel % spec.d:
+    """`common.choose_blocks` of the cmp forward's group scores (B, G, C, S) (`cmp_forward`) of the queries
+    t0 .. t0 + C - 1: by the kernel where a sel block's cmp members are consecutive slots (l and l' multiples of
+    d), with or without documents, else in PyTorch. The same blocks in the same order either way."""
+    if spec.l % spec.d or spec.l_sel % spec.d:
         return common.choose_blocks(group, spec, t0, T, docs)
     B, G, C, _ = group.shape
     Ns = spec.num_sel_blocks(T)
     n = min(spec.n, Ns)
-    idx, valid = _build()[0].choose(group.contiguous(), C, t0, spec.l, spec.d, spec.l_sel, Ns, n)
+    t = common.query_positions(t0, C, group.device, docs)  # (1 or B, C)
+    first = torch.zeros_like(t) if docs is None else docs.first_slot[:, t0:t0 + C]  # the document's slot 0
+    idx, valid = _build()[0].choose(group.contiguous(), t.contiguous(), first.contiguous(), G, spec.l, spec.d,
+                                    spec.l_sel, Ns, n)
     return idx.view(B, G, C, n), valid.view(B, G, C, n)
 
 

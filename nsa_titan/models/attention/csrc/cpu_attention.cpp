@@ -446,27 +446,29 @@ inline void keep_largest(K key, int64_t id, K* top, int64_t* ids, int* k, int m)
   top[at] = key, ids[at] = id;
 }
 
-// The n blocks each query chooses (`common.choose_blocks` where l and l' are multiples of d, no documents):
-// block j's score sums the group probabilities of its l'/d + l/d - 1 cmp members from slot j l'/d - l/d + 1 on,
-// in that order (as `_pooled`); block 0 and the 2 local blocks are forced (+inf), blocks past the query
-// (j l' > t) are no candidates (-inf); the first n of a stable descending sort, ties to the lower block.
-void choose_rows(const float* group, int64_t* idx, bool* valid, int64_t rows, int64_t C, int64_t S, int64_t t0,
-                 int l, int d, int lsel, int64_t Ns, int n) {
+// The n blocks each query chooses (`common.choose_blocks` where l and l' are multiples of d): block j's score sums
+// the group probabilities of its l'/d + l/d - 1 cmp members, slots j l'/d - l/d + 1 .. (j + 1) l'/d - 1 from the first
+// slot of the query's document (0 without documents), in that order (as `block_scores`); block 0 and the 2 local
+// blocks are forced (+inf), blocks past the query (j l' > t) are no candidates (-inf); the first n of a stable
+// descending sort, ties to the lower block. tpos, first (Bt, C): the positions blocks count from (in the query's
+// document) and that first slot, Bt = 1 or the batch.
+void choose_rows(const float* group, const int64_t* tpos, const int64_t* first, int64_t* idx, bool* valid,
+                 int64_t rows, int64_t G, int64_t Bt, int64_t C, int64_t S, int l, int d, int lsel, int64_t Ns, int n) {
   const int64_t stride = lsel / d, before = l / d - 1;
   at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
     std::vector<float> top(n);
     std::vector<int64_t> id(n);
     for (int64_t row = lo; row < hi; ++row) {
       const float* g = group + row * S;
-      const int64_t jt = (t0 + row % C) / lsel;
+      const int64_t at = (row / C / G % Bt) * C + row % C, jt = tpos[at] / lsel, f = first[at];
       int k = 0;  // held: top[0 .. k) by descending score, ties in block order
       for (int64_t j = 0; j < Ns; ++j) {
         float s = INFINITY;
         if (j > jt) s = -INFINITY;
         else if (j > 0 && j < jt - 1) {
           s = 0.0f;
-          for (int64_t slot = j * stride - before; slot < (j + 1) * stride; ++slot)
-            if (slot >= 0 && slot < S) s += g[slot];
+          for (int64_t m = j * stride - before; m < (j + 1) * stride; ++m)
+            if (m >= 0 && f + m < S) s += g[f + m];
         }
         keep_largest(s, j, top.data(), id.data(), &k, n);
       }
@@ -708,15 +710,19 @@ std::vector<torch::Tensor> cmp_scores_backward(torch::Tensor q, torch::Tensor k,
   return {dq, dk.sum(0)};
 }
 
-std::vector<torch::Tensor> choose(torch::Tensor group, int64_t C, int64_t t0, int64_t l, int64_t d, int64_t lsel,
-                                  int64_t Ns, int64_t n) {
+std::vector<torch::Tensor> choose(torch::Tensor group, torch::Tensor tpos, torch::Tensor first, int64_t G, int64_t l,
+                                  int64_t d, int64_t lsel, int64_t Ns, int64_t n) {
   check(group, "group");
+  TORCH_CHECK(tpos.is_contiguous() && first.is_contiguous() && tpos.scalar_type() == torch::kInt64 &&
+              first.scalar_type() == torch::kInt64 && tpos.sizes() == first.sizes(),
+              "tpos and first: contiguous int64 (Bt, C)");
+  const int64_t C = group.size(-2);
   int64_t rows = 1;  // every dimension but the slots (which may be none)
   for (int64_t i = 0; i + 1 < group.dim(); ++i) rows *= group.size(i);
   auto idx = torch::empty({rows, n}, group.options().dtype(torch::kInt64));
   auto valid = torch::empty({rows, n}, group.options().dtype(torch::kBool));
-  choose_rows(group.data_ptr<float>(), idx.data_ptr<int64_t>(), valid.data_ptr<bool>(), rows, C, group.size(-1), t0, l,
-              d, lsel, Ns, n);
+  choose_rows(group.data_ptr<float>(), tpos.data_ptr<int64_t>(), first.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
+              valid.data_ptr<bool>(), rows, G, tpos.size(0), C, group.size(-1), l, d, lsel, Ns, n);
   return {idx, valid};
 }
 
