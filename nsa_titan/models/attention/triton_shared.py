@@ -227,7 +227,8 @@ if AVAILABLE:
             member = j * STRIDE - BEFORE + k
             slot = first[:, None] + member
             score += tl.load(P + base + slot, mask=live[:, None] & (member >= 0) & (slot < S) & (j < Ns), other=0.0)
-        score = tl.where(j > jt[:, None], float("-inf"), tl.where((j == 0) | (j >= jt[:, None] - 1), float("inf"), score))
+        forced = (j == 0) | (j >= jt[:, None] - 1)
+        score = tl.where(j > jt[:, None], float("-inf"), tl.where(forced, float("inf"), score))
         taken = tl.broadcast_to(j >= Ns, [BR, NSP])
         for i in tl.static_range(N):
             best = tl.max(tl.where(taken, float("-inf"), score), 1)

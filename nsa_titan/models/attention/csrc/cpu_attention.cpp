@@ -456,20 +456,28 @@ void choose_rows(const float* group, const int64_t* tpos, const int64_t* first, 
                  int64_t rows, int64_t G, int64_t Bt, int64_t C, int64_t S, int l, int d, int lsel, int64_t Ns, int n) {
   const int64_t stride = lsel / d, before = l / d - 1;
   at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
-    std::vector<float> top(n);
+    std::vector<float> top(n), score(Ns);
     std::vector<int64_t> id(n);
     for (int64_t row = lo; row < hi; ++row) {
       const float* g = group + row * S;
       const int64_t at = (row / C / G % Bt) * C + row % C, jt = tpos[at] / lsel, f = first[at];
+      // blocks 1 .. last are scored (the others are forced or no candidates); those in [inside, outside) have
+      // every member in the slots [f, S): member by member across blocks (vector code), the others checked
+      const int64_t last = std::min(jt - 2, Ns - 1), inside = std::max<int64_t>(1, (before + stride - 1) / stride);
+      const int64_t outside = std::max(inside, std::min(last + 1, (S - f) / stride));
+      std::fill(score.begin(), score.begin() + std::max<int64_t>(0, last + 1), 0.0f);
+      for (int64_t m = 0; m < stride + before; ++m) {
+        const float* gm = g + f + m - before;
+        for (int64_t j = inside; j < outside; ++j) score[j] += gm[j * stride];
+      }
+      for (int64_t j = 1; j <= last; ++j)
+        if (j < inside || j >= outside)
+          for (int64_t m = j * stride - before; m < (j + 1) * stride; ++m)
+            if (m >= 0 && f + m < S) score[j] += g[f + m];
       int k = 0;  // held: top[0 .. k) by descending score, ties in block order
       for (int64_t j = 0; j < Ns; ++j) {
-        float s = INFINITY;
-        if (j > jt) s = -INFINITY;
-        else if (j > 0 && j < jt - 1) {
-          s = 0.0f;
-          for (int64_t m = j * stride - before; m < (j + 1) * stride; ++m)
-            if (m >= 0 && f + m < S) s += g[f + m];
-        }
+        if (j > jt && k == n) break;  // only -inf blocks remain
+        const float s = j > jt ? -INFINITY : j > 0 && j <= last ? score[j] : INFINITY;
         keep_largest(s, j, top.data(), id.data(), &k, n);
       }
       for (int c = 0; c < n; ++c) idx[row * n + c] = id[c], valid[row * n + c] = id[c] <= jt;
