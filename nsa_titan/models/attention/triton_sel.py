@@ -1,7 +1,8 @@
 """The sel branch as Triton kernels (GPU), after the paper's group-centric kernel, over tiles of queries.
 
 One program per (tile of BT consecutive queries, batch b, KV group g): it loads the query rows of
-all r heads of the group for its BT queries once (BT * r padded = 64 rows, one tensor-core tile),
+all r heads of the group for its BT queries once (BT = 64 // r queries, their BT * r heads packed
+into the 64 rows of one tensor-core tile: 10 queries, 60 rows at r = 6),
 walks the union of the blocks of l' keys those queries chose (neighbouring queries mostly choose
 the same ones: each is loaded once for the tile, not once per query), and runs an online softmax
 per row over its own query's blocks. The backward recomputes the probabilities from the
@@ -30,7 +31,8 @@ from .common import NSASpec, block_readers
 AVAILABLE = triton is not None
 """Whether the kernels can be used (Triton importable)."""
 ROWS = 64
-"""Rows (queries x padded heads) of the forward's and dQ's tiles: 8 queries at M7C's r = 6."""
+"""Rows of the forward's and dQ's tiles, (query, head) packed: 10 queries at M7C's r = 6 (8 with the
+heads padded to 8, a quarter of the rows idle)."""
 DKV_ROWS, DKV_WARPS = 32, 8
 """The block-centric backward's rows (readers, one head a program) per step and warps: at M7C's
 shape (head dim 64, l' = 64) in bf16 it takes 163 registers on sm_90, no spills (64 rows, or 4
@@ -60,23 +62,24 @@ if AVAILABLE:
 
     @triton.jit
     def _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t,
-              R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+              R: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
               NP: tl.constexpr):
-        """The rows of query tile `pid 0` (BT queries x RP heads): whether each is real, its position,
+        """The M rows of query tile `pid 0` (BT queries x R heads, packed; M a power of two >= BT R,
+        the rows past BT R idle): whether each is real, its position,
         its (B, G, Tq, r, D) offsets and (B, G, Tq, r) logsumexp offsets, q, the first keys of its
         query's chosen blocks (rows, NP; -1: none), and where the tile's union of blocks
         (`_tile_blocks`) starts and how many it holds."""
         tile = tl.program_id(0)
-        mm = tl.arange(0, BT * RP)  # row mm: head mm % RP of query row tile * BT + mm // RP
-        tq = tile * BT + mm // RP
-        live = (tq < Tq) & (mm % RP < R)
-        q_off = bg * Tq * sq_t + tq[:, None] * sq_t + (mm % RP)[:, None] * D + tl.arange(0, D)[None, :]
+        mm = tl.arange(0, M)  # row mm: head mm % R of query row tile * BT + mm // R
+        tq = tile * BT + mm // R
+        live = (tq < Tq) & (mm < BT * R)
+        q_off = bg * Tq * sq_t + tq[:, None] * sq_t + (mm % R)[:, None] * D + tl.arange(0, D)[None, :]
         q = tl.load(Q + q_off, mask=live[:, None], other=0.0)
         nn = tl.arange(0, NP)  # N padded to a power of two
         chosen = tl.load(CHOSEN + (bg * Tq + tq[:, None]) * N + nn[None, :], mask=live[:, None] & (nn < N)[None, :],
                          other=-1)
         at = bg * tl.num_programs(0) + tile
-        stat_off = bg * Tq * slse_t + tq * slse_t + mm % RP
+        stat_off = bg * Tq * slse_t + tq * slse_t + mm % R
         return live, q0 + tq, q_off, stat_off, q, chosen, at * BT * N, tl.load(COUNT + at)
 
     @triton.jit
@@ -93,16 +96,16 @@ if AVAILABLE:
 
     @triton.jit
     def _sel_fwd(Q, K, V, CHOSEN, UNION, COUNT, O, LSE, scale, sq_t, slse_t, Tq, Tk, q0,
-                 R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                 R: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
                  N: tl.constexpr, NP: tl.constexpr):
         """out and logsumexp of a tile of BT queries (all r heads of their group as rows): each block
         any of them chose is loaded once for the tile, an online softmax per row over its own."""
         bg = tl.program_id(1)  # b * G + g: q, o (B, G, Tq, r, D), k, v (B, G, Tk, D), chosen (B, G, Tq, N)
-        live, t, q_off, stat_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t, R, RP, BT,
+        live, t, q_off, stat_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t, R, M, BT,
                                                                D, N, NP)
-        m = tl.full([BT * RP], float("-inf"), tl.float32)
-        total = tl.zeros([BT * RP], tl.float32)
-        acc = tl.zeros([BT * RP, D], tl.float32)
+        m = tl.full([M], float("-inf"), tl.float32)
+        total = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
         for u in range(u0, u0 + count):
             k, v, ok = _union_block(K, V, UNION, u, chosen, t, bg, Tk, D, L)
             sc = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
@@ -113,16 +116,16 @@ if AVAILABLE:
 
     @triton.jit
     def _sel_bwd_dq(Q, K, V, CHOSEN, UNION, COUNT, DO, LSE, DELTA, DQ, scale, sq_t, slse_t, Tq, Tk, q0,
-                    R: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                    R: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
                     N: tl.constexpr, NP: tl.constexpr):
         """dQ of a tile of BT queries: the tile's blocks' probabilities again, from the logsumexp."""
         bg = tl.program_id(1)
-        live, t, q_off, stat_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t, R, RP, BT,
+        live, t, q_off, stat_off, q, chosen, u0, count = _tile(Q, CHOSEN, COUNT, bg, Tq, q0, sq_t, slse_t, R, M, BT,
                                                                D, N, NP)
         do = tl.load(DO + q_off, mask=live[:, None], other=0.0)
         lse = tl.load(LSE + stat_off, mask=live, other=float("inf"))  # other rows: p = 0
         delta = tl.load(DELTA + stat_off, mask=live, other=0.0)
-        dq = tl.zeros([BT * RP, D], tl.float32)
+        dq = tl.zeros([M, D], tl.float32)
         for u in range(u0, u0 + count):
             k, v, ok = _union_block(K, V, UNION, u, chosen, t, bg, Tk, D, L)
             _, ds = tile_grads(q, do, k, v, ok, lse, delta, scale, None)  # (rows, L)
@@ -193,12 +196,12 @@ def _prepared(idx: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None
 def _tile_blocks(idx32: torch.Tensor, start32: torch.Tensor, L: int, r: int
                  ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
     """What the tile kernels read: the first key of each chosen block, -1 for none (B, G, Tq, N);
-    BT, the queries of a tile (BT * r padded to a power of two = ROWS rows); and each tile's union of
+    BT, the queries of a tile (ROWS // r: their heads packed into ROWS rows); and each tile's union of
     its queries' blocks, in position order (B, G, tiles, BT * N, padding after it) with its size
     (B, G, tiles). Two sorts per tile of BT * N entries, no host sync."""
     B, G, Tq, N = idx32.shape
     chosen = torch.where(idx32 >= 0, start32[:, None, :, None] + idx32 * L, -1).contiguous()
-    BT = max(1, ROWS // triton.next_power_of_2(r))
+    BT = max(1, ROWS // r)
     none = torch.iinfo(torch.int32).max
     x = torch.nn.functional.pad(chosen, (0, 0, 0, -Tq % BT), value=-1).view(B, G, -1, BT * N)
     x = torch.where(x < 0, none, x).sort(-1).values
@@ -210,7 +213,7 @@ def _tile_args(q: torch.Tensor, ks: torch.Tensor, chosen: torch.Tensor, spec: NS
     B, G, Tq, r, D = q.shape
     N = chosen.shape[-1]
     return dict(scale=D**-0.5, sq_t=r * D, slse_t=r, Tq=Tq, Tk=ks.shape[2], q0=q0, R=r,
-                RP=triton.next_power_of_2(r), BT=BT, D=D, L=spec.l_sel, N=N, NP=triton.next_power_of_2(N))
+                M=triton.next_power_of_2(BT * r), BT=BT, D=D, L=spec.l_sel, N=N, NP=triton.next_power_of_2(N))
 
 
 def sel_forward(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
