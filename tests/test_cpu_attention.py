@@ -269,7 +269,18 @@ def test_the_cmp_scores_are_the_probabilities_down_to_subnormals():
 
 
 CHOICES = [(NSASpec(l=4, d=2, l_sel=8, n=16, w=64), 1024, 768, 256), (M7C, 1000, 0, 1000), (SPEC, 203, 48, 155),
-           (NSASpec(l=8, d=4, l_sel=8, n=5, w=8), 90, 0, 90)]
+           (NSASpec(l=8, d=4, l_sel=8, n=5, w=8), 90, 0, 90), (M7C, 4096, 1024, 512),
+           (NSASpec(l=8, d=4, l_sel=16, n=16, w=24), 100, 0, 100)]
+"""(spec, T, t0, C) of the choice's checks (here and for the Triton kernel's): fewer candidates than n at the start,
+a partial last block, the paper's blocks, a chunk inside the sequence, n above the 7 blocks there are."""
+
+
+def choice_inputs(spec: NSASpec, T: int, C: int) -> tuple[torch.Tensor, Documents]:
+    """Group scores (3, 2, C, Nc) in quarters and zeros (ties), and documents of 300 and 77 tokens and one of T."""
+    gen = torch.Generator().manual_seed(T)
+    group = (torch.rand(3, 2, C, spec.num_cmp_blocks(T), generator=gen) * 4).floor() / 4
+    group[..., ::7] = 0
+    return group, Documents.of(torch.stack([torch.arange(T) // 300, torch.arange(T) // 77, torch.arange(T) * 0]), spec)
 
 
 @pytest.mark.parametrize("spec,T,t0,C", CHOICES, ids=[f"T{c[1]}-t0{c[2]}-l{c[0].l_sel}" for c in CHOICES])
@@ -279,10 +290,7 @@ def test_the_kernel_chooses_and_explores_the_blocks_pytorch_does(spec, T, t0, C)
     than n near the start, with and without documents (their starts inside the chunk); and the kernel's draw of
     explored blocks is `routing.explore_blocks'` (where ok), with one position per query or per row and query
     (documents), for int and tensor seeds."""
-    gen = torch.Generator().manual_seed(T)
-    group = (torch.rand(3, 2, C, spec.num_cmp_blocks(T), generator=gen) * 4).floor() / 4
-    group[..., ::7] = 0
-    docs = Documents.of(torch.stack([torch.arange(T) // 300, torch.arange(T) // 77, torch.arange(T) * 0]), spec)
+    group, docs = choice_inputs(spec, T, C)
     want = common.choose_blocks(group, spec, t0, T, docs)
     got = cpu_attention.choose_blocks(group, spec, t0, T, docs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not want[1][1].all()  # row 1: short documents

@@ -24,6 +24,7 @@ sys.path.insert(0, str(HERE))
 
 from nsa_titan.models.attention import NSASpec, choose_kernels, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.attention.common import block_readers  # noqa: E402
+from test_cpu_attention import CHOICES, choice_inputs  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -177,25 +178,15 @@ def shared_kernels() -> list:
     return report
 
 
-CHOICES = [(NSASpec(l=4, d=2, l_sel=8, n=16, w=64), 1024, 768, 256), (NSASpec(), 1000, 0, 1000), (SPEC, 203, 48, 155),
-           (NSASpec(l=8, d=4, l_sel=8, n=5, w=8), 90, 0, 90), (NSASpec(), 4096, 1024, 512),
-           (NSASpec(l=8, d=4, l_sel=16, n=16, w=24), 100, 0, 100)]
-"""(spec, T, t0, C) of the choice's checks: fewer candidates than n at the start, a partial last block, the
-paper's blocks, a chunk inside the sequence, n above the 7 blocks there are."""
-
-
 def choose() -> list:
-    """The choice of sel blocks in one launch (`triton_shared.choose_blocks`) against `common.choose_blocks`:
-    scores in quarters and zeros (ties go to the lower block), with and without documents (their starts
-    inside the chunk)."""
-    from nsa_titan.models.attention import Documents, common, triton_shared
+    """The choice of sel blocks in one launch (`triton_shared.choose_blocks`) against `common.choose_blocks`
+    on test_cpu_attention's cases: scores in quarters and zeros (ties go to the lower block), with and
+    without documents (their starts inside the chunk)."""
+    from nsa_titan.models.attention import common, triton_shared
     report = []
     for spec, T, t0, C in CHOICES:
-        gen = torch.Generator().manual_seed(T)
-        group = (torch.rand(3, 2, C, spec.num_cmp_blocks(T), generator=gen) * 4).floor() / 4
-        group[..., ::7] = 0
-        ids = torch.stack([torch.arange(T) // 300, torch.arange(T) // 77, torch.arange(T) * 0])
-        for docs in (None, Documents.of(ids, spec)):
+        group, documents = choice_inputs(spec, T, C)
+        for docs in (None, documents):
             want = common.choose_blocks(group, spec, t0, T, docs)
             got = triton_shared.choose_blocks(group, spec, t0, T, docs)
             report.append({"T": T, "docs": docs is not None, "idx": bool(torch.equal(got[0], want[0])),
