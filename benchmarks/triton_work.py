@@ -17,15 +17,21 @@ A GPU runs a kernel no faster than its longest program, one step after another.
 Then, for the whole M7C attention (`nsa_fast`, bf16, the GPU's chunk sizes), forward and backward:
 the Triton launches, and the ATen ops dispatched besides them (each a kernel launch on a GPU; views
 and other metadata-only ops not counted), with the sel blocks chosen by PyTorch ops (as before
-session 39) and by the `_choose` kernel, one launch per cmp chunk.
+session 39) and by the `_choose` kernel, one launch per cmp chunk; and the host time of one eager
+forward and backward at T = 256 with the kernels not run (wrappers, dispatch, autograd: on a GPU,
+time the device waits for unless it has work queued).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
+import statistics
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -95,9 +101,21 @@ def aten_ops(call) -> int:
     return count
 
 
-def glue(T: int, docs: bool) -> tuple[int, list[int]]:
-    """The Triton launches of one forward and backward of the M7C attention (bf16, the GPU's chunk sizes, the
-    kernels recorded), and the ATen ops it dispatches with the sel blocks chosen by PyTorch ops and by `_choose`."""
+@contextlib.contextmanager
+def as_on_a_gpu(choose: Callable | None = None) -> Iterator[None]:
+    """The GPU's chunk sizes (and `choose` in place of `triton_shared.choose_blocks`, if given) inside."""
+    sizes, kernel = (fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN), triton_shared.choose_blocks
+    try:
+        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = fast_shared.GPU_CHUNK_CMP, fast_shared.GPU_CHUNK_WIN
+        triton_shared.choose_blocks = choose or kernel
+        yield
+    finally:
+        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = sizes
+        triton_shared.choose_blocks = kernel
+
+
+def attention_step(T: int, docs: bool) -> Callable[[], None]:
+    """One forward and backward of the M7C attention on the Triton path (`nsa_fast`, bf16), random inputs."""
     gen = torch.Generator().manual_seed(T)
     q = torch.randn(1, T, G * R, D, generator=gen)
     kv = [torch.randn(1, SPEC.num_cmp_blocks(T) if i < 2 else T, G, D, generator=gen) for i in range(6)]
@@ -105,20 +123,35 @@ def glue(T: int, docs: bool) -> tuple[int, list[int]]:
     gates = torch.rand(1, T, G * R, 3, generator=gen, requires_grad=True)
     documents = Documents.of(torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
     grad = torch.randn(q.shape, generator=gen).bfloat16()
+    return lambda: nsa_fast(*inputs, gates, SPEC, Kernels("triton", "triton", "triton"), documents).backward(grad)
 
-    def step() -> None:
-        nsa_fast(*inputs, gates, SPEC, Kernels("triton", "triton", "triton"), documents).backward(grad)
 
-    counts, sizes, kernel = [], (fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN), triton_shared.choose_blocks
-    try:
-        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = fast_shared.GPU_CHUNK_CMP, fast_shared.GPU_CHUNK_WIN
-        for choose in (common.choose_blocks, kernel):
-            triton_shared.choose_blocks = choose
+def glue(T: int, docs: bool) -> tuple[int, list[int]]:
+    """The Triton launches of one forward and backward, and the ATen ops it dispatches with the sel blocks
+    chosen by PyTorch ops and by `_choose` (the kernels recorded)."""
+    step, counts = attention_step(T, docs), []
+    for choose in (common.choose_blocks, None):
+        with as_on_a_gpu(choose):
             _, launches = recorded(lambda: counts.append(aten_ops(step)))
-    finally:
-        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = sizes
-        triton_shared.choose_blocks = kernel
     return sum(launches.values()), counts
+
+
+def host_ms(T: int, repeats: int = 50) -> float:
+    """The median host milliseconds of one eager forward and backward at a small T, the kernels recorded,
+    one thread: what the attention's wrappers, dispatch and autograd cost a layer before any GPU work."""
+    step, times, threads = attention_step(T, False), [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def timed() -> None:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+        with as_on_a_gpu():
+            recorded(timed)
+    finally:
+        torch.set_num_threads(threads)
+    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -162,6 +195,8 @@ def main() -> None:
     for T in a.T:
         launches, (before, now) = glue(T, a.docs)
         print(f"| {T:,} | {launches} | {before} | {now} | {before / now:.1f}x |", flush=True)
+    print(f"\nHost time of one eager forward and backward at T = 256, the kernels not run (on a GPU, hidden only "
+          f"while earlier kernels still run): {host_ms(256):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def test_triton_work_counts_the_launches_the_wrappers_make():
     rows = {c[0]: c[1:] for c in cells if not c[0].isdigit()}
     (launches, before, now, _), = [c[:4] for c in cells if c[0].isdigit()]
     assert int(launches) == 10 and int(now) < int(before)
+    assert "Host time of one eager forward and backward at T = 256" in proc.stdout
     assert rows.keys() == {"sel forward, dQ", "sel dK, dV", "cmp dK, dV"}
     steps = lambda x: int(x.split()[0].replace(",", ""))  # noqa: E731
     assert steps(rows["sel dK, dV"][1]) == 2048 // 4 and steps(rows["sel dK, dV"][3]) == 2048 // 32
