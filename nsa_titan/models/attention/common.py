@@ -50,6 +50,11 @@ class NSASpec:
                 "sel": (torch.clamp(jt + 1, max=self.n) - 1) * self.l_sel + (t - jt * self.l_sel + 1),
                 "win": torch.clamp(t + 1, max=self.w)}
 
+    def strided_members(self) -> bool:
+        """Whether l and l' are multiples of d: then sel block j's cmp members are the l'/d + l/d - 1
+        consecutive blocks from j l'/d - l/d + 1 on, which `_pooled` and the kernels' choice add by stride."""
+        return self.l % self.d == 0 and self.l_sel % self.d == 0
+
     def mean_keys_per_query(self, T: int) -> float:
         """Keys a query attends to, over all branches, averaged over t < T."""
         keys = self.keys_per_query(torch.arange(T, dtype=torch.float64, device="cpu"))
@@ -164,7 +169,7 @@ def block_scores(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Do
     B, G, C, Nv = p_group.shape
     Ns = spec.num_sel_blocks(T)
     t = query_positions(t0, C, p_group.device, docs)
-    if docs is None and spec.l % spec.d == 0 and spec.l_sel % spec.d == 0:
+    if docs is None and spec.strided_members():
         return _pooled(p_group, spec, Ns), t
     padded = torch.cat([p_group, p_group.new_zeros(B, G, C, 1)], -1)  # Nv: the zero column
     j = torch.arange(Ns, device=p_group.device).expand(1, 1, C, Ns)

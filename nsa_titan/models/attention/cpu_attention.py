@@ -285,7 +285,7 @@ def choose_blocks(group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Doc
     """`common.choose_blocks` of the cmp forward's group scores (B, G, C, S) (`cmp_forward`) of the queries
     t0 .. t0 + C - 1: by the kernel where a sel block's cmp members are consecutive slots (l and l' multiples of
     d), with or without documents, else in PyTorch. The same blocks in the same order either way."""
-    if spec.l % spec.d or spec.l_sel % spec.d:
+    if not spec.strided_members():
         return common.choose_blocks(group, spec, t0, T, docs)
     B, G, C, _ = group.shape
     Ns = spec.num_sel_blocks(T)

@@ -267,7 +267,7 @@ def choose_blocks(group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Doc
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`common.choose_blocks` of `forward`'s group scores (B, G, C, S) of the queries t0 .. t0 + C - 1 in one
     launch (`_choose`), where l and l' are multiples of d (else in PyTorch): the same blocks in the same order."""
-    if spec.l % spec.d or spec.l_sel % spec.d:
+    if not spec.strided_members():
         return common.choose_blocks(group, spec, t0, T, docs)
     B, G, C, S = group.shape
     Ns = spec.num_sel_blocks(T)
