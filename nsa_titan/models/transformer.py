@@ -187,7 +187,9 @@ class NSAAttention(nn.Module):
         """Sigmoid gates (B, S, H, 3) of x (B, S, dim), in fp32 (or fp64), order (cmp, sel, win)."""
         B, S, _ = x.shape
         gates = torch.sigmoid(self.gate(x).to(torch.promote_types(x.dtype, torch.float32))).view(B, S, self.n_heads, 3)
-        return gates * gates.new_tensor(self.keep) if self.keep != (1.0, 1.0, 1.0) else gates
+        if self.keep == (1.0, 1.0, 1.0):
+            return gates
+        return torch.stack([gates[..., i] * k for i, k in enumerate(self.keep)], -1)  # scalars: no copy to the device
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, kv_out: dict | None = None,
                 docs: Documents | None = None) -> torch.Tensor:

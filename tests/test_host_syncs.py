@@ -1,0 +1,149 @@
+"""No host syncs in NSA's step: on a GPU, a device-to-host read (`.item()`, `.tolist()`, `bool(t)`,
+`nonzero`, a boolean index) stalls the host until the device has finished all queued work. The GPU
+paths (Triton kernels, PyTorch kernels) are checked here without a GPU: every op and tensor method the
+forward and backward call is watched for one that would read the device, the Triton kernels recorded
+and not run (`benchmarks/triton_work.py`). `tests/test_gpu.py` checks the same on CUDA with
+`torch.cuda.set_sync_debug_mode("error")`."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nsa_titan.config import load_config
+from nsa_titan.loss import cross_entropy_loss
+from nsa_titan.models.attention import Documents, Kernels, common, nsa_fast, triton_sel
+from nsa_titan.models.transformer import Transformer
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import triton_work  # noqa: E402  (records the Triton launches; the GPU's chunk sizes)
+
+needs_triton = pytest.mark.skipif(not triton_sel.AVAILABLE, reason="triton is not installed")
+
+READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+"""Tensor methods that bring a value to the host."""
+COPIES = {"tensor", "new_tensor", "as_tensor"}
+"""Functions that copy host data (not a tensor) into a tensor: to a GPU, a copy that waits for the stream."""
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+            "repeat_interleave", "bincount", "equal", "is_nonzero"}
+"""ATen ops whose result (or its size) a CUDA kernel must hand back to the host before they return."""
+
+
+def _caller() -> str:
+    """The project's innermost line on the stack (file:line: code)."""
+    ours = [f for f in traceback.extract_stack() if "/nsa_titan/" in f.filename] or traceback.extract_stack()[-3:-2]
+    return f"{ours[-1].filename}:{ours[-1].lineno}: {ours[-1].line}"
+
+
+class _Methods(TorchFunctionMode):
+    def __init__(self, seen: dict[str, str]):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        data = args[1] if name == "new_tensor" else args[0] if args else None
+        if name in READS or (name in COPIES and not isinstance(data, torch.Tensor)):
+            self.seen.setdefault(f"Tensor.{name}" if name in READS else f"{name} of host data", _caller())
+        return func(*args, **(kwargs or {}))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, seen: dict[str, str]):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        index = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else ()
+        if name in SYNC_OPS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+            self.seen.setdefault(func.__name__, _caller())
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def host_syncs() -> Iterator[dict[str, str]]:
+    """{what: where it was first called} for each host sync inside."""
+    seen: dict[str, str] = collections.OrderedDict()
+    with _Methods(seen), _Ops(seen):
+        yield seen
+
+
+def report(seen: dict[str, str]) -> str:
+    return "host syncs: " + "; ".join(f"{what} at {where}" for what, where in seen.items())
+
+
+def test_each_kind_of_host_sync_is_seen():
+    """The watch itself: every kind it looks for is caught (so a clean run below means something)."""
+    x = torch.arange(6.0)
+    checks = {"Tensor.tolist": lambda: x.tolist(), "Tensor.item": lambda: x[0].item(),
+              "Tensor.__bool__": lambda: bool(x[1] > 0), "Tensor.__int__": lambda: int(x[2]),
+              "tensor of host data": lambda: torch.tensor([1.0]),
+              "new_tensor of host data": lambda: x.new_tensor([0.5, 1]),
+              "nonzero.default": lambda: torch.nonzero(x), "index.Tensor": lambda: x[x > 2],
+              "masked_select.default": lambda: x.masked_select(x > 2),
+              "repeat_interleave.Tensor": lambda: torch.repeat_interleave(torch.tensor([1, 2]))}
+    for what, call in checks.items():
+        with host_syncs() as seen:
+            call()
+        assert what in seen, (what, list(seen))
+    with host_syncs() as seen:
+        torch.topk(x, 2), x.cumsum(0), x[torch.arange(2)], torch.where(x > 2, x, 0), torch.as_tensor(x), x * 0.5
+    assert not seen, report(seen)
+
+
+@needs_triton
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_triton_path_forward_and_backward_have_no_host_sync(docs):
+    """`nsa_fast` on the Triton kernels (recorded), M7C shape at T = 2,048, the GPU's chunk sizes."""
+    step = triton_work.attention_step(2048, docs)
+    with triton_work.as_on_a_gpu(), host_syncs() as seen:
+        triton_work.recorded(step)
+    assert not seen, report(seen)
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_pytorch_path_forward_and_backward_have_no_host_sync(docs):
+    """`nsa_fast` on the PyTorch kernels (what a GPU without Triton runs), run for real at T = 1,024."""
+    spec, T = triton_work.SPEC, 1024
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, T, 12, 64, generator=gen, requires_grad=True)
+    kv = [torch.randn(1, spec.num_cmp_blocks(T) if i < 2 else T, 2, 64, generator=gen, requires_grad=True)
+          for i in range(6)]
+    gates = torch.rand(1, T, 12, 3, generator=gen, requires_grad=True)
+    documents = Documents.of(torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1), spec) if docs else None
+    with triton_work.as_on_a_gpu(), host_syncs() as seen:
+        nsa_fast(q, *kv, gates, spec, Kernels("torch", "torch", "torch"), documents).sum().backward()
+    assert not seen, report(seen)
+
+
+@needs_triton
+@pytest.mark.parametrize("routing", [[], ["--model.sel_score_grad", "1", "--model.sel_score_explore", "8"],
+                                     ["--model.nsa_branch", "sel"]], ids=["m7c", "score-gradient", "one-branch"])
+def test_model_step_has_no_host_sync(routing):
+    """Two M7C layers (`m7c.toml`'s model), forward and backward with document masking, on the Triton
+    kernels (recorded): the documents' geometry included; with the block scores' gradient; with one
+    branch alone (the others' gates times 0). The sel
+    blocks chosen by PyTorch ops, `common.choose_blocks`: the recorded `_choose` would leave them unset)."""
+    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.n_layers", "2",
+                       "--model.vocab_size", "256", *routing])
+    model = Transformer(cfg.model, 2048, Kernels("triton", "triton", "triton"))
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, 2049), generator=gen)
+    document_ids = torch.cumsum(torch.rand(1, 2048, generator=gen) < 4 / 2048, 1)
+    step = lambda: cross_entropy_loss(model(tokens[:, :-1], document_ids), tokens[:, 1:]).backward()  # noqa: E731
+    with triton_work.as_on_a_gpu(common.choose_blocks), host_syncs() as seen:
+        triton_work.recorded(step)
+    assert not seen, report(seen)
+
