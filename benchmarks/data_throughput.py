@@ -14,6 +14,7 @@ import argparse
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,9 +56,10 @@ def m7c_consumption(mfu: float, peak: float) -> tuple[float, float]:
 
 
 def default_run_data_wait(steps: int) -> list[float]:
-    proc = subprocess.run([str(ROOT / "run_train.sh"), "--training.steps", str(steps),
-                           "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(ROOT / "outputs" / "bench")],
-                          capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory(prefix="nsa_titan_bench_") as folder:  # fresh: not resuming an earlier run
+        proc = subprocess.run([str(ROOT / "run_train.sh"), "--training.steps", str(steps),
+                               "--metrics.enable_tensorboard", "false", "--job.dump_folder", folder],
+                              capture_output=True, text=True, check=True)
     return [float(m.group(1)) for m in re.finditer(r"\| data ([\d.]+)% \|", proc.stdout)]
 
 
