@@ -8,12 +8,17 @@ backward on x (1, T, 768):
 
   compiled  torch.compile(block, fullgraph=True) with inductor, as `apply_compile` does: the time
             of the first call (tracing, compiling forward and backward, and running them once),
-            then the median of `--repeats` calls
+            then the median of `--repeats` calls; in the same process, the same block uncompiled
+            called before each of them: eager / compiled taken call by call ("side by side", the
+            median of the repeats), free of the drift between processes
   eager     the same block uncompiled: one warm-up call, then the median of `--repeats` calls
 
 Each (variant, T) runs in its own process with inductor's caches off (TORCHINDUCTOR_FORCE_DISABLE_
-CACHES=1), so each first call compiles from nothing. Also prints the nodes of the graph dynamo
-captured, its subgraphs included: without unrolled chunk loops it is the same at every T.
+CACHES=1), so each first call compiles from nothing. The first call also runs the step, which at 32k
+takes about half as long as compiling on a 2-core CPU: the first call less the median call is the
+compile itself (and the first touch of the step's memory), the part that must not grow with T.
+Also prints the nodes of the graph dynamo captured, its subgraphs included: without unrolled chunk
+loops it is the same at every T.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,16 +67,20 @@ def run_one(variant: str, T: int, repeats: int) -> dict:
         torch._dynamo.reset()
         fn = torch.compile(block, backend=count, fullgraph=True)
 
-    def step() -> float:
+    def step(call: Callable = fn) -> float:
         t0 = time.perf_counter()
-        fn(x, rope).float().square().mean().backward()
+        call(x, rope).float().square().mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     first = step()
-    times = [step() for _ in range(repeats)]
-    return {"first": first, "seconds": statistics.median(times), "nodes": sum(nodes)}
+    if variant == "eager":
+        return {"first": first, "seconds": statistics.median(step() for _ in range(repeats)), "nodes": 0}
+    step(block)  # the eager block's warm-up, then eager and compiled call by call
+    rounds = [(step(block), step()) for _ in range(repeats)]
+    return {"first": first, "seconds": statistics.median(c for _, c in rounds), "nodes": sum(nodes),
+            "side_by_side": statistics.median(e / c for e, c in rounds)}
 
 
 def main() -> None:
@@ -89,10 +99,11 @@ def main() -> None:
         env.update(MALLOC_TUNING)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU fp32, host allocator tuned'}")
-    print("| T | variant | first call (s) | first call / first at the smallest T | fwd+bwd median (s) | eager / this "
-          "| graph nodes |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | variant | first call (s) | first call / first at the smallest T | first call - median (s) | that / "
+          "at the smallest T | fwd+bwd median (s) | eager / this | eager / compiled, side by side | graph nodes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     first_at: dict[str, float] = {}
+    extra_at: dict[str, float] = {}
     for T in args.T:
         results = {}
         for variant in args.variants:
@@ -102,10 +113,14 @@ def main() -> None:
                 raise SystemExit(f"{variant} at T={T} failed:\n{out.stderr[-3000:]}")
             results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         for variant, r in results.items():
+            extra = r["first"] - r["seconds"]  # compiled: the compile itself, without the step it runs
             first_at.setdefault(variant, r["first"])
+            extra_at.setdefault(variant, extra)
             speed = f"{results['eager']['seconds'] / r['seconds']:.2f}x" if "eager" in results else ""
-            print(f"| {T:,} | {variant} | {r['first']:.1f} | {r['first'] / first_at[variant]:.2f}x | "
-                  f"{r['seconds']:.2f} | {speed} | {r['nodes'] or ''} |", flush=True)
+            side = f"{r['side_by_side']:.3f}x" if "side_by_side" in r else ""
+            print(f"| {T:,} | {variant} | {r['first']:.1f} | {r['first'] / first_at[variant]:.2f}x | {extra:.1f} | "
+                  f"{extra / extra_at[variant]:.2f}x | {r['seconds']:.2f} | {speed} | {side} | {r['nodes'] or ''} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
