@@ -1,8 +1,9 @@
 """No host syncs in NSA's step: on a GPU, a device-to-host read (`.item()`, `.tolist()`, `bool(t)`,
-`nonzero`, a boolean index) stalls the host until the device has finished all queued work. The GPU
+`nonzero`, a boolean index) stalls the host until the device has finished all queued work, and so does
+a copy of host data in (`torch.tensor([...])`: a pageable copy that waits for the stream). The GPU
 paths (Triton kernels, PyTorch kernels) are checked here without a GPU: every op and tensor method the
-forward and backward call is watched for one that would read the device, the Triton kernels recorded
-and not run (`benchmarks/triton_work.py`). `tests/test_gpu.py` checks the same on CUDA with
+forward and backward call is watched for one that would read the device or copy host data in, the
+Triton kernels recorded and not run (`benchmarks/triton_work.py`). `tests/test_gpu.py` checks the same on CUDA with
 `torch.cuda.set_sync_debug_mode("error")`."""
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import nsa_titan
 from nsa_titan.config import load_config
 from nsa_titan.loss import cross_entropy_loss
 from nsa_titan.models.attention import Documents, Kernels, common, nsa_fast, triton_sel
@@ -39,9 +42,12 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "uniq
 """ATen ops whose result (or its size) a CUDA kernel must hand back to the host before they return."""
 
 
+PACKAGE = str(Path(nsa_titan.__file__).parent)
+
+
 def _caller() -> str:
-    """The project's innermost line on the stack (file:line: code)."""
-    ours = [f for f in traceback.extract_stack() if "/nsa_titan/" in f.filename] or traceback.extract_stack()[-3:-2]
+    """The package's innermost line on the stack (file:line: code)."""
+    ours = [f for f in traceback.extract_stack() if f.filename.startswith(PACKAGE)] or traceback.extract_stack()[-3:-2]
     return f"{ours[-1].filename}:{ours[-1].lineno}: {ours[-1].line}"
 
 
@@ -131,12 +137,12 @@ def test_pytorch_path_forward_and_backward_have_no_host_sync(docs):
 @pytest.mark.parametrize("routing", [[], ["--model.sel_score_grad", "1", "--model.sel_score_explore", "8"],
                                      ["--model.nsa_branch", "sel"]], ids=["m7c", "score-gradient", "one-branch"])
 def test_model_step_has_no_host_sync(routing):
-    """Two M7C layers (`m7c.toml`'s model), forward and backward with document masking, on the Triton
-    kernels (recorded): the documents' geometry included; with the block scores' gradient; with one
-    branch alone (the others' gates times 0). The sel
-    blocks chosen by PyTorch ops, `common.choose_blocks`: the recorded `_choose` would leave them unset)."""
+    """Two M7C layers (`m7c.toml`'s model), forward and backward with document masking (the documents'
+    geometry included), on the Triton kernels (recorded); also with the block scores' gradient, and with
+    one branch alone (the others' gates times 0). The sel blocks are chosen by PyTorch ops
+    (`common.choose_blocks`): the recorded `_choose` would leave them unset."""
     cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.n_layers", "2",
-                       "--model.vocab_size", "256", *routing])
+                          "--model.vocab_size", "256", *routing])
     model = Transformer(cfg.model, 2048, Kernels("triton", "triton", "triton"))
     model.init_weights(0)
     gen = torch.Generator().manual_seed(0)
