@@ -114,8 +114,9 @@ def as_on_a_gpu(choose: Callable | None = None) -> Iterator[None]:
         triton_shared.choose_blocks = kernel
 
 
-def attention_step(T: int, docs: bool) -> Callable[[], None]:
-    """One forward and backward of the M7C attention on the Triton path (`nsa_fast`, bf16), random inputs."""
+def attention_step(T: int, docs: bool, kernels: Kernels = Kernels("triton", "triton", "triton")
+                   ) -> Callable[[], None]:
+    """One forward and backward of the M7C attention (`nsa_fast`, bf16) on `kernels`, random inputs."""
     gen = torch.Generator().manual_seed(T)
     q = torch.randn(1, T, G * R, D, generator=gen)
     kv = [torch.randn(1, SPEC.num_cmp_blocks(T) if i < 2 else T, G, D, generator=gen) for i in range(6)]
@@ -123,7 +124,7 @@ def attention_step(T: int, docs: bool) -> Callable[[], None]:
     gates = torch.rand(1, T, G * R, 3, generator=gen, requires_grad=True)
     documents = Documents.of(torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
     grad = torch.randn(q.shape, generator=gen).bfloat16()
-    return lambda: nsa_fast(*inputs, gates, SPEC, Kernels("triton", "triton", "triton"), documents).backward(grad)
+    return lambda: nsa_fast(*inputs, gates, SPEC, kernels, documents).backward(grad)
 
 
 def glue(T: int, docs: bool) -> tuple[int, list[int]]:

@@ -118,22 +118,12 @@ def test_model_step_makes_no_host_sync(docs):
     flash-attn's varlen layout is sized on the host, once a step, in `Transformer.documents`), forward and
     backward under `torch.cuda.set_sync_debug_mode("error")`: nothing waits for the device. The ids are on
     the device here; the trainer's host ids are measured on the host and copied over before the layers."""
-    from nsa_titan.config import load_config
-    from nsa_titan.loss import cross_entropy_loss
-    from nsa_titan.models.transformer import Transformer
+    from test_host_syncs import m7c_step
 
-    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.n_layers", "2",
-                          "--model.vocab_size", "256"])
     kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
     if docs and kernels.win == "flash":
         kernels = Kernels(kernels.cmp, kernels.sel, kernels.cmp)
-    model = Transformer(cfg.model, 2048, kernels).cuda()
-    model.init_weights(0)
-    model.bfloat16()
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (2, 2049), generator=gen).cuda()
-    ids = torch.cumsum(torch.rand(2, 2048, generator=gen) < 4 / 2048, 1).cuda() if docs else None
-    step = lambda: cross_entropy_loss(model(tokens[:, :-1], ids), tokens[:, 1:]).backward()  # noqa: E731
+    step = m7c_step(kernels, device="cuda", dtype=torch.bfloat16, docs=docs)
     step()  # compiles the Triton kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

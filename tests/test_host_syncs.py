@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nsa_titan
 from nsa_titan.config import load_config
 from nsa_titan.loss import cross_entropy_loss
-from nsa_titan.models.attention import Documents, Kernels, common, nsa_fast, triton_sel
+from nsa_titan.models.attention import Kernels, common, triton_sel
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT
@@ -89,6 +89,21 @@ def report(seen: dict[str, str]) -> str:
     return "host syncs: " + "; ".join(f"{what} at {where}" for what, where in seen.items())
 
 
+def m7c_step(kernels: Kernels, routing: Sequence[str] = (), device: str = "cpu", dtype: torch.dtype = torch.float32,
+             docs: bool = True) -> Callable[[], None]:
+    """One forward and backward of two M7C layers (`m7c.toml`'s model, `routing` overrides, vocabulary 256)
+    on `kernels` over a row of 2,048 tokens in ~4 documents (`docs`; ids on `device`); also `tests/test_gpu.py`'s."""
+    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.n_layers", "2",
+                          "--model.vocab_size", "256", *routing])
+    model = Transformer(cfg.model, 2048, kernels).to(device)
+    model.init_weights(0)
+    model.to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, 2049), generator=gen).to(device)
+    ids = torch.cumsum(torch.rand(1, 2048, generator=gen) < 4 / 2048, 1).to(device) if docs else None
+    return lambda: cross_entropy_loss(model(tokens[:, :-1], ids), tokens[:, 1:]).backward()
+
+
 def test_each_kind_of_host_sync_is_seen():
     """The watch itself: every kind it looks for is caught (so a clean run below means something)."""
     x = torch.arange(6.0)
@@ -121,15 +136,9 @@ def test_triton_path_forward_and_backward_have_no_host_sync(docs):
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_pytorch_path_forward_and_backward_have_no_host_sync(docs):
     """`nsa_fast` on the PyTorch kernels (what a GPU without Triton runs), run for real at T = 1,024."""
-    spec, T = triton_work.SPEC, 1024
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, T, 12, 64, generator=gen, requires_grad=True)
-    kv = [torch.randn(1, spec.num_cmp_blocks(T) if i < 2 else T, 2, 64, generator=gen, requires_grad=True)
-          for i in range(6)]
-    gates = torch.rand(1, T, 12, 3, generator=gen, requires_grad=True)
-    documents = Documents.of(torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1), spec) if docs else None
+    step = triton_work.attention_step(1024, docs, Kernels("torch", "torch", "torch"))
     with triton_work.as_on_a_gpu(), host_syncs() as seen:
-        nsa_fast(q, *kv, gates, spec, Kernels("torch", "torch", "torch"), documents).sum().backward()
+        step()
     assert not seen, report(seen)
 
 
@@ -141,14 +150,7 @@ def test_model_step_has_no_host_sync(routing):
     geometry included), on the Triton kernels (recorded); also with the block scores' gradient, and with
     one branch alone (the others' gates times 0). The sel blocks are chosen by PyTorch ops
     (`common.choose_blocks`): the recorded `_choose` would leave them unset."""
-    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.n_layers", "2",
-                          "--model.vocab_size", "256", *routing])
-    model = Transformer(cfg.model, 2048, Kernels("triton", "triton", "triton"))
-    model.init_weights(0)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (1, 2049), generator=gen)
-    document_ids = torch.cumsum(torch.rand(1, 2048, generator=gen) < 4 / 2048, 1)
-    step = lambda: cross_entropy_loss(model(tokens[:, :-1], document_ids), tokens[:, 1:]).backward()  # noqa: E731
+    step = m7c_step(Kernels("triton", "triton", "triton"), routing)
     with triton_work.as_on_a_gpu(common.choose_blocks), host_syncs() as seen:
         triton_work.recorded(step)
     assert not seen, report(seen)
