@@ -15,7 +15,7 @@ backward on x (1, T, 768):
 
 Each (variant, T) runs in its own process with inductor's caches off (TORCHINDUCTOR_FORCE_DISABLE_
 CACHES=1), so each first call compiles from nothing. The first call also runs the step, which at 32k
-takes about half as long as compiling on a 2-core CPU: the first call less the median call is the
+takes more than half as long as compiling on a 2-core CPU: the first call less the median call is the
 compile itself (and the first touch of the step's memory), the part that must not grow with T.
 Also prints the nodes of the graph dynamo captured, its subgraphs included: without unrolled chunk
 loops it is the same at every T.
