@@ -1,10 +1,13 @@
-"""Checkpoint size, save time and training-loop blocking: sync vs async, side by side.
+"""Checkpoint size, save time, training-loop blocking and resume time: sync vs async, content hashes off vs on.
 
-    python benchmarks/checkpoint_speed.py [--ranks 2] [--dim 512] [--layers 8] [--saves 4]
+    python benchmarks/checkpoint_speed.py [--ranks 1 2] [--modes disabled async] [--dim 768] [--layers 12] [--saves 2]
 
-Trains the default config widened to `--dim` x `--layers` on `--ranks` CPU ranks, saving every
-2 steps, once with `async_mode = "disabled"` and once with `"async"`, and reads the trainer's
-own log lines: `checkpoint ...: X MB in T s (training blocked B s, mode)`.
+Trains the default config at `--dim` x `--layers` (M7C's 768 x 12 by default: model and AdamW state about
+1.5 GB) on each number of CPU ranks, saving every 2 steps, then resumes from the last save for one
+more step. Each (ranks, mode) runs twice in a row, `[checkpoint] content_hashes` false (no hashes, as
+before they were recorded) then true (every rank hashes what it wrote; the ranks check the files before
+a resume reads them). Reads the trainer's own log lines: `checkpoint ...: X MB in T s (training blocked
+B s, mode)` and `resumed from ... in R s`; the last columns are hashes on / off of the same (ranks, mode).
 """
 
 from __future__ import annotations
@@ -18,42 +21,51 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LINE = re.compile(r"checkpoint \S+: ([\d.]+) MB in ([\d.]+) s \(training blocked ([\d.]+) s, (\w+)\)")
-STEP = re.compile(r"step +\d+/\d+ .*\| tok/s ([\d,]+)")
+SAVE = re.compile(r"checkpoint \S+: ([\d.]+) MB in ([\d.]+) s \(training blocked ([\d.]+) s, (\w+)\)")
+RESUME = re.compile(r"resumed from \S+ at step \d+ in ([\d.]+) s")
 
 
-def run(mode: str, args: argparse.Namespace) -> tuple[list[tuple[float, float, float]], float]:
+def train(dump: str, ranks: int, steps: int, mode: str, hashes: bool, args: argparse.Namespace) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           "-m", "nsa_titan.train", "--job.dump_folder", dump, "--model.dim", str(args.dim),
+           "--model.n_layers", str(args.layers), "--model.n_heads", str(args.dim // 64), "--model.n_kv_groups", "2",
+           "--model.head_dim", "64", "--training.seq_len", "128", "--training.local_batch_size", "2",
+           "--training.steps", str(steps), "--validation.enable", "false", "--metrics.log_freq", "1",
+           "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+           "--checkpoint.async_mode", mode, "--checkpoint.content_hashes", str(hashes).lower(),
+           "--data.num_workers", "0"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def measure(ranks: int, mode: str, hashes: bool, args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(size MB, save seconds, blocked seconds (medians over the saves), resume seconds)."""
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-               "-m", "nsa_titan.train", "--job.dump_folder", dump, "--model.dim", str(args.dim),
-               "--model.n_layers", str(args.layers), "--model.n_heads", str(args.dim // 64), "--model.n_kv_groups", "2",
-               "--model.head_dim", "64", "--training.seq_len", "128", "--training.local_batch_size", "2",
-               "--training.steps", str(2 * args.saves), "--validation.enable", "false", "--metrics.log_freq", "1",
-               "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-               "--checkpoint.async_mode", mode, "--data.num_workers", "0"]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    saves = [(float(m[0]), float(m[1]), float(m[2])) for m in LINE.findall(out)]
-    tps = [float(m.replace(",", "")) for m in STEP.findall(out)][1:]
-    return saves, statistics.median(tps)
+        saves = [(float(m[0]), float(m[1]), float(m[2])) for m in SAVE.findall(train(dump, ranks, 2 * args.saves,
+                                                                                      mode, hashes, args))]
+        resume = float(RESUME.search(train(dump, ranks, 2 * args.saves + 1, mode, hashes, args))[1])
+    return saves[-1][0], statistics.median(s[1] for s in saves), statistics.median(s[2] for s in saves), resume
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--saves", type=int, default=4)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", choices=["disabled", "async"], default=["disabled", "async"])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--saves", type=int, default=2)
     args = parser.parse_args()
-    print(f"{args.ranks} ranks, dim {args.dim}, {args.layers} layers, a save every 2 steps, {args.saves} saves")
-    print("| mode | checkpoint size (MB) | save time, median (s) | training blocked, median (s) | tokens/s, median |")
-    print("|---|---|---|---|---|")
-    for mode in ("disabled", "async"):
-        saves, tps = run(mode, args)
-        size = saves[-1][0]
-        total = statistics.median(s[1] for s in saves)
-        blocked = statistics.median(s[2] for s in saves)
-        print(f"| {'sync' if mode == 'disabled' else mode} | {size:.1f} | {total:.2f} | {blocked:.2f} | {tps:,.0f} |",
-              flush=True)
+    print(f"dim {args.dim}, {args.layers} layers, a save every 2 steps, {args.saves} saves, then a resume")
+    print("| ranks | mode | hashes | checkpoint (MB) | save, median (s) | blocked, median (s) | resume (s) | "
+          "on / off: save, blocked, resume |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ranks in args.ranks:
+        for mode in args.modes:
+            off = measure(ranks, mode, False, args)
+            on = measure(ranks, mode, True, args)
+            for hashes, (size, total, blocked, resume) in (("off", off), ("on", on)):
+                ratio = ", ".join(f"{a / b:.2f}x" for a, b in zip(on[1:], off[1:])) if hashes == "on" else ""
+                print(f"| {ranks} | {'sync' if mode == 'disabled' else mode} | {hashes} | {size:,.0f} | {total:.2f} | "
+                      f"{blocked:.2f} | {resume:.2f} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

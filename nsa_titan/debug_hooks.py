@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
-
 from .checkpoint import CheckpointManager
+from .checkpoint.integrity import HashingWriter
 from .config import Debug
 
 
@@ -33,7 +32,7 @@ def _hang_forever(where: str, rank: int, step: int) -> None:
         time.sleep(3600)
 
 
-class _KillAfterWrite(FileSystemWriter):
+class _KillAfterWrite(HashingWriter):
     """SIGKILL this rank once its checkpoint files are written."""
 
     def write_data(self, plan, planner):
@@ -61,7 +60,7 @@ def install_debug_hooks(d: Debug, *, model: nn.Module, optimizer: torch.optim.Op
     if rank == world_size - 1 and d.fault_kill_in_save_step > 0:
         plain = checkpointer.storage_writer
 
-        def writer(path: Path, step: int) -> StorageWriter:
+        def writer(path: Path, step: int) -> HashingWriter:
             return _KillAfterWrite(str(path)) if step == d.fault_kill_in_save_step else plain(path, step)
 
         checkpointer.storage_writer = writer

@@ -127,12 +127,12 @@ def _world_size(nnodes: str, nproc: str) -> int | None:
     return int(nnodes) * int(nproc) if nnodes.isdigit() and nproc.isdigit() else None
 
 
-def first_failure(e: ChildFailedError) -> tuple[int, str]:
-    """The exit code of the failure that explains the others, and the line to print for it.
+def failures(e: ChildFailedError) -> list[tuple[int, str]]:
+    """Each failed rank's exit code and line, the failure that explains the others first.
 
     A rank that stopped on bad input, a non-finite step or a hang comes first; then one that left a
     message; last, ranks that torchrun killed after that (a signal) or that failed in a collective
-    with it (exit code 1). Within each, the earliest.
+    with it (exit code 1, "while stopping on SIGTERM"). Within each, the earliest.
     """
     def code(f: Any) -> int:
         return f.exitcode if f.exitcode >= 0 else 128 - f.exitcode
@@ -144,11 +144,13 @@ def first_failure(e: ChildFailedError) -> tuple[int, str]:
         f = item[1]
         return (0 if code(f) in (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_HANG) else 1 if message(f) else 2), f.timestamp
 
-    rank, failure = min(e.failures.items(), key=priority)
-    if code(failure) in (EXIT_BAD_INPUT, EXIT_HALTED) and message(failure):
-        return code(failure), message(failure)  # the rank's own one-line explanation
-    detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
-    return code(failure), f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
+    def line(rank: int, failure: Any) -> str:
+        if code(failure) in (EXIT_BAD_INPUT, EXIT_HALTED) and message(failure):
+            return message(failure)  # the rank's own one-line explanation
+        detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
+        return f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
+
+    return [(code(f), line(rank, f)) for rank, f in sorted(e.failures.items(), key=priority)]
 
 
 def parse_launcher_args(argv: list[str] | None) -> Any:
@@ -180,9 +182,11 @@ def _launch(args: Any) -> int:
         _say(str(e))
         return EXIT_ABORTED
     except ChildFailedError as e:
-        code, line = first_failure(e)
+        (code, line), *after = failures(e)
         print(line if code in (EXIT_BAD_INPUT, EXIT_HALTED) else f"{line} ({time.monotonic() - started:.0f} s after "
               f"the start)", file=sys.stderr, flush=True)
+        for consequence in dict.fromkeys(x for _, x in after if x != line):  # the ranks stopped by that failure,
+            print(f"{consequence} (after the failure above)", file=sys.stderr, flush=True)  # or failing with it
         return code
     finally:
         forwarder.close()

@@ -44,6 +44,8 @@ logger = logging.getLogger("nsa_titan")
 
 EXIT_HALTED = 3
 """Exit code of a run halted by a non-finite loss or gradient."""
+SUSPECT_AFTER_RESUME = 10
+"""A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
 
 
 class TrainingHalted(RuntimeError):
@@ -149,7 +151,7 @@ class Trainer:
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size)
             install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                                 rank=self.rank, world_size=self.world_size, current_step=lambda: self.state.step)
-            resumed = self.checkpointer.load()
+            self.resumed = resumed = self.checkpointer.load()
             self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if restart:
@@ -266,6 +268,10 @@ class Trainer:
         what = (f"step {step}: non-finite gradient norm {norm_value} (rank {self.rank} loss {loss_value}); first "
                 f"parameter with a non-finite gradient: {where or 'none (the loss itself)'}")
         self.optimizer.zero_grad(set_to_none=True)
+        if self.resumed and step - self.first_step < SUSPECT_AFTER_RESUME:
+            what += (f". This run resumed from {self.resumed} {step - self.first_step + 1} step(s) before: that "
+                     f"checkpoint is a suspect (check it with `python -m nsa_titan.checkpoint verify "
+                     f"{self.resumed}`, or resume from an older one with --checkpoint.load_step)")
         if f.nonfinite == "halt":
             raise TrainingHalted(f"{what}. Halted without saving: the existing checkpoints are the last good "
                                  f"state. Lower the lr, check the data, or set [fault] nonfinite = 'skip'")
@@ -433,10 +439,10 @@ def _run(argv: list[str] | None) -> int:
         raise  # one line and exit code 2 (run_command)
     except Exception as e:
         line = f"nsa_titan: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        note_failure(line)
-        if stop.signal is not None:  # stopping anyway (torchrun stops the other ranks after one failed)
-            print(f"{line} (while stopping on {stop.name})", file=sys.stderr, flush=True)
+        if stop.signal is not None:  # stopping anyway (torchrun stops the other ranks after one failed): under
+            report(f"{line} (while stopping on {stop.name})")  # the launcher, printed after the failure that caused it
             return 1
+        note_failure(line)
         raise
     finally:
         stop.close()

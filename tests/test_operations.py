@@ -239,3 +239,7 @@ def test_run_train_sh_exits_with_the_trainers_code(tmp_path, fault, code, line):
     assert rc == code, out[-3000:]
     assert out.count(line) == 1, out[-3000:]
     assert "ChildFailedError" not in out and "Root Cause" not in out  # torchrun's report is not repeated
+    # The cause comes first: the hung rank, before the peer's consequent gloo error ("Connection closed by peer").
+    failed = [x for x in out.splitlines() if re.match(r"nsa_titan: (rank \d+ failed|halted)", x)]
+    assert failed[0].startswith(line), failed
+    assert all(x.endswith("(after the failure above)") for x in failed[1:]), failed

@@ -3,8 +3,9 @@
     step-N/                  a complete checkpoint: DCP files, config.toml, and `.complete`
     step-N.incomplete-TOKEN/ a save in progress, or one that was interrupted
 
-`.complete` is written last: a JSON manifest of every file and its size. Only folders with a
-manifest that matches the files on disk are resumed from.
+`.complete` is written last: a JSON manifest of every file, its size and its content hash
+(`integrity.py`). Only folders with a manifest that matches the files' sizes on disk are resumed
+from, and their content is checked before they are read (`verify`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .integrity import HASH, file_hash, verify_files
+
 MANIFEST = ".complete"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTIAL_DIR = re.compile(r"^step-(\d+)\.incomplete-.+$")
+NO_HASHES = "has no content hashes (saved before nsa_titan recorded them): its files are checked by size only"
 
 
 @dataclass
@@ -45,6 +49,30 @@ def inspect_folder(path: Path) -> str | None:
     return None
 
 
+def recorded_hashes(path: Path) -> dict[str, str] | None:
+    """The content hashes in the manifest of a complete checkpoint; None for one written before nsa_titan
+    recorded them (sizes only)."""
+    return json.loads((path / MANIFEST).read_text()).get(HASH)
+
+
+def verify(path: Path) -> str | None:
+    """In one process: None if `path` is a complete checkpoint whose files match its manifest, sizes
+    and content (the content only where hashes were recorded), else the problem."""
+    problem = inspect_folder(path)
+    hashes = None if problem else recorded_hashes(path)
+    return problem or (verify_files(path, hashes) if hashes else None)
+
+
+def newest_verified(path: Path) -> Found | None:
+    """The newest checkpoint beside `path` (a step folder), older than it, that verifies: the way out of a
+    broken one. None if there is none, or `path` is not a step folder."""
+    m = STEP_DIR.match(path.name)
+    for f in reversed(scan(path.parent) if m else []):
+        if f.step < int(m.group(1)) and f.problem is None and f.path.name == f"step-{f.step}" and verify(f.path) is None:
+            return f
+    return None
+
+
 def scan(folder: Path) -> list[Found]:
     """Every step folder, complete or not, oldest first."""
     found = []
@@ -56,14 +84,19 @@ def scan(folder: Path) -> list[Found]:
     return sorted(found, key=lambda f: (f.step, f.problem is None))
 
 
-def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str) -> int:
+def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str, hashes: dict[str, str] | None
+           ) -> int:
     """Make the written save `tmp` the complete checkpoint `final`: its config, the rename, then the
-    manifest last (fsynced). Returns the bytes of the checkpoint."""
+    manifest last (fsynced), with the ranks' `hashes` of their files and those of the files they did
+    not hash (`.metadata`, `config.toml`); None: no hashes. Returns the bytes of the checkpoint."""
     (tmp / "config.toml").write_text(config_toml)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    manifest_data = {"step": step, "world_size": world_size, "files": files}
+    if hashes is not None:
+        manifest_data[HASH] = {name: hashes.get(name) or file_hash(tmp / name) for name in files}
     os.replace(tmp, final)
     manifest = final / f"{MANIFEST}.tmp"
-    manifest.write_text(json.dumps({"step": step, "world_size": world_size, "files": files}, indent=1))
+    manifest.write_text(json.dumps(manifest_data, indent=1))
     with open(manifest) as f:
         os.fsync(f.fileno())
     os.replace(manifest, final / MANIFEST)

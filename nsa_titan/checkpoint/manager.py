@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from ..config import Checkpoint as CheckpointConfig
 from ..parallel import side_group
 from .errors import CheckpointError
-from .folders import commit, inspect_folder, scan
+from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan
+from .integrity import HashingWriter, verify_files
 from .model_file import check_fit, read_model_file, saved_shapes, shapes, write_model_file
 from .states import ModelState, Opaque, OptimizerState, RNGState, TrainState
 
@@ -109,9 +110,10 @@ class CheckpointManager:
         target = self._resume_target() if self.cfg.enable else None
         if target is not None:
             exclude = set(self.cfg.exclude_from_loading)
+            start = time.perf_counter()
             self._load(target, exclude)
-            logger.info("resumed from %s at step %d%s", target, self.train_state.step,
-                        f" (not restored: {', '.join(sorted(exclude))})" if exclude else "")
+            logger.info("resumed from %s at step %d%s in %.2f s", target, self.train_state.step,
+                        f" (not restored: {', '.join(sorted(exclude))})" if exclude else "", time.perf_counter() - start)
             return target
         if self.cfg.initial_load_path:
             self._initial_load(Path(self.cfg.initial_load_path))
@@ -149,10 +151,11 @@ class CheckpointManager:
                                   f"--checkpoint.load_step {latest.step}")
         return latest.path
 
-    def _load(self, path: Path, exclude: set[str]) -> None:
+    def _load(self, path: Path, exclude: set[str], initial: bool = False) -> None:
         problem = inspect_folder(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
+        self._verify(path, initial)
         saved = TrainState()
         self._dcp_load({"train_state": saved}, path)
         if saved.dp_world_size != self.dp_world_size and not exclude & {"dataloader"}:
@@ -181,6 +184,28 @@ class CheckpointManager:
             self.train_state.step, self.train_state.tokens_seen = 0, 0
         self.train_state.dp_world_size = self.dp_world_size
 
+    def _verify(self, path: Path, initial: bool) -> None:
+        """Before anything of `path` is read: its files' content against the manifest's hashes, the files
+        dealt across the ranks (unless [checkpoint] content_hashes = false). A mismatch on any rank is a CheckpointError on every rank, naming the file,
+        both hashes and the newest checkpoint beside it that verifies."""
+        if not self.cfg.content_hashes:
+            return
+        hashes = recorded_hashes(path)
+        if hashes is None:
+            if self.rank == 0:
+                logger.warning("checkpoint %s %s", path, NO_HASHES)
+            return
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, verify_files(path, hashes, self.rank, self.world_size), group=self.pg)
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return
+        good = newest_verified(path)
+        way = ("no earlier checkpoint beside it verifies" if good is None else
+               f"pass --checkpoint.initial_load_path {good.path}, the newest beside it that verifies" if initial else
+               f"resume from step {good.step}, the newest that verifies, with --checkpoint.load_step {good.step}")
+        raise CheckpointError(f"checkpoint {path} cannot be used: {problem}. Nothing was loaded or overwritten; {way}")
+
     def _initial_load(self, path: Path) -> None:
         """Warm start from a DCP step folder or an exported single-file state dict."""
         if path.is_file():
@@ -193,7 +218,7 @@ class CheckpointManager:
             raise CheckpointError(f"[checkpoint] initial_load_path = '{path}': no such checkpoint folder or file")
         exclude = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} if self.cfg.initial_load_model_only \
             else set(self.cfg.exclude_from_loading)
-        self._load(path, exclude)
+        self._load(path, exclude, initial=True)
         logger.info("initial load from %s (%s)", path, "model only" if self.cfg.initial_load_model_only else "full")
 
     def _dcp_load(self, parts: dict[str, Any], path: Path) -> None:
@@ -226,7 +251,7 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.incomplete-{self.token}"
         start = time.perf_counter()
         state = dict(self.parts)
-        writer = self.storage_writer(tmp, step)
+        writer = self.storage_writer(tmp, step)  # each rank hashes its files; rank 0 gathers them
         if self.cfg.async_mode == "async":
             self.committed.clear()
             future = self._guarded(step, tmp, lambda: dcp.async_save(state, storage_writer=writer,
@@ -234,16 +259,16 @@ class CheckpointManager:
             self.pending = (future, step, tmp)
             blocked = time.perf_counter() - start
             if self.rank == 0:  # rank 0's save finishes after every rank's write: commit then
-                future.add_done_callback(lambda fut: self._commit(fut, tmp, final, step, start, blocked))
+                future.add_done_callback(lambda fut: self._commit(fut, writer, tmp, final, step, start, blocked))
         else:
             self._guarded(step, tmp, lambda: dcp.save(state, storage_writer=writer, process_group=self.pg))
             if self.rank == 0:
-                self._commit(None, tmp, final, step, start, time.perf_counter() - start)
+                self._commit(None, writer, tmp, final, step, start, time.perf_counter() - start)
         return final
 
-    def storage_writer(self, path: Path, step: int) -> StorageWriter:
+    def storage_writer(self, path: Path, step: int) -> HashingWriter:
         """The DCP writer of the save of `step` into `path`."""
-        return FileSystemWriter(str(path))
+        return HashingWriter(str(path), hash_files=self.cfg.content_hashes)
 
     def _guarded(self, step: int, tmp: Path, save: Any) -> Any:
         try:
@@ -279,16 +304,18 @@ class CheckpointManager:
         local = _tensors([*self.model.parameters(), *self.optimizer.state.values()])
         return sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for v in local) * self.world_size
 
-    def _commit(self, fut: Any, tmp: Path, final: Path, step: int, start: float, blocked: float) -> None:
-        """Rank 0, after every rank has written: rename, then write the manifest last."""
+    def _commit(self, fut: Any, writer: HashingWriter, tmp: Path, final: Path, step: int, start: float,
+                blocked: float) -> None:
+        """Rank 0, after every rank has written and hashed its files: rename, then write the manifest last."""
         try:
             if fut is None or fut.exception() is None:
-                self._rename_and_mark(tmp, final, step, start, blocked)
+                self._rename_and_mark(writer, tmp, final, step, start, blocked)
         finally:
             self.committed.set()
 
-    def _rename_and_mark(self, tmp: Path, final: Path, step: int, start: float, blocked: float) -> None:
-        size = commit(tmp, final, step, self.world_size, self.config_toml)
+    def _rename_and_mark(self, writer: HashingWriter, tmp: Path, final: Path, step: int, start: float,
+                         blocked: float) -> None:
+        size = commit(tmp, final, step, self.world_size, self.config_toml, writer.hashes)
         self.last_saved = final
         logger.info("checkpoint %s: %.1f MB in %.2f s (training blocked %.2f s, %s)", final, size / 1e6,
                     time.perf_counter() - start, blocked, "async" if self.cfg.async_mode == "async" else "sync")

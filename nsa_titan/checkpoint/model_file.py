@@ -4,6 +4,7 @@ dict fit this model" that every loader uses."""
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -17,9 +18,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..config import DTYPES
 from ..paths import model_config_path
 from .errors import CheckpointError
-from .folders import inspect_folder
+from .folders import NO_HASHES, newest_verified, recorded_hashes, verify
 
 Shapes = Mapping[str, tuple[int, ...]]
+logger = logging.getLogger(__name__)
 
 
 def shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -51,10 +53,15 @@ def check_fit(source: str, saved: Shapes, ours: Shapes, what: str = "model") -> 
 
 
 def load_tensors(path: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` in the DCP checkpoint at `path`, full size, on the CPU, in one process."""
-    problem = inspect_folder(path) if path.is_dir() else "no such checkpoint folder"
+    """Every tensor under `prefix` in the DCP checkpoint at `path`, full size, on the CPU, in one process,
+    once its files match their manifest (sizes and content)."""
+    problem = verify(path) if path.is_dir() else "no such checkpoint folder"
     if problem:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {problem}")
+        good = newest_verified(path) if path.is_dir() else None
+        raise CheckpointError(f"checkpoint {path} cannot be read: {problem}" +
+                              (f"; {good.path} is the newest beside it that verifies" if good else ""))
+    if recorded_hashes(path) is None:
+        logger.warning("checkpoint %s %s", path, NO_HASHES)
     meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()
              if k.startswith(prefix + ".") and isinstance(v, TensorStorageMetadata)}

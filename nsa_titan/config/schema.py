@@ -222,6 +222,10 @@ class Checkpoint:
     restart_data_on_reshard: bool = False
     """Resuming on a different number of data-parallel ranks: the loader position cannot be
     resharded exactly; true restarts the data stream (with a warning) instead of stopping."""
+    content_hashes: bool = True
+    """Record each file's content hash (xxh3_128, hashed by the rank that wrote it) in the `.complete`
+    manifest, and check them before a checkpoint is read: a flipped byte is a checkpoint error. false
+    skips both; sizes are checked either way."""
     export_at_end: bool = False
     """After training, write the model alone as one torch.save file (`model-step-N.pt`)."""
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"

@@ -39,10 +39,13 @@ ROWS = 64
 DKV_ROWS, DKV_WARPS = 32, 8
 """Rows per step and warps of the dK, dV kernel: 156-190 registers on sm_90 in bf16; with 64 rows the
 cmp kernel with documents spills (255 and a 72-byte stack), with 4 warps it takes 252 (test_triton_compile.py)."""
-DKV_PROGRAMS, DKV_SEGMENT = 1024, 512
+DKV_PROGRAMS, DKV_SEGMENT, DKV_SEGMENT_MAX_D = 1024, 512, 64
 """The cmp dK, dV kernel runs one head a program and splits the queries into segments of at least
 DKV_SEGMENT rows until about DKV_PROGRAMS programs run: a slot tile is seen by every later query,
-so with all r heads as rows of one program M7C at 8k ran 16 programs, the first 2,048 steps long."""
+so with all r heads as rows of one program M7C at 8k ran 16 programs, the first 2,048 steps long.
+Only for head dims up to DKV_SEGMENT_MAX_D: on an H100 (Triton 3.6) the segmented kernel at D 128 gave
+k_cmp gradients 3% off the reference in fp16 and bf16 (T 4097, r 1), one segment 4e-4 (fp16); D 64 was
+exact either way. Cause not found (benchmarks/gpu_reports/2026-11-28-h100.md)."""
 CHOOSE_SCORES, CHOOSE_WARPS = 4096, 8
 """Block scores (rows x sel blocks, padded to a power of two) and warps per program of the choice: 16 a
 thread, 104-128 registers on sm_90 (with 4 warps Triton 3.6 spilled with documents; test_triton_compile.py)."""
@@ -297,7 +300,8 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if kind == "cmp":  # one head a program, the queries in segments: parts summed below
         heads, nh, geo["BM"] = 1, r, DKV_ROWS
         programs = max(1, triton.cdiv(S, BLOCK_N) * B * G * r)
-        seg = triton.cdiv(Tq, max(1, min(triton.cdiv(DKV_PROGRAMS, programs), Tq // DKV_SEGMENT)))
+        segments = min(triton.cdiv(DKV_PROGRAMS, programs), Tq // DKV_SEGMENT) if q.shape[-1] <= DKV_SEGMENT_MAX_D else 1
+        seg = triton.cdiv(Tq, max(1, segments))
     else:  # win: a tile's queries are its C + w - 1, all r heads as rows of one program
         heads, nh, geo["BM"], seg = rp, 1, max(1, DKV_ROWS // rp), Tq
     seg = triton.cdiv(seg, geo["BM"]) * geo["BM"]

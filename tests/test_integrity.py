@@ -1,0 +1,180 @@
+"""Checkpoint integrity: every file's content hash in the manifest, checked wherever a checkpoint is read.
+
+Saved as the shipped configs save (async, 2 loader workers) on 1 and 2 gloo ranks; one byte flipped
+at a random offset inside one kind of content (a model or optimizer shard, `.metadata`, a loader
+or RNG state) is refused at resume, by export, evaluate, generate and `verify`, with nothing in
+the dump folder changed; the previous step then resumes to the same bits as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_titan.checkpoint import load_tensors
+from nsa_titan.checkpoint.folders import verify
+from nsa_titan.checkpoint.integrity import HASH
+
+from conftest import ROOT, free_port, tree_digest
+from test_checkpoint import CK
+
+pytestmark = pytest.mark.multiprocess
+
+ASYNC = [*(a if a != "disabled" else "async" for a in CK), "--checkpoint.interval", "2"]
+
+
+def train(dump: Path, steps: int, *args: str, nproc: int) -> subprocess.CompletedProcess:
+    """A run under the launcher (as run_train.sh starts it: the trainer's exit code, its error line once)."""
+    return subprocess.run(
+        [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), "-m", "nsa_titan.train", *ASYNC, "--job.dump_folder", str(dump),
+         "--training.steps", str(steps), "--metrics.save_tb_folder", f"tb-{steps}", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=600)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run to step 4 (checkpoints at 2 and 4) on each number of ranks, trained once on first use."""
+    done: dict[int, Path] = {}
+
+    def get(nproc: int) -> Path:
+        if nproc not in done:
+            dump = tmp_path_factory.mktemp(f"saved-{nproc}")
+            ok(train(dump, 4, nproc=nproc))
+            done[nproc] = dump
+        return done[nproc]
+
+    return get
+
+
+def flip(step: Path, part: str, seed: int) -> str:
+    """Flip one byte at a random offset inside `part` of checkpoint `step` ('.metadata', or the first
+    stored item whose name starts with `part`); returns the name of the file changed."""
+    rng = random.Random(seed)
+    if part == ".metadata":
+        name, lo, hi = ".metadata", 0, (step / ".metadata").stat().st_size
+    else:
+        meta = pickle.loads((step / ".metadata").read_bytes())
+        info = next(v for k, v in sorted(meta.storage_data.items(), key=lambda kv: kv[0].fqn)
+                    if k.fqn.startswith(part))
+        name, lo, hi = info.relative_path, info.offset, info.offset + info.length
+    data = bytearray((step / name).read_bytes())
+    data[rng.randrange(lo, hi)] ^= 1 << rng.randrange(8)
+    (step / name).write_bytes(data)
+    return name
+
+
+def corrupted_copy(saved_dump: Path, tmp_path: Path, part: str, seed: int = 0) -> tuple[Path, str]:
+    dump = tmp_path / "copy"
+    shutil.copytree(saved_dump, dump)
+    return dump, flip(dump / "checkpoint" / "step-4", part, seed)
+
+
+@pytest.mark.parametrize("nproc,part", [(2, "model."), (2, "optimizer."), (2, ".metadata"), (2, "dataloader."),
+                                        (2, "rng."), (1, "model."), (1, "dataloader.")])
+def test_a_flipped_byte_stops_the_resume_naming_the_file_and_changes_nothing(saved, tmp_path, nproc, part):
+    dump, name = corrupted_copy(saved(nproc), tmp_path, part, seed=len(part) + nproc)
+    before = tree_digest(dump)
+    proc = train(dump, 6, nproc=nproc)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    step = dump / "checkpoint" / "step-4"
+    (line,) = [x for x in proc.stderr.splitlines() if "checkpoint error" in x]
+    assert f"checkpoint {step} cannot be used: file {name} does not match its recorded content ({HASH} " in line
+    assert "Nothing was loaded or overwritten; resume from step 2, the newest that verifies, with " \
+           "--checkpoint.load_step 2" in line, line
+    assert "resumed from" not in proc.stdout
+    assert tree_digest(dump) == before
+
+
+def test_export_evaluate_generate_and_verify_refuse_it_and_the_previous_step_resumes_bit_equal(saved, tmp_path):
+    dump, name = corrupted_copy(saved(2), tmp_path, "model.", seed=7)
+    ck = dump / "checkpoint"
+    before = tree_digest(dump)
+    out = tmp_path / "model.pt"
+    for args in (["nsa_titan.export", str(ck / "step-4"), "--output", str(out)],
+                 ["nsa_titan.evaluate", str(ck / "step-4"), "--batches", "1"],
+                 ["nsa_titan.generate", str(ck / "step-4"), "--prompt", "def", "--max_new_tokens", "2"]):
+        proc = command(*args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"checkpoint {ck / 'step-4'} cannot be read: file {name} does not match its recorded content" \
+               in proc.stderr, proc.stderr[-2000:]
+        assert f"{ck / 'step-2'} is the newest beside it that verifies" in proc.stderr
+    assert not out.exists()
+    proc = command("nsa_titan.checkpoint", "verify", str(ck))
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == [
+        f"{ck / 'step-2'}: ok (4 files, {sum(f.stat().st_size for f in (ck / 'step-2').iterdir() if f.name != '.complete') / 1e6:,.1f} MB, "
+        f"{HASH} content and sizes match)",
+        f"{ck / 'step-4'}: FAILED, {verify(ck / 'step-4')}"]
+    assert command("nsa_titan.checkpoint", "verify", str(ck / "step-2")).returncode == 0
+    assert tree_digest(dump) == before
+
+    resumed = train(dump, 6, "--checkpoint.load_step", "2", nproc=2)
+    assert f"resumed from {ck / 'step-2'} at step 2" in ok(resumed)
+    whole = tmp_path / "uninterrupted"
+    ok(train(whole, 6, nproc=2))
+    for prefix in ("model", "optimizer"):
+        a, b = load_tensors(ck / "step-6", prefix), load_tensors(whole / "checkpoint" / "step-6", prefix)
+        assert a.keys() == b.keys() and len(a) > 10
+        assert all(torch.equal(a[k], b[k]) for k in a), prefix
+
+
+def test_a_checkpoint_without_hashes_resumes_with_a_warning(saved, tmp_path):
+    dump = tmp_path / "copy"
+    shutil.copytree(saved(1), dump)
+    manifest = dump / "checkpoint" / "step-4" / ".complete"
+    old = json.loads(manifest.read_text())
+    del old[HASH]  # as nsa_titan wrote manifests before it recorded hashes
+    manifest.write_text(json.dumps(old))
+    out = ok(train(dump, 5, nproc=1))
+    step = dump / "checkpoint" / "step-4"
+    assert out.count(f"checkpoint {step} has no content hashes (saved before nsa_titan recorded them): its files "
+                     f"are checked by size only") == 1, out[-3000:]
+    assert f"resumed from {step} at step 4" in out
+    assert HASH in json.loads((dump / "checkpoint" / "step-5" / ".complete").read_text())
+    verified = command("nsa_titan.checkpoint", "verify", str(step))
+    assert verified.returncode == 0 and "sizes match; it has no content hashes" in verified.stdout
+
+
+def test_a_non_finite_step_after_a_resume_names_the_checkpoint(saved, tmp_path):
+    dump = tmp_path / "copy"
+    shutil.copytree(saved(1), dump)
+    proc = train(dump, 8, "--debug.fault_nan_step", "6", nproc=1)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    step = dump / "checkpoint" / "step-4"
+    assert (f"step 6: non-finite gradient norm nan" in proc.stderr and f"This run resumed from {step} 2 step(s) "
+            f"before: that checkpoint is a suspect (check it with `python -m nsa_titan.checkpoint verify {step}`"
+            in proc.stderr), proc.stderr[-3000:]
+
+
+def test_verify_skips_interrupted_saves_and_needs_a_checkpoint(saved, tmp_path):
+    ck = tmp_path / "checkpoint"
+    shutil.copytree(saved(1) / "checkpoint", ck)
+    shutil.copytree(ck / "step-4", ck / "step-6.incomplete-123")
+    (ck / "step-6.incomplete-123" / ".complete").unlink()
+    proc = command("nsa_titan.checkpoint", "verify", str(ck))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"{ck / 'step-6.incomplete-123'}: skipped, an interrupted save (never committed)"
+    proc = command("nsa_titan.checkpoint", "verify", str(tmp_path / "nothing"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"nsa_titan.checkpoint: checkpoint error: {tmp_path / 'nothing'} holds no checkpoint: "
+                                   f"give a step-N folder or the checkpoint folder that holds them")
