@@ -6,7 +6,7 @@
 Per T, in one process: random q (batch, 2 KV groups, T, 6 heads, 64) and sel keys and values at the
 M7C shape, the sel blocks chosen by the cmp branch over random compressed keys (as training picks
 them), the forward once, then the backward `repeats` times per setting; prints the minimum seconds.
-`--chunk_mib 0` is the block-by-block backward with all queries in one chunk (before session 14).
+`--chunk_mib 0` is the block-by-block backward with all queries in one chunk (the first block-by-block version).
 Sets `cpu_attention.ROWS_MAX_KEYS` and `CHUNK_BYTES` per row; what training uses is their defaults.
 `--forward` times the forward instead (`FORWARD_ROWS_MAX_KEYS` for the query-by-query row).
 """

@@ -6,7 +6,7 @@ No kernel runs: each wrapper's launches are recorded instead (grid and arguments
 the cmp branch chooses over random inputs (`sel_inputs`, as training picks them at initialisation).
 For the kernels whose programs loop a data-dependent number of times, it prints the programs
 launched and the longest program's serial steps, for the launch the wrappers make now and for the
-layout before session 38 (one program per query, or all r heads as the rows of one program):
+layout before the 2026-11-27 rework (one program per query, or all r heads as the rows of one program):
   sel forward, dQ   blocks loaded per program and in all (per query before; per tile of BT queries,
                     the union of their blocks, now)
   sel dK, dV        steps of the block with the most readers (block 0: every query reads it)
@@ -17,7 +17,7 @@ A GPU runs a kernel no faster than its longest program, one step after another.
 Then, for the whole M7C attention (`nsa_fast`, bf16, the GPU's chunk sizes), forward and backward:
 the Triton launches, and the ATen ops dispatched besides them (each a kernel launch on a GPU; views
 and other metadata-only ops not counted), with the sel blocks chosen by PyTorch ops (as before
-session 39) and by the `_choose` kernel, one launch per cmp chunk; and the host time of one eager
+the `_choose` kernel) and by the `_choose` kernel, one launch per cmp chunk; and the host time of one eager
 forward and backward at T = 256 with the kernels not run (wrappers, dispatch, autograd: on a GPU,
 time the device waits for unless it has work queued).
 """

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The first GPU any of us gets, in one command: every GPU-only test, the attention benchmark in bf16
-# against flash-attn's causal attention, where its time goes (torch.profiler at 32k), and M7C training
-# throughput and MFU on one GPU; a markdown report at the end (default outputs/gpu_check/report.md).
-# Without CUDA it says so and exits 0. About 12 minutes on one H100 (tests 2.5, attention 4, profile
-# 0.5, train 5), so a 10-minute-per-command lease takes two calls, e.g. PARTS="tests profile", then
-# PARTS="attention train".
+# against the fastest dense kernels (benchmarks/gpu_attention.py, with where NSA's time goes at 32k),
+# and M7C training throughput and MFU on one GPU at seq 8k and 32k; a markdown report at the end
+# (default outputs/gpu_check/report.md). Without CUDA it says so and exits 0. About 9 minutes on one
+# H100 (tests 2.5, attention 1.5, train 5); PARTS="tests attention", then PARTS="train", splits it.
 #   scripts/gpu_check.sh [REPORT]
-#   PARTS="tests attention" scripts/gpu_check.sh REPORT   # some of the parts: tests, attention, profile,
-#                                                        # train (each appends to REPORT)
+#   PARTS="tests attention" scripts/gpu_check.sh REPORT   # some of the parts: tests, attention, train
+#                                                        # (each appends to REPORT)
 # Each part runs even when an earlier one fails; the exit code is 1 if any part failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -17,7 +16,7 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   echo "gpu_check: no CUDA device on this machine (or torch is not installed): nothing to check"
   exit 0
 fi
-parts="${PARTS:-tests attention profile train}"
+parts="${PARTS:-tests attention train}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 failed=0
 section() { printf '\n## %s\n\n```\n' "$1" >>"$report"; echo "gpu_check: $1"; }
@@ -28,7 +27,7 @@ run() {  # run a command into the report; remember a failure
   [[ $rc -eq 0 ]] || failed=1
 }
 
-[[ -s "$report" && "$parts" != "tests attention profile train" ]] || {
+[[ -s "$report" && "$parts" != "tests attention train" ]] || {
   echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo
   echo '```'
@@ -49,25 +48,18 @@ if want tests; then
 fi
 
 if want attention; then
-  section "Attention, bf16, forward + backward, M7C shape: fast NSA vs causal SDPA (flash kernel) vs flash-attn causal"
-  flash=$(python3 -c 'import flash_attn' 2>/dev/null && echo flash-core)
-  run python3 benchmarks/attention_speed.py --T 8192 16384 32768 65536 --repeats 5 --allocators default \
-    --variants fast-core dense-core $flash fast dense
-fi
-
-if want profile; then
-  section "Where NSA's attention time goes at 32k: torch.profiler, one forward + backward of fast-core (bf16)"
-  run python3 benchmarks/attention_speed.py --profile fast-core 32768
+  section "Attention, bf16, M7C shape: NSA vs SDPA's flash and cuDNN kernels (and flash-attn), forward and backward apart, with documents; where NSA's time goes at 32k"
+  run python3 benchmarks/gpu_attention.py --T 8192 32768 65536 --profile 32768
 fi
 
 if want train; then
-  # seq 2048 and 8192 as m7c.toml ships: bf16, compile, AC full, document masking on (dense SDPA then
-  # takes a T x T mask)
-  for seq in 2048 8192; do
+  # seq 8k and 32k, otherwise as m7c.toml ships: bf16, compile, AC full, document masking on (dense
+  # SDPA then takes a T x T mask)
+  for seq in 8192 32768; do
     section "M7C training throughput and MFU on one GPU, seq $seq (bf16, compile, AC full, document masking as m7c.toml)"
     run python3 benchmarks/train_throughput.py --config train_configs/m7c.toml --steps 20 \
       --variants nsa-compiled-ac dense-compiled-ac -- --training.seq_len "$seq" \
-      --training.local_batch_size "$((16384 / seq))" --data.path data/python_docs --data.name= \
+      --training.local_batch_size "$(( seq < 16384 ? 16384 / seq : 1 ))" --data.path data/python_docs --data.name= \
       --checkpoint.enable false
   done
 fi

@@ -178,3 +178,13 @@ def test_verify_skips_interrupted_saves_and_needs_a_checkpoint(saved, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"nsa_titan.checkpoint: checkpoint error: {tmp_path / 'nothing'} holds no checkpoint: "
                                    f"give a step-N folder or the checkpoint folder that holds them")
+
+
+def test_a_flipped_byte_in_a_warm_start_folder_names_the_one_beside_it_that_verifies(saved, tmp_path):
+    dump, name = corrupted_copy(saved(1), tmp_path, "optimizer.", seed=3)
+    step = dump / "checkpoint" / "step-4"
+    proc = train(tmp_path / "warm", 1, "--checkpoint.initial_load_path", str(step), nproc=1)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"checkpoint {step} cannot be used: file {name} does not match its recorded content" in proc.stderr and
+            f"pass --checkpoint.initial_load_path {dump / 'checkpoint' / 'step-2'}, the newest beside it that "
+            f"verifies" in proc.stderr), proc.stderr[-3000:]

@@ -45,17 +45,21 @@ class Model:
     dim: int = 256
     """Model width (M7C: 768)."""
     n_layers: int = 4
+    """Transformer blocks (M7C: 12)."""
     n_heads: int = 4
     """Query heads per layer."""
     n_kv_groups: int = 2
     """Number of KV heads (GQA groups); the query heads of a group share keys and selection."""
     head_dim: int = 64
+    """Width of each query and KV head."""
     vocab_size: int = 0
     """0 means the tokenizer's vocabulary, padded up to a multiple of 64."""
     ffn_hidden_dim: int = 0
     """SwiGLU hidden size; 0 means 8/3 * dim rounded up to a multiple of 64."""
     norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
+    """RoPE base; larger keeps far positions apart (recall.toml: 500000)."""
     tie_embeddings: bool = False
     """Share the token embedding with the output head."""
     smear: bool = False
@@ -64,16 +68,22 @@ class Model:
     directions of its own, which lets a single attention layer match "the token after an earlier
     occurrence of this one" (induction) without also matching the occurrence itself."""
     # NSA, with the paper's names:
-    cmp_block_size: int = 32  # l: length of a compression block
-    cmp_stride: int = 16  # d: stride between compression blocks
-    cmp_mlp_hidden: int = 0  # hidden size of the compression MLP phi; 0 means 4 * head_dim
+    cmp_block_size: int = 32
+    """l: keys per compression block (the paper: 32)."""
+    cmp_stride: int = 16
+    """d: stride between compression blocks (the paper: 16); l must be a multiple of d."""
+    cmp_mlp_hidden: int = 0
+    """Hidden size of the compression MLP phi; 0 means 4 * head_dim."""
     cmp_phi: Literal["mlp", "mean"] = "mlp"
     """phi, the compression of a block of l keys (values) to one: `mlp`, the paper's MLP with an
     intra-block position table; `mean` (off-paper, as fla's NSA), the block's mean, no parameters: a
     block's score is then its keys' mean logit, the same for a key wherever it sits in the block."""
-    sel_block_size: int = 64  # l': length of a selection block
-    sel_top_n: int = 16  # n: selected blocks per query, the initial block and the 2 local blocks included
-    window_size: int = 512  # w: sliding-window length
+    sel_block_size: int = 64
+    """l': keys per selection block (the paper: 64); a multiple of d."""
+    sel_top_n: int = 16
+    """n: selection blocks per query (the paper: 16), the initial block and the 2 local blocks included."""
+    window_size: int = 512
+    """w: the sliding window's length in keys (the paper: 512)."""
     nsa_branch: Literal["all", "cmp", "sel", "win"] = "all"
     """Diagnostics: `cmp`, `sel` or `win` keeps that branch alone (the others' gates are 0)."""
     sel_score_grad: float = 0.0
@@ -92,20 +102,28 @@ class Optimizer:
     """AdamW; weight decay on matrices only."""
 
     lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's epsilon."""
     weight_decay: float = 0.1
+    """Decoupled weight decay, on matrices only (not norms, biases or gates)."""
     implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+    """torch.optim.AdamW's implementation: `foreach` (multi-tensor), `fused` or `for-loop`."""
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = 100
+    """Steps of linear warmup from 0 to `optimizer.lr`."""
     decay_type: Literal["cosine", "wsd", "constant"] = "cosine"
     """`cosine`: cosine decay after warmup; `wsd`: warmup-stable-decay (linear decay over the
     last `decay_ratio` of the steps); `constant`: no decay."""
     decay_ratio: float = 0.2
+    """With `wsd`: the share of the steps the final decay takes."""
     min_lr_factor: float = 0.1
     """The lr at the end of decay, as a fraction of `optimizer.lr`."""
 
@@ -118,11 +136,15 @@ class Training:
     """Sequences per optimizer step over all ranks; -1 means local_batch_size * dp degree.
     A multiple of that product gives gradient accumulation."""
     seq_len: int = 2048
+    """Tokens per sequence (the packed window)."""
     steps: int = 1000
+    """Optimizer steps of the whole run (a resumed run continues to this step)."""
     max_norm: float = 1.0
     """Gradient-norm clipping threshold; 0 disables clipping (the norm is still logged)."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """FSDP2's compute dtype of the parameters (kept in fp32); float32 on CPUs without native bfloat16."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """The dtype gradients are reduced across ranks in."""
     document_masking: bool = True
     """Each token attends only to its own document of the packed window (an <eos> ends one; the
     synthetic source cuts its own), with positions from 0 at each document's start: every NSA
@@ -141,13 +163,17 @@ class Data:
     name: str = ""
     """Hub dataset config name (e.g. sample-10BT for FineWeb-Edu)."""
     split: str = "train"
+    """The split to train on (local files: taken from their names, as on the hub)."""
     text_column: str = "text"
+    """The column holding each document's text."""
     shuffle_buffer: int = 1000
     """Documents held in the shuffle buffer (0: stream order)."""
     num_workers: int = 1
     """StatefulDataLoader worker processes per rank (0: load in the training process)."""
     seed: int = 1234
+    """Seed of the shuffle buffer and of the synthetic and recall sources."""
     tokenizer: Literal["sentencepiece", "byte"] = "sentencepiece"
+    """`sentencepiece` (`tokenizer_path`) or `byte` (UTF-8 bytes and <eos>, vocabulary 257)."""
     tokenizer_path: str = "data/python_docs/tokenizer.model"
     """The sentencepiece `.model` file (ignored for `byte`)."""
 
@@ -158,7 +184,9 @@ class Recall:
     `python -m nsa_titan.evaluate --task recall`."""
 
     key_tokens: int = 4
+    """Tokens per key."""
     value_tokens: int = 4
+    """Tokens per value (each labelled at the query)."""
     pairs: int = 4
     """Key-value pairs hidden per sequence."""
     asks: int = 1
@@ -184,15 +212,17 @@ class Recall:
     alphabet, the row `k v k v ...` of its pairs in random order, every value whose key came before
     labelled. Each pair recurs many times, so the lookup forms within a few hundred steps, where
     the sparse answers of the recall rows leave the loss at chance; it then carries over to them
-    (README "Long-range recall": a drill run, then the recall run from its checkpoint)."""
+    (docs/recall.md: a drill run, then the recall run from its checkpoint)."""
 
 
 @dataclass
 class Validation:
     enable: bool = False
+    """Validate on a held-out split during training."""
     path: str = ""
     """The held-out source; empty means [data] path."""
     split: str = "validation"
+    """The held-out split."""
     freq: int = 100
     """Validate every `freq` steps and after the last step."""
     steps: int = 10
@@ -202,6 +232,7 @@ class Validation:
 @dataclass
 class Checkpoint:
     enable: bool = False
+    """Save checkpoints, and resume from the latest complete one."""
     folder: str = "checkpoint"
     """Under job.dump_folder; one `step-N` folder per checkpoint."""
     interval: int = 500
@@ -229,6 +260,7 @@ class Checkpoint:
     export_at_end: bool = False
     """After training, write the model alone as one torch.save file (`model-step-N.pt`)."""
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """The dtype of the exported model file."""
 
 
 @dataclass
@@ -240,7 +272,7 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """`default`: reshard every block but not the root (its params are used at once in backward)."""
     context_parallel_degree: int = 1
-    """Ranks that split each sequence between them (context parallelism, README "Long context"):
+    """Ranks that split each sequence between them (context parallelism, docs/long-context.md):
     a zigzag of 2 x cp chunks, keys and values all-gathered per layer. The data-parallel degrees
     multiply to world_size / cp; FSDP shards over dp_shard x cp."""
 
@@ -250,6 +282,7 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     """`full`: every block; `selective`: every `every_n_layers`-th block."""
     every_n_layers: int = 2
+    """With `selective`: checkpoint every n-th block."""
     first_layer: int = 0
     """Only blocks first_layer..last_layer are considered (bisecting a bad layer)."""
     last_layer: int = -1
@@ -261,13 +294,17 @@ class Compile:
     enable: bool = False
     """torch.compile each transformer block."""
     backend: str = "inductor"
+    """torch.compile's backend."""
     fullgraph: bool = True
+    """Compile each block as one graph (a graph break is an error, not a silent slowdown)."""
 
 
 @dataclass
 class Metrics:
     log_freq: int = 10
+    """Print the console line (and log to TensorBoard) every this many steps, and at step 1 and the last."""
     enable_tensorboard: bool = True
+    """Write the metrics as TensorBoard events under save_tb_folder."""
     save_tb_folder: str = "tb"
     """Under job.dump_folder; each run writes its events to its own subfolder named by its start time."""
     peak_flops: float = 0.0
@@ -299,7 +336,9 @@ class Fault:
 @dataclass
 class Debug:
     seed: int = 0
+    """Seed of the model's initialisation and of torch's RNG."""
     deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms), for bit-exact reruns."""
     report_missing_grads: bool = False
     """After the first backward, name the parameters that got no (or an all-zero) gradient."""
     dtype_report: bool = False
@@ -312,7 +351,9 @@ class Debug:
     """Fault injection for tests (installed by `debug_hooks.py`): this rank sleeps forever at
     fault_hang_step, in fault_hang_where."""
     fault_hang_step: int = 0
+    """Fault injection for tests: the step at which fault_hang_rank hangs (0: never)."""
     fault_hang_where: Literal["forward", "optimizer"] = "forward"
+    """Fault injection for tests: hang in the forward pass or in the optimizer step."""
     fault_nan_step: int = 0
     """Fault injection for tests: rank 0's loss becomes NaN at this step."""
     fault_kill_in_save_step: int = 0

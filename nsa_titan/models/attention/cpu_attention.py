@@ -48,7 +48,7 @@ FUSED_BACKWARD_KEYS = (256, 1024)
 fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query backward there:
 the first for groups of fewer than 4 query heads, the second for 4 or more (the kernel adds each key's dk, dv
 once for the group's heads: the more heads, the more work per key). Shorter runs, and every win branch, stay
-here. 2-core Intel Xeon (AVX-512), both on 2 threads (`benchmarks/cpu_kernel.py`, sessions 31-32): M7C (6
+here. 2-core Intel Xeon (AVX-512), both on 2 threads (`benchmarks/cpu_kernel.py`, 2026-11-26): M7C (6
 heads a group) cmp 103-119 against 124-142 ms at 8k (511 keys), 376 against 381 ms at 16k, 1.72 against
 1.49 s at 32k (2,047 keys); recall.toml (2 heads, 511 keys) 35-44 against 21-32 ms; win (w = 512) 225
 against 284-316 ms at 8k and 0.98 against 1.00 s at 32k, (w = 64) 10-15 against 15-23 ms."""

@@ -3,7 +3,7 @@
 In NSA a sel block's score s_j is the cmp attention probability summed over the block's cmp members
 (Eq. 9-10), and the top-n choice passes no gradient: the compressed keys learn only from the cmp
 output. Where that output is of no use, nothing teaches the scores to point at the block a query
-needs (README "Long-range recall").
+needs (docs/recall.md).
 
 This module gives the scores the gradient they would get if the sel logits of block j's keys were
 biased by log s_j (a straight-through estimate): the forward is unchanged (the bias is log s_j minus
