@@ -13,6 +13,6 @@ train: install
 test: install-test
 	python3 -m pytest -q tests
 
-# The inner loop (about 2 minutes): everything in-process and quick; CI runs `make test`, all of it.
+# The inner loop: everything in-process and quick (times: tests/README.md); CI runs `make test`, all of it.
 test-fast: install-test
 	python3 -m pytest -q -m "not slow and not multiprocess" tests

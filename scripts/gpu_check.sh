@@ -2,8 +2,9 @@
 # The first GPU any of us gets, in one command: every GPU-only test, the attention benchmark in bf16
 # against the fastest dense kernels (benchmarks/gpu_attention.py, with where NSA's time goes at 32k),
 # and M7C training throughput and MFU on one GPU at seq 8k and 32k; a markdown report at the end
-# (default outputs/gpu_check/report.md). Without CUDA it says so and exits 0. About 9 minutes on one
-# H100 (tests 2.5, attention 1.5, train 5); PARTS="tests attention", then PARTS="train", splits it.
+# (default outputs/gpu_check/report.md). Without CUDA it says so and exits 0. Not yet timed whole on
+# one H100 (the tests took 1.7 minutes, the attention about 1.5); PARTS="tests attention", then
+# PARTS="train", splits it.
 #   scripts/gpu_check.sh [REPORT]
 #   PARTS="tests attention" scripts/gpu_check.sh REPORT   # some of the parts: tests, attention, train
 #                                                        # (each appends to REPORT)
