@@ -44,8 +44,6 @@ logger = logging.getLogger("nsa_titan")
 
 EXIT_HALTED = 3
 """Exit code of a run halted by a non-finite loss or gradient."""
-SUSPECT_AFTER_RESUME = 10
-"""A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
 
 
 class TrainingHalted(RuntimeError):
@@ -151,7 +149,7 @@ class Trainer:
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size)
             install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                                 rank=self.rank, world_size=self.world_size, current_step=lambda: self.state.step)
-            self.resumed = resumed = self.checkpointer.load()
+            resumed = self.checkpointer.load()
             self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if restart:
@@ -268,10 +266,7 @@ class Trainer:
         what = (f"step {step}: non-finite gradient norm {norm_value} (rank {self.rank} loss {loss_value}); first "
                 f"parameter with a non-finite gradient: {where or 'none (the loss itself)'}")
         self.optimizer.zero_grad(set_to_none=True)
-        if self.resumed and step - self.first_step < SUSPECT_AFTER_RESUME:
-            what += (f". This run resumed from {self.resumed} {step - self.first_step + 1} step(s) before: that "
-                     f"checkpoint is a suspect (check it with `python -m nsa_titan.checkpoint verify "
-                     f"{self.resumed}`, or resume from an older one with --checkpoint.load_step)")
+        what += self.checkpointer.suspect(step - self.first_step + 1)  # soon after a resume: that checkpoint
         if f.nonfinite == "halt":
             raise TrainingHalted(f"{what}. Halted without saving: the existing checkpoints are the last good "
                                  f"state. Lower the lr, check the data, or set [fault] nonfinite = 'skip'")

@@ -40,6 +40,9 @@ from .states import ModelState, Opaque, OptimizerState, RNGState, TrainState
 
 logger = logging.getLogger(__name__)
 
+SUSPECT_AFTER_RESUME = 10
+"""A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
+
 
 def _root_cause(error: BaseException) -> tuple[str, bool]:
     """One line for why a save failed, and whether it is an OSError (disk full, permission): that one
@@ -99,6 +102,7 @@ class CheckpointManager:
         self.pending: Any = None  # the future of an async save in flight: (future, step, tmp folder)
         self.committed = threading.Event()  # rank 0: its commit of that save has finished
         self.last_saved: Path | None = None  # rank 0: the newest checkpoint committed by this run
+        self.resumed_from: Path | None = None
 
     # ---------------------------------------------------------------- loading
 
@@ -114,10 +118,20 @@ class CheckpointManager:
             self._load(target, exclude)
             logger.info("resumed from %s at step %d%s in %.2f s", target, self.train_state.step,
                         f" (not restored: {', '.join(sorted(exclude))})" if exclude else "", time.perf_counter() - start)
+            self.resumed_from = target
             return target
         if self.cfg.initial_load_path:
             self._initial_load(Path(self.cfg.initial_load_path))
         return None
+
+    def suspect(self, steps_since_resume: int) -> str:
+        """For a non-finite step's report: the checkpoint this run resumed from, named as a suspect when the
+        step came within SUSPECT_AFTER_RESUME steps of the resume; else nothing."""
+        if self.resumed_from is None or steps_since_resume > SUSPECT_AFTER_RESUME:
+            return ""
+        return (f". This run resumed from {self.resumed_from} {steps_since_resume} step(s) before: that checkpoint is "
+                f"a suspect (check it with `python -m nsa_titan.checkpoint verify {self.resumed_from}`, or resume "
+                f"from an older one with --checkpoint.load_step)")
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint in the folder (this run's or an earlier one's), if any."""
