@@ -16,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from nsa_titan import export
 from nsa_titan.checkpoint import load_tensors
+from nsa_titan.checkpoint.integrity import HASH, file_hash
 
 from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
 
@@ -207,6 +208,7 @@ def test_checkpoint_without_part_of_the_state_stops_and_the_loader_workers_end(s
     (step / ".metadata").write_bytes(pickle.dumps(meta))
     manifest = json.loads((step / ".complete").read_text())
     manifest["files"][".metadata"] = (step / ".metadata").stat().st_size
+    manifest[HASH][".metadata"] = file_hash(step / ".metadata")
     (step / ".complete").write_text(json.dumps(manifest))
     before = tree_digest(dump / "checkpoint")
     proc = single(dump, "--training.steps", "6")
