@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -132,7 +133,8 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
 
     A rank that stopped on bad input, a non-finite step or a hang comes first; then one that left a
     message; last, ranks that torchrun killed after that (a signal) or that failed in a collective
-    with it (exit code 1, "while stopping on SIGTERM"). Within each, the earliest.
+    with it (exit code 1, "while stopping on SIGTERM"). Within each, the earliest. After the first,
+    ranks that halted or stopped on bad input themselves are left out: their line repeats the first's.
     """
     def code(f: Any) -> int:
         return f.exitcode if f.exitcode >= 0 else 128 - f.exitcode
@@ -150,7 +152,11 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
         detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
         return f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
 
-    return [(code(f), line(rank, f)) for rank, f in sorted(e.failures.items(), key=priority)]
+    (cause_rank, cause), *rest = sorted(e.failures.items(), key=priority)
+    # After the cause, the ranks that failed with or because of it; not those that reached a verdict of their
+    # own (a halt, bad input), which would only repeat the cause's line.
+    rest = [(r, f) for r, f in rest if not re.match(r"nsa_titan: (halted|\w+ error):", message(f))]
+    return [(code(f), line(r, f)) for r, f in [(cause_rank, cause), *rest]]
 
 
 def parse_launcher_args(argv: list[str] | None) -> Any:
