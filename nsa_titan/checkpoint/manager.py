@@ -200,8 +200,9 @@ class CheckpointManager:
 
     def _verify(self, path: Path, initial: bool) -> None:
         """Before anything of `path` is read: its files' content against the manifest's hashes, the files
-        dealt across the ranks (unless [checkpoint] content_hashes = false). A mismatch on any rank is a CheckpointError on every rank, naming the file,
-        both hashes and the newest checkpoint beside it that verifies."""
+        dealt across the ranks (unless [checkpoint] content_hashes = false). A mismatch on any rank is a
+        CheckpointError on every rank, naming the file, both hashes and the newest checkpoint beside it
+        that verifies."""
         if not self.cfg.content_hashes:
             return
         hashes = recorded_hashes(path)
