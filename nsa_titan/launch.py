@@ -191,8 +191,8 @@ def _launch(args: Any) -> int:
         (code, line), *after = failures(e)
         print(line if code in (EXIT_BAD_INPUT, EXIT_HALTED) else f"{line} ({time.monotonic() - started:.0f} s after "
               f"the start)", file=sys.stderr, flush=True)
-        for consequence in dict.fromkeys(x for _, x in after if x != line):  # the ranks stopped by that failure,
-            print(f"{consequence} (after the failure above)", file=sys.stderr, flush=True)  # or failing with it
+        for _, consequence in after:  # the ranks stopped by that failure, or failing in a collective with it
+            print(f"{consequence} (after the failure above)", file=sys.stderr, flush=True)
         return code
     finally:
         forwarder.close()
