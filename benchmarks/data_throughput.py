@@ -28,7 +28,8 @@ from nsa_titan.data import build_dataloader, build_tokenizer  # noqa: E402
 from nsa_titan.metrics import PEAK_BF16_FLOPS  # noqa: E402
 from nsa_titan.models.transformer import Transformer  # noqa: E402
 
-M7C_ON_LOCAL_DATA = ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--data.path", "data/python_docs", "--data.name="]
+M7C_ON_LOCAL_DATA = ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--data.path", "data/python_docs", "--data.name=",
+                     "--data.tokenizer", "sentencepiece", "--data.tokenizer_path", "data/python_docs/tokenizer.model"]
 
 
 def loader_tokens_per_s(workers: int, batches: int, ranks: int) -> float:

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 -m nsa_titan.evaluate CHECKPOINT --context_parallel 2   # long sequences
     python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4] [--plot recall.png]
     python -m nsa_titan.evaluate CHECKPOINT --task recall --ablate     # ... with each NSA branch of each layer off
+    python -m nsa_titan.evaluate CHECKPOINT --task documents --path docs.jsonl [--documents 100]
 
 The loss reads the split the way training validates (same packing, same batches, rank shards under
 torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so at
@@ -13,7 +14,11 @@ values hidden that many tokens before their query, on held-out samples, and repo
 of queries whose value tokens are all predicted exactly, then the share of value tokens predicted
 right and, for NSA, how often each layer's selection chose the block holding the pair (where
 the sel branch has to read it); `--ablate` repeats the first with each NSA branch of each layer
-switched off in turn, which shows the branch that does the recall.
+switched off in turn, which shows the branch that does the recall. The documents task scores each
+document on its own, as lm-evaluation-harness's perplexity tasks (loglikelihood_rolling) do: after
+one prefix token (the tokenizer's bos, else its eos), in windows of seq_len predicted tokens, each
+window reading the seq_len tokens before its last; it reports the harness's word and byte
+perplexity and bits per byte, which equal the harness's on a Hugging Face export of the model.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 
@@ -34,6 +41,8 @@ from tqdm import tqdm
 from .cli import ArgumentParser, run_command
 from .config import ConfigError, JobConfig, cp_multiple
 from .data import DataError, build_validation_dataloader
+from .data.batch import document_ids
+from .data.sources import open_text_stream
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
 from .inference import load_model
 from .loss import IGNORE_INDEX, cross_entropy_loss
@@ -79,6 +88,50 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     return {"loss": loss, "perplexity": math.exp(min(loss, 50)),
             "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),
             "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
+
+
+def rolling_windows(ids: list[int], prefix: int, seq_len: int) -> Iterator[tuple[list[int], list[int]]]:
+    """(inputs, targets): windows that score every token of `ids` once, the last len(targets) logits of
+    `inputs` predicting `targets`; the first reads `prefix` then ids, each later one the seq_len tokens
+    before its last target (lm-evaluation-harness's rolling windows with a context of 1)."""
+    if not ids:
+        return
+    first = min(seq_len, len(ids))
+    yield [prefix] + ids[:first - 1], ids[:first]
+    done = first
+    while done < len(ids):
+        end = min(len(ids), done + seq_len)
+        yield ids[end - seq_len - 1:end - 1], ids[done:end]
+        done = end
+
+
+@torch.no_grad()
+def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation", documents: int = 0,
+                       config: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
+    """Each document of `path` (default: the validation source) scored on its own (`rolling_windows`):
+    {'documents', 'tokens', 'loss' (per token), 'perplexity', 'word_perplexity', 'byte_perplexity',
+    'bits_per_byte'}, as lm-evaluation-harness defines the last three."""
+    model, tokenizer, cfg = load_model(checkpoint, config, overrides)
+    column = cfg.data.text_column
+    stream = open_text_stream(path or cfg.validation.path or cfg.data.path, cfg.data.name, split, column)
+    prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    eos = tokenizer.eos_id if cfg.training.document_masking else None  # as the model was trained, and the export runs
+    nll, tokens, words, text_bytes, n_docs = 0.0, 0, 0, 0, 0
+    for example in itertools.islice(stream, documents or None):
+        text = example[column]
+        for inputs, targets in rolling_windows(tokenizer.encode(text), prefix, cfg.training.seq_len):
+            x = torch.tensor([inputs])
+            logp = torch.log_softmax(model(x, document_ids(x, None, eos))[0, -len(targets):].float(), -1)
+            nll -= float(logp.gather(-1, torch.tensor(targets)[:, None]).sum())
+            tokens += len(targets)
+        words += len(re.split(r"\s+", text))
+        text_bytes += len(text.encode("utf-8"))
+        n_docs += 1
+    if n_docs == 0:
+        raise DataError(f"{path or 'the validation source'} split '{split}' holds no documents")
+    return {"documents": n_docs, "tokens": tokens, "loss": nll / max(tokens, 1), "perplexity": math.exp(nll / max(tokens, 1)),
+            "word_perplexity": math.exp(nll / words), "byte_perplexity": math.exp(nll / text_bytes),
+            "bits_per_byte": nll / text_bytes / math.log(2)}
 
 
 def _eval_layout(cfg: JobConfig) -> RecallLayout:
@@ -184,9 +237,11 @@ def routing_table(results: dict[int, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.evaluate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
-    parser.add_argument("--task", choices=("loss", "recall"), default="loss")
+    parser.add_argument("checkpoint", help="a step-N checkpoint folder, an exported .pt file or a Hugging Face export")
+    parser.add_argument("--task", choices=("loss", "recall", "documents"), default="loss")
     parser.add_argument("--split", default="validation")
+    parser.add_argument("--path", default="", help="documents: the text source (default: the validation source)")
+    parser.add_argument("--documents", type=int, default=0, help="documents: at most this many (0: all)")
     parser.add_argument("--distances", type=int, nargs="+", default=[64, 256, 1024],
                         help="recall: the pair-to-query distances to test")
     parser.add_argument("--plot", help="recall: also draw accuracy by distance into this PNG file")
@@ -201,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batches must be >= 0 (0: the whole split; for recall, 4 per distance)")
     if min(args.distances) < 1:
         parser.error("--distances must be >= 1")
-    if args.context_parallel < 1 or (args.task == "recall" and args.context_parallel > 1):
-        parser.error("--context_parallel must be >= 1, and 1 for --task recall (it evaluates in one process)")
+    if args.context_parallel < 1 or (args.task != "loss" and args.context_parallel > 1):
+        parser.error("--context_parallel must be >= 1, and 1 for --task recall or documents (one process)")
     if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
         dist.init_process_group("gloo")
     try:
@@ -213,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.task == "documents":
+        r = evaluate_documents(args.checkpoint, args.path, args.split, args.documents, args.config, overrides)
+        print(f"{r['documents']} documents, {r['tokens']:,} tokens: loss {r['loss']:.4f} | perplexity "
+              f"{r['perplexity']:.3f} | word perplexity {r['word_perplexity']:.3f} | byte perplexity "
+              f"{r['byte_perplexity']:.4f} | bits/byte {r['bits_per_byte']:.4f}")
+        return 0
     if args.task == "recall":
         model, _, cfg = load_model(args.checkpoint, args.config, overrides)
         if args.ablate and cfg.model.attention != "nsa":

@@ -1,11 +1,13 @@
-"""Export a DCP checkpoint's model as one torch.save file, for inference or a warm start.
+"""Export a checkpoint's model: one torch.save file (`--format pt`, read here) or a Hugging Face folder
+(`--format hf`, read by transformers, lm-evaluation-harness and `--checkpoint.initial_load_path`).
 
     python -m nsa_titan.export outputs/m7c/checkpoint/step-1000 --output m7c.pt [--dtype bfloat16]
+    python -m nsa_titan.export outputs/m7c/checkpoint/step-1000 --format hf --output m7c-hf [--max_shard_size 2GB]
 
-Works on one process without the training config: shapes and dtypes come from the
-checkpoint's metadata. The step folder's config.toml is written beside the file (m7c.toml), where
-evaluate and generate find it. Load the file as a starting model with
-`--checkpoint.initial_load_path m7c.pt`.
+Works on one process without the training config: shapes and dtypes come from the checkpoint's
+metadata, the settings from its config.toml. `pt` writes the config beside the file (m7c.toml),
+where evaluate and generate find it; `hf` writes it into the folder (nsa_titan.toml), with the
+tokenizer (see nsa_titan/hf/export.py). Either starts a run with `--checkpoint.initial_load_path`.
 """
 
 from __future__ import annotations
@@ -14,30 +16,40 @@ import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint import load_tensors, write_model_file
+from .checkpoint import load_tensors, read_model_file, write_model_file
 from .cli import ArgumentParser, run_command
 from .config import DTYPES
+from .extras import require_hf
 from .paths import config_of_checkpoint
 
 
-def export(path: Path, output: Path, dtype: str) -> int:
-    """Write the model of checkpoint `path` to `output` in `dtype`, its config beside it; returns the bytes."""
-    state = load_tensors(path)
+def export(path: Path, output: Path, dtype: str, fmt: str = "pt", max_shard_size: str = "2GB") -> int:
+    """Write the model of checkpoint `path` (a step folder or a .pt export) to `output` in `dtype`, with
+    its config; returns the bytes written."""
+    state = load_tensors(path) if path.is_dir() else read_model_file(path)
     config = config_of_checkpoint(path)
-    return write_model_file(state, output, dtype, config.read_text() if config.is_file() else None)
+    toml = config.read_text() if config.is_file() else None
+    if fmt == "hf":
+        require_hf("nsa_titan.export --format hf")
+        from .hf.export import export_hf
+
+        return export_hf(state, toml, str(path.resolve()), output, dtype, max_shard_size)
+    return write_model_file(state, output, dtype, toml)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.export", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a complete step-N checkpoint folder")
-    parser.add_argument("--output", type=Path, required=True, help="the .pt file to write")
+    parser.add_argument("checkpoint", type=Path, help="a complete step-N checkpoint folder (or a .pt export)")
+    parser.add_argument("--output", type=Path, required=True, help="the .pt file (pt) or the folder (hf) to write")
+    parser.add_argument("--format", choices=["pt", "hf"], default="pt")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--max_shard_size", default="2GB", help="hf: safetensors shards above this size (e.g. 500MB)")
     args = parser.parse_args(argv)
 
     def write() -> int:
-        size = export(args.checkpoint, args.output, args.dtype)
-        print(f"wrote {args.output} ({size / 1e6:.1f} MB, {args.dtype})")
+        size = export(args.checkpoint, args.output, args.dtype, args.format, args.max_shard_size)
+        print(f"wrote {args.output} ({size / 1e6:.1f} MB, {args.dtype}, {args.format})")
         return 0
 
     return run_command("nsa_titan.export", write)

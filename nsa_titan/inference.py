@@ -1,10 +1,12 @@
-"""Loading a trained model for evaluation and generation: a DCP step folder or an exported file."""
+"""Loading a trained model for evaluation and generation: a DCP step folder, an exported file or a
+Hugging Face export folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .checkpoint import CheckpointError, check_fit, load_tensors, read_model_file, shapes
+from .checkpoint.hf_folder import check_settings, is_hf_folder, read_hf_folder, read_settings
 from .config import JobConfig, cp_multiple, derive, load_config
 from .data import Tokenizer, build_tokenizer
 from .models.transformer import Transformer
@@ -24,7 +26,10 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
     if it cannot run) and the model takes the padded sequence (`parallel.apply_cp` then splits it)."""
     path = Path(checkpoint)
     if not path.exists():
-        raise CheckpointError(f"checkpoint '{checkpoint}' not found: give a step-N folder or an exported .pt file")
+        raise CheckpointError(f"checkpoint '{checkpoint}' not found: give a step-N folder, an exported .pt file or "
+                              f"a Hugging Face export folder")
+    if is_hf_folder(path):
+        read_settings(path)  # an nsa_titan export, before its config is looked for
     config_path = Path(config) if config else config_of_checkpoint(path)
     if not config and not config_path.is_file():
         raise CheckpointError(f"no config found for {checkpoint} (looked for {config_path}); pass the training "
@@ -36,7 +41,11 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     cfg = derive(cfg, context_parallel, tokenizer.vocab_size)
     multiple = cp_multiple(cfg.model, context_parallel) if context_parallel > 1 else 1  # the cp padding
-    state = load_tensors(path) if path.is_dir() else read_model_file(path)
+    if is_hf_folder(path):
+        settings, state = read_hf_folder(path)
+        check_settings(path, settings, cfg.model)
+    else:
+        state = load_tensors(path) if path.is_dir() else read_model_file(path)
     model = Transformer(cfg.model, max(max_seq_len, -(-cfg.training.seq_len // multiple) * multiple))
     model.init_weights(0)  # the rope table; every parameter is then overwritten
     check_fit(f"checkpoint '{checkpoint}'", shapes(state), shapes(model.state_dict()))

@@ -43,6 +43,8 @@ def model_config_path(model_file: Path) -> Path:
 
 
 def config_of_checkpoint(checkpoint: Path) -> Path:
-    """Where the config a checkpoint was trained with is: a step folder's config.toml, or a model
-    file's `name.toml`."""
-    return checkpoint / "config.toml" if checkpoint.is_dir() else model_config_path(checkpoint)
+    """Where the config a checkpoint was trained with is: a step folder's config.toml, a Hugging Face
+    export's nsa_titan.toml, or a model file's `name.toml`."""
+    if checkpoint.is_dir():
+        return checkpoint / ("config.toml" if (checkpoint / "config.toml").exists() else "nsa_titan.toml")
+    return model_config_path(checkpoint)

@@ -292,8 +292,9 @@ class Trainer:
         self.model.train()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if total[1] == 0:
-            raise DataError(f"[validation] split '{v.split}' of '{v.path or self.cfg.data.path}' gave no batch "
-                            f"of seq_len {t.seq_len} on some rank: use a larger split or a smaller seq_len")
+            held = f"[data] holdout = {self.cfg.data.holdout} of" if self.cfg.data.holdout else f"[validation] split '{v.split}' of"
+            raise DataError(f"{held} '{v.path or self.cfg.data.path}' gave no batch of seq_len {t.seq_len} on some "
+                            f"rank: hold out more (a larger split or holdout) or use a smaller seq_len")
         return (total[0] / total[1]).item(), int(total[1].item()) // self.world_size
 
     def log_step(self, loss: torch.Tensor, grad_norm: float, lr: float) -> None:

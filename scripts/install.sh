@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Install what is missing: torch (the CPU build on a machine without NVIDIA GPUs), then this
 # package and its dependencies, then build NSA's C++ attention kernel for CPUs (cached; if it cannot
-# be built, CPU runs keep the PyTorch kernels). `--test` adds the test tools. Safe to run again.
+# be built, CPU runs keep the PyTorch kernels). `--test` adds the test tools and the `[hf]` extra
+# (transformers, lm-eval), which the tests use. Safe to run again.
 #   TORCH_SPEC   torch requirement to install (default: torch==2.13.0 on CPU, torch>=2.7 on GPU)
 #   PIP_ARGS     extra pip arguments (e.g. --index-url https://download.pytorch.org/whl/cpu)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras=""
-[[ "${1:-}" == "--test" ]] && extras="[test]"
+[[ "${1:-}" == "--test" ]] && extras="[test,hf]"
 say() { echo "nsa_titan install: $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -24,7 +25,7 @@ fi
 say "[2/3] installing nsa_titan${extras} and its dependencies"
 python3 -m pip install --progress-bar on ${PIP_ARGS:-} -e "${here}${extras}" \
   | grep -v -E "^(Requirement already satisfied|  )" || true
-python3 -c "import nsa_titan, torch, torchdata, datasets, sentencepiece, tensorboard${extras:+, pytest}" \
+python3 -c "import nsa_titan, torch, torchdata, datasets, sentencepiece, tokenizers, tensorboard${extras:+, pytest, transformers, lm_eval}" \
   || { say "the install did not complete (see pip's messages above)"; exit 1; }
 say "[3/3] building NSA's C++ attention kernel for CPUs (about a minute the first time, then cached)"
 python3 -c "

@@ -170,6 +170,11 @@ def test_shipped_configs_validate(name, world):
 
 
 def test_m7c_is_the_reference_size():
-    m = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml")], world_size=8)[0].model
+    cfg = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml")], world_size=8)[0]
+    m = cfg.model
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_groups, m.head_dim) == (768, 12, 12, 2, 64)
+    # An English tokenizer for FineWeb-Edu, a held-out slice to validate on, a Hugging Face folder at the end.
+    assert (cfg.data.path, cfg.data.tokenizer, cfg.data.tokenizer_path) == (
+        "HuggingFaceFW/fineweb-edu", "hf", "HuggingFaceTB/SmolLM2-135M")
+    assert cfg.validation.enable and cfg.data.holdout > 0 and cfg.checkpoint.export_format == "hf"
     assert (m.cmp_block_size, m.cmp_stride, m.sel_block_size, m.sel_top_n, m.window_size) == (32, 16, 64, 16, 512)

@@ -107,6 +107,31 @@ def test_validation_loader_is_one_ordered_pass(corpus):
     assert sorted(docs) == sorted(doc_text(1000 + i) for i in range(8))  # 8 docs, one pass, no repeat
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_holdout_gives_validation_documents_that_training_never_reads(corpus, workers):
+    """[data] holdout = 0.25: a fixed quarter of the train split's documents, by hash, on both ranks;
+    the training stream (2 ranks, an epoch) has the other three quarters, and resumes exactly."""
+    data = Data(source="datasets", path=str(corpus), tokenizer="byte", shuffle_buffer=8, num_workers=workers, seed=7,
+                holdout=0.25)
+    v = Validation(enable=True, split="validation")  # unused with holdout: the held-out train documents are read
+    held = [d for r in (0, 1) for b in build_validation_dataloader(data, v, ByteTokenizer(), 16, 1, r, 2)
+            for d in [ByteTokenizer().decode(b.inputs[0].tolist())[:DOC_BYTES]]]
+    held_docs = {d for d in held if d.startswith("doc")}
+    assert 6 <= len(held_docs) <= 26 and not any(d.startswith("doc1") for d in held_docs)  # ~16 of 64, train split
+    trained = [d for r in (0, 1) for batch in take(iter(build_dataloader(data, ByteTokenizer(), SEQ_LEN, 320, BATCH, r,
+                                                                          2)), 4) for d in docs_in([batch])]
+    assert trained and held_docs.isdisjoint(trained)
+    first = build_dataloader(data, ByteTokenizer(), SEQ_LEN, 320, BATCH, 0, 2)
+    it = iter(first)
+    reference = take(it, 5)
+    again = build_dataloader(data, ByteTokenizer(), SEQ_LEN, 320, BATCH, 0, 2)
+    it2 = iter(again)
+    take(it2, 2)
+    resumed = build_dataloader(data, ByteTokenizer(), SEQ_LEN, 320, BATCH, 0, 2)
+    resumed.load_state_dict(again.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(take(iter(resumed), 3), reference[2:]))
+
+
 def test_hub_id_and_local_folder_take_the_same_streaming_call(corpus, monkeypatch):
     calls = []
     real = sources.load_dataset

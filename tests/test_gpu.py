@@ -155,7 +155,8 @@ def test_m7c_blocks_train_in_bf16_with_compile_and_activation_checkpointing(tmp_
     proc = subprocess.run([str(ROOT / "run_train.sh"), "--config", str(ROOT / "train_configs" / "m7c.toml"),
                            "--model.n_layers", "2", "--training.steps", "8", "--training.local_batch_size", "2",
                            "--metrics.log_freq", "4", "--data.path", "data/python_docs", "--data.name=",
-                           "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)],
+                           "--data.tokenizer", "sentencepiece", "--data.tokenizer_path", "data/python_docs/tokenizer.model",
+                           "--validation.enable", "false", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+/8 \| loss +([\d.]+)", proc.stdout)]

@@ -124,7 +124,7 @@ def test_bad_checkpoint_or_config_is_a_clear_error(trained, tmp_path):
                               text=True, timeout=120)
 
     missing = run(str(tmp_path / "nope"), "--prompt", "x")
-    assert missing.returncode == 2 and "not found: give a step-N folder or an exported .pt file" in missing.stderr
+    assert missing.returncode == 2 and "not found: give a step-N folder, an exported .pt file" in missing.stderr
     other = tmp_path / "other.toml"
     other.write_text((trained / "config.toml").read_text().replace("dim = 64", "dim = 96"))
     mismatch = run(str(trained / "checkpoint" / "step-6"), "--config", str(other))

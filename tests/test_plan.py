@@ -13,6 +13,10 @@ from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT, TINY, launch_ranks
 
+# m7c.toml with the embedded corpus's tokenizer (4,096 pieces), offline: its own is fetched from the hub.
+M7C_OFFLINE = ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--data.tokenizer", "sentencepiece",
+               "--data.tokenizer_path", "data/python_docs/tokenizer.model"]
+
 
 def plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nsa_titan.plan", *args], cwd=ROOT, capture_output=True, text=True,
@@ -25,7 +29,7 @@ def test_plans_m7c_at_any_world_size_in_seconds(world):
     """Seconds of CPU time (not wall time, which a busy machine stretches): the plan shards meta
     tensors and runs one block at a short length, never the model's weights or the world's ranks."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = plan("--world_size", str(world), "--config", str(ROOT / "train_configs" / "m7c.toml"))
+    proc = plan("--world_size", str(world), *M7C_OFFLINE)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 0, proc.stderr
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -75,7 +79,7 @@ def test_impossible_plans_are_reported_with_numbers():
     bad_mesh = plan("--world_size", "8", "--parallelism.data_parallel_replicate_degree", "3")
     assert bad_mesh.returncode == 2
     assert "nsa_titan.plan: config error:" in bad_mesh.stderr and "does not divide the world size 8" in bad_mesh.stderr
-    too_big = plan("--world_size", "1", "--config", str(ROOT / "train_configs" / "m7c.toml"),
+    too_big = plan("--world_size", "1", *M7C_OFFLINE,
                    "--activation_checkpoint.mode", "none", "--training.seq_len", "32768", "--gpu_memory_gib", "40")
     assert too_big.returncode == 1
     assert "DOES NOT FIT:" in too_big.stdout and "GiB per rank needed, 40 GiB available" in too_big.stdout

@@ -35,6 +35,8 @@ from ..parallel import side_group
 from .errors import CheckpointError
 from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan
 from .integrity import HashingWriter, verify_files
+from ..extras import require_hf
+from .hf_folder import check_settings, is_hf_folder, read_hf_folder
 from .model_file import check_fit, read_model_file, saved_shapes, shapes, write_model_file
 from .states import ModelState, Opaque, OptimizerState, RNGState, TrainState
 
@@ -82,6 +84,8 @@ class CheckpointManager:
         """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
         `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
         loader position is saved (the context-parallel ranks of a group share one)."""
+        if cfg.export_at_end and cfg.export_format == "hf":  # found out now, not after the whole run
+            require_hf("[checkpoint] export_format = 'hf' (set 'pt' to do without)")
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
         self.folder = folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -222,9 +226,13 @@ class CheckpointManager:
         raise CheckpointError(f"checkpoint {path} cannot be used: {problem}. Nothing was loaded or overwritten; {way}")
 
     def _initial_load(self, path: Path) -> None:
-        """Warm start from a DCP step folder or an exported single-file state dict."""
-        if path.is_file():
-            state = read_model_file(path)
+        """Warm start from a DCP step folder, an exported single-file state dict or a Hugging Face export."""
+        if path.is_file() or is_hf_folder(path):
+            if path.is_file():
+                state = read_model_file(path)
+            else:
+                settings, state = read_hf_folder(path)
+                check_settings(path, settings, self.model.cfg)
             check_fit(f"[checkpoint] initial_load_path = '{path}'", shapes(state), shapes(get_model_state_dict(self.model)))
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
             logger.info("initial model weights from %s", path)
@@ -364,12 +372,20 @@ class CheckpointManager:
     # ----------------------------------------------------------------- export
 
     def export(self, step: int) -> Path | None:
-        """Gather the full model on rank 0 and write `model-step-N.pt` in `export_dtype` (and its config)."""
+        """Gather the full model on rank 0 and write it in `export_dtype` with its config: `model-step-N.pt`,
+        or the Hugging Face folder `model-step-N-hf/` (`export_format`)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        path = self.folder / f"model-step-{step}.pt"
-        size = write_model_file(state, path, self.cfg.export_dtype, self.config_toml)
+        if self.cfg.export_format == "hf":
+            from ..hf.export import export_hf
+
+            path = self.folder / f"model-step-{step}-hf"
+            size = export_hf(state, self.config_toml, str((self.folder / f"step-{step}").resolve()), path,
+                             self.cfg.export_dtype)
+        else:
+            path = self.folder / f"model-step-{step}.pt"
+            size = write_model_file(state, path, self.cfg.export_dtype, self.config_toml)
         logger.info("exported the model (%s) to %s: %.1f MB", self.cfg.export_dtype, path, size / 1e6)
         return path
 

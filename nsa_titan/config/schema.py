@@ -172,10 +172,18 @@ class Data:
     """StatefulDataLoader worker processes per rank (0: load in the training process)."""
     seed: int = 1234
     """Seed of the shuffle buffer and of the synthetic and recall sources."""
-    tokenizer: Literal["sentencepiece", "byte"] = "sentencepiece"
-    """`sentencepiece` (`tokenizer_path`) or `byte` (UTF-8 bytes and <eos>, vocabulary 257)."""
+    holdout: float = 0.0
+    """The share of the documents of `path` and `split` held out for validation, chosen by a hash of
+    each document's text (the same on every rank, run and resume): training never reads them, and
+    validation reads them instead of `[validation] path` and `split` (for sources with one split,
+    such as FineWeb-Edu). 0: none held out."""
+    tokenizer: Literal["sentencepiece", "hf", "byte"] = "sentencepiece"
+    """`sentencepiece` (a `.model` file), `hf` (a Hugging Face `tokenizer.json`, read by the `tokenizers`
+    package) or `byte` (UTF-8 bytes and <eos>, vocabulary 257)."""
     tokenizer_path: str = "data/python_docs/tokenizer.model"
-    """The sentencepiece `.model` file (ignored for `byte`)."""
+    """sentencepiece: the `.model` file. hf: a `tokenizer.json`, a folder holding one (with its
+    `tokenizer_config.json`, which names the eos and bos tokens), or a hub model id such as
+    `HuggingFaceTB/SmolLM2-135M`, fetched once into the Hugging Face cache. Ignored for `byte`."""
 
 
 @dataclass
@@ -220,9 +228,9 @@ class Validation:
     enable: bool = False
     """Validate on a held-out split during training."""
     path: str = ""
-    """The held-out source; empty means [data] path."""
+    """The held-out source; empty means [data] path (unused with `[data] holdout`)."""
     split: str = "validation"
-    """The held-out split."""
+    """The held-out split (unused with `[data] holdout`)."""
     freq: int = 100
     """Validate every `freq` steps and after the last step."""
     steps: int = 10
@@ -258,7 +266,10 @@ class Checkpoint:
     manifest, and check them before a checkpoint is read: a flipped byte is a checkpoint error. false
     skips both; sizes are checked either way."""
     export_at_end: bool = False
-    """After training, write the model alone as one torch.save file (`model-step-N.pt`)."""
+    """After training, write the model alone (`export_format`) into the checkpoint folder."""
+    export_format: Literal["pt", "hf"] = "pt"
+    """`pt`: one torch.save file, `model-step-N.pt`; `hf`: a Hugging Face folder, `model-step-N-hf/`, that
+    transformers and lm-evaluation-harness load (needs the `[hf]` extra)."""
     export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """The dtype of the exported model file."""
 

@@ -75,6 +75,7 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     dt = cfg.data
     _require(dt.num_workers >= 0, f"[data] num_workers = {dt.num_workers}: must be >= 0")
     _require(dt.shuffle_buffer >= 0, f"[data] shuffle_buffer = {dt.shuffle_buffer}: must be >= 0")
+    _require(0 <= dt.holdout < 1, f"[data] holdout = {dt.holdout}: the held-out share must lie in [0, 1) (e.g. 0.001)")
     _require(dt.source != "datasets" or bool(dt.path),
              "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
     if dt.source == "recall":

@@ -24,3 +24,18 @@ def eos_documents(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
     starts a new one."""
     eos = (inputs == eos_id).long()
     return torch.cumsum(eos, -1) - eos
+
+
+def document_ids(inputs: torch.Tensor, attention_mask: torch.Tensor | None = None, eos_id: int | None = None
+                 ) -> torch.Tensor | None:
+    """(B, T) document ids of a batch given to a model (not packed by the loader), or None where every
+    token of a row attends to all before it: a change of the attention mask (padding, left or right)
+    starts a document, and so does the token after each `eos_id` (document masking), if given."""
+    ids = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        change = (attention_mask[:, 1:] != attention_mask[:, :-1]).long()
+        ids = torch.nn.functional.pad(change.cumsum(-1), (1, 0))
+    if eos_id is not None:
+        eos = eos_documents(inputs, eos_id)
+        ids = eos if ids is None else ids + eos
+    return ids

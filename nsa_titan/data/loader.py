@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
+import xxhash
+from datasets import IterableDataset as HFIterableDataset
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -36,8 +39,8 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
         layout, distances = recall_layout(recall, seq_len, vocab_size)
         dataset = RecallTokens(layout, data.seed, distances, dp_rank, dp_size, local_batch)
     else:
-        stream = split_dataset_by_node(open_text_stream(data.path, data.name, data.split, data.text_column),
-                                       rank=dp_rank, world_size=dp_size)
+        stream = split_dataset_by_node(held_out(open_text_stream(data.path, data.name, data.split, data.text_column),
+                                                data, keep=False), rank=dp_rank, world_size=dp_size)
         dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, data.shuffle_buffer,
                                     data.seed, dp_rank)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
@@ -47,11 +50,24 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
 
 def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
                                 local_batch: int, dp_rank: int, dp_size: int) -> StatefulDataLoader:
-    """One pass over the held-out split, in order, sharded over the dp ranks."""
-    stream = split_dataset_by_node(open_text_stream(v.path or data.path, data.name, v.split, data.text_column),
-                                   rank=dp_rank, world_size=dp_size)
+    """One pass over the held-out split (or `[data] holdout`'s documents), in order, sharded over the dp ranks."""
+    source = open_text_stream(data.path, data.name, data.split, data.text_column) if data.holdout else \
+        open_text_stream(v.path or data.path, data.name, v.split, data.text_column)
+    stream = split_dataset_by_node(held_out(source, data, keep=True), rank=dp_rank, world_size=dp_size)
     dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
+
+
+def _select(example: dict, column: str, share: float, keep: bool) -> bool:
+    """Whether `example` stays: a held-out document (its text's hash below `share` of the range) if `keep`."""
+    return (xxhash.xxh3_64_intdigest(example[column].encode()) < share * 2**64) == keep
+
+
+def held_out(stream: HFIterableDataset, data: Data, keep: bool) -> HFIterableDataset:
+    """`stream` with only (keep) or without the documents `[data] holdout` holds out; as it is if none."""
+    if not data.holdout:
+        return stream
+    return stream.filter(functools.partial(_select, column=data.text_column, share=data.holdout, keep=keep))
 
 
 def own_generator(seed: int, dp_rank: int) -> torch.Generator:

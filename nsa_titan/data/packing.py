@@ -1,4 +1,5 @@
-"""Documents -> shuffled -> tokenized -> joined with <eos> -> seq_len + 1 windows, resumably.
+"""Documents -> shuffled -> tokenized -> joined with <eos> (each begun with <bos> where the tokenizer
+has one) -> seq_len + 1 windows, resumably.
 
 The state (epoch, position in the stream, the shuffle buffer's documents, its RNG and the
 tokens carried into the next window) is complete: restoring it yields exactly the windows an
@@ -43,6 +44,8 @@ class PackedTextDataset(IterableDataset):
 
     def _windows(self, text: str) -> Iterator[Sample]:
         self.docs_seen += 1
+        if self.tokenizer.bos_id is not None:
+            self.carry.append(self.tokenizer.bos_id)
         self.carry.extend(self.tokenizer.encode(text))
         self.carry.append(self.tokenizer.eos_id)
         n = self.seq_len + 1

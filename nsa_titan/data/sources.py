@@ -26,20 +26,22 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 HUB_TIMEOUT_S = 5.0
 
 
-def check_hub_reachable(hub_id: str) -> None:
-    """Fail in seconds, with the way out, when the hub cannot be reached."""
+LOCAL_DATA = ("Without network, point [data] path at local files: a folder or a file of parquet, jsonl or "
+              "txt documents (e.g. data/python_docs), or set [data] source = 'synthetic'.")
+
+
+def check_hub_reachable(hub_id: str, setting: str = "[data] path", what: str = "dataset", fix: str = LOCAL_DATA) -> None:
+    """Fail in seconds, with the way out (`fix`), when the hub cannot be reached for `setting`."""
     from huggingface_hub import constants
 
-    fix = ("Without network, point [data] path at local files: a folder or a file of parquet, jsonl or "
-           "txt documents (e.g. data/python_docs), or set [data] source = 'synthetic'.")
     if constants.HF_HUB_OFFLINE:
-        raise DataError(f"[data] path = '{hub_id}' is a Hugging Face hub dataset id, but HF_HUB_OFFLINE is set. {fix}")
+        raise DataError(f"{setting} = '{hub_id}' is a Hugging Face hub {what} id, but HF_HUB_OFFLINE is set. {fix}")
     url = urlparse(constants.ENDPOINT)
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((host, port), timeout=HUB_TIMEOUT_S).close()
     except OSError as e:
-        raise DataError(f"[data] path = '{hub_id}' is a Hugging Face hub dataset id, but the hub "
+        raise DataError(f"{setting} = '{hub_id}' is a Hugging Face hub {what} id, but the hub "
                         f"({constants.ENDPOINT}) is unreachable: {e}. {fix}") from None
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data.batch import document_ids
 from .attention import Documents, masked_attention, mix_branches, select_blocks
 from .attention.common import selected_keys
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
@@ -149,3 +150,34 @@ class Decoder:
         if isinstance(attn, DenseAttention):
             return {"dense": t + 1}
         return {b: int(n) for b, n in attn.spec.keys_per_query(torch.tensor(t)).items()}
+
+
+class DecodeCache:
+    """A Decoder behind a library's cache argument (transformers' `generate`, nsa_titan/hf): the first
+    `forward` prefills, each later one appends its tokens one at a time, reading only what NSA reads."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, model: Transformer):
+        self.decoder = Decoder(model)
+        self.seen = 0  # tokens given so far
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.decoder.caches)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, eos_id: int | None = None
+                ) -> torch.Tensor:
+        """Logits (B, S, V) of the new tokens (B, S): the prompt's by the training forward the first time
+        (documents from the mask's padding and, given `eos_id`, its end-of-text tokens), then one
+        incremental step per token."""
+        if self.seen == 0:
+            logits = self.decoder.prefill(tokens, document_ids(tokens, attention_mask, eos_id))
+        else:
+            logits = torch.cat([self.decoder.step(tokens[:, i:i + 1]) for i in range(tokens.shape[1])], 1)
+        self.seen += tokens.shape[1]
+        return logits

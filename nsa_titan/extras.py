@@ -1,0 +1,19 @@
+"""The optional extras: what names the pip command when one is missing."""
+
+from __future__ import annotations
+
+from .config import ConfigError
+
+HF_EXTRA = "pip install 'nsa_titan[hf]'   (from a checkout: pip install -e '.[hf]')"
+
+
+class MissingExtra(ConfigError):
+    """An optional extra is not installed (bad input: one line, exit 2)."""
+
+
+def require_hf(what: str) -> None:
+    """Raise MissingExtra, naming the pip command, when transformers cannot be imported."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise MissingExtra(f"{what} needs transformers, which is not installed: {HF_EXTRA}") from None

@@ -1,0 +1,77 @@
+"""nsa_titan's Transformer as a transformers causal LM: `from_pretrained`, `generate` (NSA's per-branch
+KV cache behind the cache argument), lm-evaluation-harness. The model is nsa_titan's own
+(`nsa_titan.models.transformer.Transformer`): the NSA maths is not written a second time.
+
+This file is copied into every exported folder (`auto_map`); it needs the nsa_titan package.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from nsa_titan.config import Model
+from nsa_titan.data.batch import document_ids
+from nsa_titan.models.decode import DecodeCache
+from nsa_titan.models.transformer import Transformer, rope_tables
+
+from .configuration_nsa_titan import NSATitanConfig
+
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+"""The output's cache field in this transformers version (`cache` since 5.2x, `past_key_values` before)."""
+
+
+def model_config(config: NSATitanConfig) -> Model:
+    """nsa_titan's `[model]` section of an HF config (defaults for settings it lacks)."""
+    return Model(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Model) if hasattr(config, f.name)})
+
+
+class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = NSATitanConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["TransformerBlock"]
+    _tied_weights_keys = {"model.output.weight": "model.tok_embeddings.weight"}
+
+    def __init__(self, config: NSATitanConfig):
+        super().__init__(config)
+        self.model = Transformer(model_config(config), config.max_position_embeddings)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model makes its own DecodeCache (cmp, sel and win keys per layer)
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Only what a checkpoint does not hold: the RoPE table (a buffer it does not save)."""
+        if isinstance(module, Transformer):
+            cfg = module.cfg
+            module.rope.copy_(rope_tables(cfg.head_dim, module.max_seq_len, cfg.rope_theta, module.rope.device))
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.tok_embeddings
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.output
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                cache: DecodeCache | None = None, past_key_values: DecodeCache | None = None,
+                use_cache: bool | None = None, labels: torch.LongTensor | None = None, **kwargs):
+        """Logits (B, T, vocab) of input_ids (B, T). With `use_cache` (as `generate` calls it) or a cache
+        given, the first call prefills a DecodeCache and later calls extend it by their new tokens.
+        `attention_mask` zeros (padding, left or right) are documents of their own; with the config's
+        `document_masking`, so is each end-of-text-terminated document, as in training."""
+        cache = cache if cache is not None else past_key_values
+        eos = self.config.eos_token_id if self.config.document_masking else None
+        if cache is None and use_cache:
+            cache = DecodeCache(self.model)
+        if cache is None:
+            logits = self.model(input_ids, document_ids(input_ids, attention_mask, eos))
+        else:
+            logits = cache.forward(input_ids, attention_mask, eos)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
