@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint import load_tensors, read_model_file, write_model_file
+from .checkpoint import CheckpointError, load_tensors, read_model_file, write_model_file
 from .cli import ArgumentParser, run_command
 from .config import DTYPES
 from .extras import require_hf
@@ -26,6 +26,8 @@ from .paths import config_of_checkpoint
 def export(path: Path, output: Path, dtype: str, fmt: str = "pt", max_shard_size: str = "2GB") -> int:
     """Write the model of checkpoint `path` (a step folder or a .pt export) to `output` in `dtype`, with
     its config; returns the bytes written."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder or exported .pt file")
     state = load_tensors(path) if path.is_dir() else read_model_file(path)
     config = config_of_checkpoint(path)
     toml = config.read_text() if config.is_file() else None
