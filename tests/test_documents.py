@@ -8,6 +8,7 @@ checked the same way in tests/test_nsa_triton.py.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -154,6 +155,22 @@ def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
     assert calls[0] == (cu, cu, 150, {"causal": True, "window_size": (SPEC.w - 1, 0)})
     assert rel(packed, separate) < 1e-10
     assert_grads_close(g_packed, g_separate, 1e-10, layouts)
+
+
+@pytest.mark.parametrize("q0,q1", [(0, 300), (100, 300), (40, 170)], ids=["all", "last-part", "middle-part"])
+def test_dense_baseline_flex_block_mask_equals_the_boolean_mask(q0, q1):
+    """The dense baseline's GPU path with documents, FlexAttention's block-causal document mask, gives
+    SDPA-with-a-T-x-T-mask's output (forward, on the CPU; tests/test_gpu.py checks the backward),
+    for the whole sequence and for context-parallel parts of the queries; off a GPU no mask is built."""
+    from nsa_titan.models.attention.dense import dense_causal, document_block_mask, with_block_masks
+
+    ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50, [0] * 30 + [1] * 270])
+    docs = Documents.of(ids)
+    assert with_block_masks(docs, [(q0, q1)]).block_masks == {}
+    flex = dataclasses.replace(docs, block_masks={(q0, q1): document_block_mask(docs.start, q0, q1)})
+    gen = torch.Generator().manual_seed(q0)
+    q, k, v = (torch.randn(2, n, h, 16, generator=gen) for n, h in ((q1 - q0, 6), (300, 2), (300, 2)))
+    torch.testing.assert_close(dense_causal(q, k, v, flex, q0), dense_causal(q, k, v, docs, q0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

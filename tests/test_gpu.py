@@ -112,6 +112,27 @@ def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
         assert rel(g, e) < 5e-3
 
 
+def test_dense_baseline_flex_with_documents_equals_the_boolean_mask_with_gradients():
+    """On a GPU the dense model with documents runs FlexAttention's block mask (built once a batch by
+    Transformer.documents); output and gradients equal SDPA with the T x T boolean mask."""
+    from nsa_titan.models.attention import Documents
+    from nsa_titan.models.attention.dense import dense_causal, with_block_masks
+
+    ids = torch.tensor([[0] * 1000 + [1] * 3000 + [2] * 96, [0] * 4096]).cuda()
+    plain = Documents.of(ids)
+    flex = with_block_masks(plain, [(0, 4096)])
+    assert set(flex.block_masks) == {(0, 4096)}
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 4096, h, 64, generator=gen).cuda().bfloat16() for h in (12, 2, 2)]
+    results = []
+    for docs in (flex, plain):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        out = dense_causal(*leaves, docs)
+        results.append([out, *torch.autograd.grad(out.float().square().sum(), leaves)])
+    for a, b in zip(*results):
+        assert rel(a, b) < 2e-2
+
+
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_model_step_makes_no_host_sync(docs):
     """Two M7C layers in bf16 with the kernels `auto` takes (the window through Triton with documents:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference, with_score_grad
+from .attention.dense import with_block_masks
 from .nsa_stats import gate_stats, selection_stats
 
 
@@ -352,17 +353,16 @@ class Transformer(nn.Module):
         return h + self.smear(self.tok_embeddings(prev.clamp_min(0))) * (prev >= 0)[..., None]
 
     def documents(self, document_ids: torch.Tensor) -> Documents:
-        """The document geometry of `document_ids` (B, T) for this model's attention, on the model's
-        device. Ids on the host (as the loader gives them) are measured there: the geometry then
-        carries host bounds for the fast path's chunks, and nothing waits on the device."""
+        """The document geometry of `document_ids` (B, T) on the model's device, once a batch for every layer;
+        ids on the host (the loader's) are measured there: host bounds for the chunks, no device wait."""
         attention = _unwrapped(next(iter(self.layers.values()))).attention
-        nsa = isinstance(attention, NSAAttention)
-        varlen = []  # flash-attn's varlen layouts of the query parts, computed once here, not per layer
+        nsa, T = isinstance(attention, NSAAttention), document_ids.shape[1]
+        parts = [(0, T)] if self.cp is None else self.cp.chunks(T)  # the query parts attention takes
+        varlen = []  # flash-attn's varlen layouts of the query parts
         if nsa and self.kernels is not None and self.kernels.win == "flash":
-            T = document_ids.shape[1]
-            parts = [(0, T)] if self.cp is None else self.cp.chunks(T)
             varlen = [(max(0, a - attention.spec.w + 1), a, b) for a, b in parts]
-        return Documents.of(document_ids, attention.spec if nsa else None, varlen).to(self.rope.device)
+        docs = Documents.of(document_ids, attention.spec if nsa else None, varlen).to(self.rope.device)
+        return docs if nsa else with_block_masks(docs, parts)  # dense on a GPU: FlexAttention's masks
 
     def positions(self, document_ids: torch.Tensor | None) -> tuple[Documents | None, torch.Tensor]:
         """The document geometry (None without ids) and the RoPE rows the blocks take: the table from

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,7 +79,8 @@ class Documents:
     last; cmp_start (B, Nc) long: the first key of each cmp slot (T, past every query, for an unused
     slot); first_slot (B, T) long: the slot of block 0 of token t's document; varlen: flash-attn's
     varlen layout (`varlen_boundaries`) for each range (lo, q0, hi) of keys and queries asked for,
-    computed once for every layer: sizing it takes one device-to-host sync."""
+    computed once for every layer: sizing it takes one device-to-host sync; block_masks: FlexAttention's
+    block masks of the dense baseline's query parts (q0, q1), on the device."""
 
     start: torch.Tensor
     end: torch.Tensor
@@ -86,6 +88,7 @@ class Documents:
     first_slot: torch.Tensor
     varlen: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     bounds: ChunkBounds | None = None
+    block_masks: dict[tuple[int, int], Any] = field(default_factory=dict)  # dense.with_block_masks
 
     @staticmethod
     def of(document_ids: torch.Tensor, spec: NSASpec | None = None, varlen: Sequence[tuple[int, int, int]] = ()
