@@ -29,7 +29,7 @@ from nsa_titan.generate import generate
 from nsa_titan.inference import load_model
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, launch_ranks, tb_losses, torchrun, tree_digest
+from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
 
 CORPUS = ROOT / "data" / "python_docs"
 MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_groups", "2",
@@ -377,8 +377,8 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(bad, exported, toke
 
     def run(case: tuple[list[str], str, dict]) -> tuple[list[str], str, subprocess.CompletedProcess]:
         cmd, phrase, env = case
-        return cmd, phrase, subprocess.run(cmd, cwd=bad, capture_output=True, text=True, timeout=300,
-                                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env})
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port()), **env}
+        return cmd, phrase, subprocess.run(cmd, cwd=bad, capture_output=True, text=True, timeout=300, env=env)
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(run, bad_cases(bad, exported, tokenizer_dir)))

@@ -28,6 +28,7 @@ from ..checkpoint import CheckpointError, check_fit, shapes
 from ..config import DTYPES, JobConfig, derive, load_config
 from ..data import Tokenizer, build_tokenizer
 from ..data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
+from ..inference import SINGLE_PROCESS
 from . import NSATitanConfig, NSATitanForCausalLM
 
 SOURCE_KEY = "nsa_titan_source"
@@ -49,6 +50,9 @@ def fast_tokenizer(tokenizer: Tokenizer, kind: str):
         tok = Tok.from_file(str(tokenizer.file))
     elif isinstance(tokenizer, SentencePieceTokenizer):
         proto = SentencePieceExtractor(tokenizer.path).proto
+        if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
+            raise CheckpointError("this transformers version cannot convert a sentencepiece model by itself: "
+                                  "pip install -U 'transformers>=5,<6', or export with --format pt")
         tok = SpmConverter.build_tokenizer_from_spm_proto(proto, {p.piece: i for i, p in enumerate(proto.pieces)})
         tok.add_special_tokens([AddedToken(tokenizer.sp.IdToPiece(tokenizer.eos_id), special=True, normalized=False)])
     else:  # bytes: each byte its own id (GPT-2's byte-to-character map), <eos> = 256
@@ -102,12 +106,13 @@ def export_hf(state: Mapping[str, torch.Tensor], config_toml: str | None, source
     check_output(output, source)
     partial = output.parent / f".{output.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    try:
+        partial.mkdir(parents=True)
+    except OSError as e:
+        raise CheckpointError(f"--output {output}: its folder cannot be created ({e.strerror})") from None
     try:
         (partial / TRAINING_CONFIG).write_text(config_toml)
-        cfg, _ = load_config(["--config", str(partial / TRAINING_CONFIG), "--parallelism.data_parallel_shard_degree",
-                              "-1", "--parallelism.data_parallel_replicate_degree", "1",
-                              "--parallelism.context_parallel_degree", "1"], world_size=1)
+        cfg, _ = load_config(["--config", str(partial / TRAINING_CONFIG), *SINGLE_PROCESS], world_size=1)
         if cfg.data.source != "datasets":
             raise CheckpointError(f"{source} was trained on [data] source = '{cfg.data.source}' tokens, not text: no "
                                   f"tokenizer describes its vocabulary, so a Hugging Face folder cannot express it; "
