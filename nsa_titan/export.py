@@ -3,6 +3,7 @@
 
     python -m nsa_titan.export outputs/m7c/checkpoint/step-1000 --output m7c.pt [--dtype bfloat16]
     python -m nsa_titan.export outputs/m7c/checkpoint/step-1000 --format hf --output m7c-hf [--max_shard_size 2GB]
+    python -m nsa_titan.export DENSE_CHECKPOINT --format llama --output dense-llama   # no remote code
 
 Works on one process without the training config: shapes and dtypes come from the checkpoint's
 metadata, the settings from its config.toml. `pt` writes the config beside the file (m7c.toml),
@@ -31,11 +32,11 @@ def export(path: Path, output: Path, dtype: str, fmt: str = "pt", max_shard_size
     state = load_tensors(path) if path.is_dir() else read_model_file(path)
     config = config_of_checkpoint(path)
     toml = config.read_text() if config.is_file() else None
-    if fmt == "hf":
-        require_hf("nsa_titan.export --format hf")
+    if fmt in ("hf", "llama"):
+        require_hf(f"nsa_titan.export --format {fmt}")
         from .hf.export import export_hf
 
-        return export_hf(state, toml, str(path.resolve()), output, dtype, max_shard_size)
+        return export_hf(state, toml, str(path.resolve()), output, dtype, max_shard_size, fmt)
     return write_model_file(state, output, dtype, toml)
 
 
@@ -43,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.export", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a complete step-N checkpoint folder (or a .pt export)")
-    parser.add_argument("--output", type=Path, required=True, help="the .pt file (pt) or the folder (hf) to write")
-    parser.add_argument("--format", choices=["pt", "hf"], default="pt")
+    parser.add_argument("--output", type=Path, required=True, help="the .pt file (pt) or the folder (hf, llama) to write")
+    parser.add_argument("--format", choices=["pt", "hf", "llama"], default="pt",
+                        help="pt: one torch.save file; hf: a Hugging Face folder (nsa_titan's classes, remote code); "
+                             "llama: a dense model as transformers' Llama")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--max_shard_size", default="2GB", help="hf: safetensors shards above this size (e.g. 500MB)")
     args = parser.parse_args(argv)

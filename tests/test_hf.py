@@ -152,6 +152,34 @@ def test_the_exported_tokenizer_encodes_as_the_runs_own(exported, loaded, name):
     assert (got["eos"], got["bos"]) == (tok.eos_id, tok.bos_id)
 
 
+def test_a_dense_model_exports_as_llama_without_remote_code(tokenizer_dir, tmp_path):
+    """Dense attention without smear or document masking is Llama's layout: `--format llama` writes a
+    folder transformers loads as LlamaForCausalLM, equal logits and greedy generate()."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, _ = load_config([*variant_args("dense", tokenizer_dir), "--training.document_masking", "false",
+                          "--model.rope_theta", "50000"], world_size=1)
+    cfg = derive(cfg, 1, build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size)
+    model = Transformer(cfg.model, cfg.training.seq_len)
+    model.init_weights(3)
+    write_model_file(model.state_dict(), tmp_path / "dense.pt", "float32", to_toml(cfg))
+    assert export.main([str(tmp_path / "dense.pt"), "--format", "llama", "--output", str(tmp_path / "llama"),
+                        "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["model_type"] == "llama"
+    assert not list((tmp_path / "llama").glob("*.py"))  # no remote code
+    llama = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    assert type(llama).__name__ == "LlamaForCausalLM"
+    model, tok, _ = load_model(str(tmp_path / "dense.pt"))
+    ids = torch.randint(0, tok.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(llama(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+        prompt = torch.tensor([tok.encode(PROMPT)])
+        out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)[0]
+    theirs = out[prompt.shape[1]:].tolist()
+    theirs = theirs[:-1] if theirs[-1:] == [tok.eos_id] else theirs
+    assert theirs == list(generate(model, tok, PROMPT, 12, temperature=0))
+
+
 # Training with the HF tokenizer, as the shipped configs run: 2 ranks, 2 loader workers, async saves.
 TRAIN = [*MODEL, "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--validation.enable", "false",
          "--data.num_workers", "2", "--checkpoint.enable", "true", "--checkpoint.async_mode", "async",
@@ -363,6 +391,8 @@ def bad_cases(b: Path, exported: Path, tokenizer_dir: Path) -> list[tuple[list[s
          f"already holds an export of {(exported / 'nsa.pt').resolve()}: nothing was written", {}),
         ([*ex, str(exported / "nsa.pt"), "--format", "hf", "--output", str(b / "occupied")],
          "already holds files that are not an nsa_titan export", {}),
+        ([*ex, str(exported / "nsa.pt"), "--format", "llama", "--output", str(b / "out4")],
+         "cannot be expressed as a Llama model: attention = 'nsa' (only dense is Llama's); document_masking = true", {}),
         ([*ex, str(b / "synthetic.pt"), "--format", "hf", "--output", str(b / "out2")],
          "was trained on [data] source = 'synthetic' tokens, not text", {}),
         ([*ex, str(exported / "nsa.pt"), "--format", "hf", "--output", str(b / "out3")],
@@ -389,4 +419,4 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(bad, exported, toke
         assert len(lines) == 1 and phrase in lines[0], shown
     after = {**tree_digest(bad), **tree_digest(exported)}
     assert {k: after.get(k) for k in before} == before, "a file that existed before was changed"
-    assert not any((bad / f"out{k}").exists() for k in (1, 2, 3))
+    assert not any((bad / f"out{k}").exists() for k in (1, 2, 3, 4))

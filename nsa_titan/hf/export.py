@@ -1,5 +1,6 @@
 """Export a model to a Hugging Face folder that `AutoModelForCausalLM.from_pretrained(DIR,
-trust_remote_code=True)`, `AutoTokenizer.from_pretrained(DIR)` and lm-evaluation-harness load:
+trust_remote_code=True)`, `AutoTokenizer.from_pretrained(DIR)` and lm-evaluation-harness load (or,
+`llama`, a dense model as transformers' own Llama, which needs no remote code):
 
     config.json                 model_type nsa_titan, auto_map, every [model] setting, eos/bos ids
     model.safetensors           (or model-0000k-of-0000n.safetensors and their index past max_shard_size)
@@ -98,9 +99,47 @@ def hf_config(cfg: JobConfig, tokenizer: Tokenizer, source: str):
                           **dataclasses.asdict(cfg.model))
 
 
+def llama_model(cfg: JobConfig, tokenizer: Tokenizer, source: str, state: Mapping[str, torch.Tensor]):
+    """transformers' LlamaForCausalLM holding a dense model's weights (no remote code), or a
+    CheckpointError naming what Llama cannot express."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = cfg.model
+    cannot = [why for bad, why in ((m.attention != "dense", f"attention = '{m.attention}' (only dense is Llama's)"),
+                                   (m.smear, "smear = true"),
+                                   (cfg.training.document_masking, "document_masking = true (Llama attends across "
+                                                                   "end-of-text tokens)")) if bad]
+    if cannot:
+        raise CheckpointError(f"{source} cannot be expressed as a Llama model: {'; '.join(cannot)}; export it with "
+                              f"--format hf, nsa_titan's own classes")
+    G, D = m.n_kv_groups, m.head_dim
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=state["layers.0.feed_forward.w1.weight"].shape[0],
+        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=G, head_dim=D,
+        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, max_position_embeddings=cfg.training.seq_len,
+        tie_word_embeddings=m.tie_embeddings, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
+        pad_token_id=tokenizer.eos_id, **{SOURCE_KEY: source}))
+    renamed = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"],
+               "lm_head.weight": state["output.weight"]}
+    for i in range(m.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        k, v = state[ours + "attention.wkv.weight"].view(2, G * D, -1).unbind(0)  # wkv's rows: k's, then v's
+        for name, weight in (("self_attn.q_proj", state[ours + "attention.wq.weight"]), ("self_attn.k_proj", k),
+                             ("self_attn.v_proj", v), ("self_attn.o_proj", state[ours + "attention.wo.weight"]),
+                             ("mlp.gate_proj", state[ours + "feed_forward.w1.weight"]),
+                             ("mlp.up_proj", state[ours + "feed_forward.w3.weight"]),
+                             ("mlp.down_proj", state[ours + "feed_forward.w2.weight"]),
+                             ("input_layernorm", state[ours + "attention_norm.weight"]),
+                             ("post_attention_layernorm", state[ours + "ffn_norm.weight"])):
+            renamed[f"{theirs}{name}.weight"] = weight
+    model.load_state_dict({k: v.float() for k, v in renamed.items()}, strict=True)
+    return model
+
+
 def export_hf(state: Mapping[str, torch.Tensor], config_toml: str | None, source: str, output: Path, dtype: str,
-              max_shard_size: str = "2GB") -> int:
-    """Write the Hugging Face folder of a model's full state dict and its training config; returns the bytes."""
+              max_shard_size: str = "2GB", fmt: str = "hf") -> int:
+    """Write the Hugging Face folder of a model's full state dict and its training config, as nsa_titan's
+    classes (`hf`) or, for a dense model Llama expresses, as transformers' Llama (`llama`); returns the bytes."""
     if config_toml is None:
         raise CheckpointError(f"{source} has no config.toml beside it: the export needs the training config")
     check_output(output, source)
@@ -126,7 +165,10 @@ def export_hf(state: Mapping[str, torch.Tensor], config_toml: str | None, source
                                   f"trained with; export with that run's config")
         model = NSATitanForCausalLM(hf_config(cfg, tokenizer, source))
         check_fit(f"checkpoint {source}", shapes(state), shapes(model.model.state_dict()))
-        model.model.load_state_dict({k: v.float() for k, v in state.items()})
+        if fmt == "llama":
+            model = llama_model(cfg, tokenizer, source, state)
+        else:
+            model.model.load_state_dict({k: v.float() for k, v in state.items()})
         hf_logging.disable_progress_bar()
         model.to(DTYPES[dtype]).save_pretrained(partial, max_shard_size=max_shard_size)
         fast_tokenizer(tokenizer, cfg.data.tokenizer).save_pretrained(partial)
