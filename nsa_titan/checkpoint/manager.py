@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..config import Checkpoint as CheckpointConfig
+from ..extras import require_hf
 from ..parallel import side_group
 from .errors import CheckpointError
 from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan
-from .integrity import HashingWriter, verify_files
-from ..extras import require_hf
 from .hf_folder import check_settings, is_hf_folder, read_hf_folder
+from .integrity import HashingWriter, verify_files
 from .model_file import check_fit, read_model_file, saved_shapes, shapes, write_model_file
 from .states import ModelState, Opaque, OptimizerState, RNGState, TrainState
 
