@@ -30,6 +30,7 @@ from ..config import DTYPES, JobConfig, derive, load_config
 from ..data import Tokenizer, build_tokenizer
 from ..data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
 from ..inference import SINGLE_PROCESS
+from ..models.transformer import Transformer
 from . import NSATitanConfig, NSATitanForCausalLM
 
 SOURCE_KEY = "nsa_titan_source"
@@ -163,11 +164,12 @@ def export_hf(state: Mapping[str, torch.Tensor], config_toml: str | None, source
             raise CheckpointError(f"the tokenizer ({cfg.data.tokenizer_path}) has {tokenizer.vocab_size} tokens, more "
                                   f"than the model's vocabulary of {vocab}: it is not the tokenizer this model was "
                                   f"trained with; export with that run's config")
-        model = NSATitanForCausalLM(hf_config(cfg, tokenizer, source))
-        check_fit(f"checkpoint {source}", shapes(state), shapes(model.model.state_dict()))
+        with torch.device("meta"):  # shapes only: no weights drawn for a check
+            check_fit(f"checkpoint {source}", shapes(state), shapes(Transformer(cfg.model, 1).state_dict()))
         if fmt == "llama":
             model = llama_model(cfg, tokenizer, source, state)
         else:
+            model = NSATitanForCausalLM(hf_config(cfg, tokenizer, source))
             model.model.load_state_dict({k: v.float() for k, v in state.items()})
         hf_logging.disable_progress_bar()
         model.to(DTYPES[dtype]).save_pretrained(partial, max_shard_size=max_shard_size)
