@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -80,3 +81,15 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
     except BAD_INPUT as e:
         report(bad_input_line(prog, e))
         return EXIT_BAD_INPUT
+
+
+def setup_logging() -> None:
+    """Log lines as `[rankR] time LEVEL message` on stdout: INFO on rank 0, warnings and errors on the others."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )

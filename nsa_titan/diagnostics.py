@@ -129,3 +129,13 @@ class _Profile(AbstractContextManager):
             torch.cuda.memory._dump_snapshot(str(path))
             torch.cuda.memory._record_memory_history(enabled=None)
             logger.info("memory snapshot after step %d: %s", self.step, path)
+
+
+def report_missing_grads(model: nn.Module) -> None:
+    """The missing-params report after the first backward ([debug] report_missing_grads)."""
+    names = missing_grads(model)
+    if names:
+        logger.warning("missing-params report: %d parameters got no gradient in the first backward: %s",
+                       len(names), ", ".join(names))
+    else:
+        logger.info("missing-params report: none; every parameter got a gradient in the first backward")

@@ -3,6 +3,8 @@ levels of libraries it quiets. Nothing here runs at import; each entry point cal
 
 Set by the launcher (`nsa_titan.launch`) for its ranks:
   NSA_TITAN_LAUNCHER=1                 ranks leave their one-line errors to the launcher (cli.report)
+  NSA_TITAN_JOB                        the job that holds the output folder (ownership.py), shared by
+                                       the ranks and their restarts
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each restart attempt gets its own store: on a shared one,
                                        restarted ranks read stale addresses and hang (pytorch#135712)
   MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_
@@ -27,6 +29,8 @@ import torch
 
 LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
 """Set by the launcher for its ranks: they leave their bad-input line to it (no duplicate lines)."""
+JOB_KEY = "NSA_TITAN_JOB"
+"""Set by the launcher for its ranks: the key of the job that holds the output folder for them."""
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(16 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
                  "MALLOC_TOP_PAD_": str(2**30)}
 """glibc malloc for CPU training. By default glibc serves each block above its mmap threshold (128
@@ -65,10 +69,12 @@ def allocator_setup() -> str:
     return "glibc malloc, " + " ".join(f"{k}={v}" for k, v in tuned.items())
 
 
-def set_launcher_env() -> None:
-    """The launcher's variables for its ranks, and torchrun's failure report silenced (it repeats what
-    the ranks said; the launcher prints one line)."""
+def set_launcher_env(job: str | None) -> None:
+    """The launcher's variables for its ranks (`job`: the key of the job holding the output folder), and
+    torchrun's failure report silenced (it repeats what the ranks said; the launcher prints one line)."""
     os.environ[LAUNCHED_BY] = "1"
+    if job is not None:
+        os.environ[JOB_KEY] = job
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.update(malloc_tuning())
     for name in ("torch.distributed.elastic", "torch.distributed.run"):  # also its OMP_NUM_THREADS = 1 banner
@@ -90,6 +96,19 @@ def set_deterministic() -> None:
     """Deterministic algorithms everywhere (slower); cuBLAS needs its workspace setting for that."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+def own_streaming_retries() -> None:
+    """`datasets` retries a failed remote read itself (20 times, 5 s apart, warning each time); nsa_titan's
+    own retries (`data/retry.py`: a budget from the config, exact position) replace them. Set in the
+    process that opens a remote source, before its loader workers fork."""
+    import datasets.config
+
+    datasets.config.STREAMING_READ_MAX_RETRIES = datasets.config.STREAMING_OPEN_MAX_RETRIES = 1
+    for name in ("STREAMING_READ_RETRY_INTERVAL", "STREAMING_OPEN_RETRY_INTERVAL",
+                 "STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL", "STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL"):
+        setattr(datasets.config, name, 0)
+    logging.getLogger("datasets.utils.file_utils").setLevel(logging.ERROR)  # its "Retrying in 0sec" lines
 
 
 def quiet_libraries() -> None:

@@ -14,14 +14,35 @@ tokenizer (see nsa_titan/hf/export.py). Either starts a run with `--checkpoint.i
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .checkpoint import CheckpointError, load_tensors, read_model_file, write_model_file
 from .cli import ArgumentParser, run_command
 from .config import DTYPES
+from .config import Checkpoint as CheckpointConfig
 from .extras import require_hf
 from .paths import config_of_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def write_export(state: Mapping[str, torch.Tensor], toml: str | None, source: str, output: Path, dtype: str,
+                 fmt: str = "pt", max_shard_size: str = "2GB") -> int:
+    """Write a full model state dict (from `source`, named in the export) to `output` in `dtype` and format
+    `fmt`, with its training config `toml`; returns the bytes written."""
+    if fmt in ("hf", "llama"):
+        require_hf(f"nsa_titan.export --format {fmt}")
+        from .hf.export import export_hf
+
+        return export_hf(state, toml, source, output, dtype, max_shard_size, fmt)
+    return write_model_file(state, output, dtype, toml)
 
 
 def export(path: Path, output: Path, dtype: str, fmt: str = "pt", max_shard_size: str = "2GB") -> int:
@@ -31,13 +52,23 @@ def export(path: Path, output: Path, dtype: str, fmt: str = "pt", max_shard_size
         raise CheckpointError(f"{path}: no such checkpoint folder or exported .pt file")
     state = load_tensors(path) if path.is_dir() else read_model_file(path)
     config = config_of_checkpoint(path)
-    toml = config.read_text() if config.is_file() else None
-    if fmt in ("hf", "llama"):
-        require_hf(f"nsa_titan.export --format {fmt}")
-        from .hf.export import export_hf
+    return write_export(state, config.read_text() if config.is_file() else None, str(path.resolve()), output, dtype,
+                        fmt, max_shard_size)
 
-        return export_hf(state, toml, str(path.resolve()), output, dtype, max_shard_size, fmt)
-    return write_model_file(state, output, dtype, toml)
+
+def export_trained(model: torch.nn.Module, cfg: CheckpointConfig, folder: Path, step: int, config_toml: str
+                   ) -> Path | None:
+    """The end of a run (`[checkpoint] export_at_end`): the full model gathered on rank 0 (a collective)
+    and written there in `export_dtype` with its config, as `model-step-N.pt` or the Hugging Face folder
+    `model-step-N-hf/` (`export_format`). Returns the path on rank 0."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    path = folder / (f"model-step-{step}-hf" if cfg.export_format == "hf" else f"model-step-{step}.pt")
+    size = write_export(state, config_toml, str((folder / f"step-{step}").resolve()), path, cfg.export_dtype,
+                        cfg.export_format)
+    logger.info("exported the model (%s) to %s: %.1f MB", cfg.export_dtype, path, size / 1e6)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,14 +3,17 @@
     python -m nsa_titan.launch [torchrun options] -m nsa_titan.train [trainer options]
 
 `run_train.sh` execs this. It runs torchrun's own launcher in this process (rendezvous, worker
-processes, `--max-restarts`) and adds three things:
+processes, `--max-restarts`) and adds four things:
 
 - **Stop signals.** SIGTERM, SIGUSR1 and SIGINT are passed on to every local rank, which finishes
   its step, saves a checkpoint and exits 0 (`nsa_titan/stop.py`); torchrun keeps SIGHUP and
   SIGQUIT (hard stop). A second SIGINT kills the ranks at once. Ranks that have not exited
   `SHUTDOWN_TIMEOUT` seconds after the signal are killed.
 - **Exit codes.** The exit code is the first failed rank's: 2 bad input, 3 halted on a non-finite
-  step, 124 a detected hang, 128 + N a rank killed by signal N; 0 when every rank exited 0.
+  step, 4 the last save failed, 75 data unreadable through its retries (saved), 124 a detected hang, 128 + N a rank killed by signal N; 0 when every rank exited 0.
+- **One run per folder.** The job takes `[job] dump_folder` before any rank starts, and holds it
+  across torchrun's restarts (`nsa_titan/ownership.py`); a folder held by another live run is
+  refused with exit code 2, nothing written.
 - **Errors.** A config or folder problem is found here, before any rank starts. A rank that stops
   on bad input writes its one-line message to torchrun's error file; this prints that line once,
   without torchrun's failure report.
@@ -19,6 +22,7 @@ processes, `--max-restarts`) and adds three things:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import signal
@@ -36,10 +40,13 @@ from .config import load_config
 from .env import set_launcher_env
 from .config import parse_args as parse_config
 from .fault import EXIT_HANG
+from .ownership import FolderOwner, job_key
 from .paths import RunPaths
 from .stop import EXIT_ABORTED, STOP_SIGNALS
-from .train import EXIT_HALTED
+from .train import EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED
 
+VERDICTS = (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY)
+"""Exit codes of a rank that stopped on a verdict of its own, explained by its one line."""
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 """The signals left to torchrun (it forwards them and raises); the stop signals are ours."""
 
@@ -114,13 +121,20 @@ def _say(line: str) -> None:
     print(f"nsa_titan: {line}", file=sys.stderr, flush=True)
 
 
-def preflight(trainer_args: list[str], world_size: int | None) -> None:
-    """Config and output folders, checked before any rank starts (raises a bad-input error)."""
+def preflight(trainer_args: list[str], world_size: int | None, job: str) -> FolderOwner:
+    """Config and output folders, checked before any rank starts (raises a bad-input error); the output
+    folder taken for `job` (refused, with nothing written, if another run holds it)."""
     cfg = load_config(trainer_args, world_size)[0] if world_size else parse_config(trainer_args)[0]
     paths = RunPaths.of(cfg)
-    make_folder(paths.root, "[job] dump_folder")
-    if cfg.checkpoint.enable:
-        make_folder(paths.checkpoints, "[checkpoint] folder")
+    owner = FolderOwner.claim(paths.root, cfg.job.owner_heartbeat_seconds, cfg.job.owner_stale_seconds, job)
+    try:
+        make_folder(paths.root, "[job] dump_folder")
+        if cfg.checkpoint.enable:
+            make_folder(paths.checkpoints, "[checkpoint] folder")
+    except BaseException:
+        owner.release()
+        raise
+    return owner
 
 
 def _world_size(nnodes: str, nproc: str) -> int | None:
@@ -144,10 +158,10 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
 
     def priority(item: tuple[int, Any]) -> tuple[int, int]:
         f = item[1]
-        return (0 if code(f) in (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_HANG) else 1 if message(f) else 2), f.timestamp
+        return (0 if code(f) in (*VERDICTS, EXIT_HANG) else 1 if message(f) else 2), f.timestamp
 
     def line(rank: int, failure: Any) -> str:
-        if code(failure) in (EXIT_BAD_INPUT, EXIT_HALTED) and message(failure):
+        if code(failure) in VERDICTS and message(failure):
             return message(failure)  # the rank's own one-line explanation
         detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
         return f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
@@ -155,7 +169,7 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
     (cause_rank, cause), *rest = sorted(e.failures.items(), key=priority)
     # After the cause, the ranks that failed with or because of it; not those that reached a verdict of their
     # own (a halt, bad input), which would only repeat the cause's line.
-    rest = [(r, f) for r, f in rest if not re.match(r"nsa_titan: (halted|\w+ error):", message(f))]
+    rest = [(r, f) for r, f in rest if not re.match(r"nsa_titan: (halted|\w+ error|data unavailable):", message(f))]
     return [(code(f), line(r, f)) for r, f in [(cause_rank, cause), *rest]]
 
 
@@ -170,16 +184,32 @@ def parse_launcher_args(argv: list[str] | None) -> Any:
     return args
 
 
+def _show_owner_lines() -> None:
+    """The folder owner's lines (taken over, taken back, lost) on the launcher's stderr, as its own."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("nsa_titan: %(message)s"))
+    log = logging.getLogger("nsa_titan.ownership")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
+    _show_owner_lines()
     args = parse_launcher_args(argv)
     args.signals_to_handle = TORCHRUN_SIGNALS
     return run_command("nsa_titan", lambda: _launch(args))
 
 
 def _launch(args: Any) -> int:
+    owner = None
     if args.module and args.training_script == "nsa_titan.train":
-        preflight(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)))
-    set_launcher_env()
+        # The job as its ranks, their restarts and the other nodes' launchers know it (not this process
+        # alone when several nodes or a Slurm requeue share the folder).
+        job = job_key(None if args.standalone else f"{args.rdzv_id}@{args.rdzv_endpoint}")
+        owner = preflight(list(args.training_script_args), _world_size(str(args.nnodes), str(args.nproc_per_node)),
+                          job)
+    set_launcher_env(owner.record.job if owner else None)
     forwarder = StopForwarder(float(args.shutdown_timeout))
     started = time.monotonic()
     try:
@@ -189,13 +219,15 @@ def _launch(args: Any) -> int:
         return EXIT_ABORTED
     except ChildFailedError as e:
         (code, line), *after = failures(e)
-        print(line if code in (EXIT_BAD_INPUT, EXIT_HALTED) else f"{line} ({time.monotonic() - started:.0f} s after "
+        print(line if code in VERDICTS else f"{line} ({time.monotonic() - started:.0f} s after "
               f"the start)", file=sys.stderr, flush=True)
         for _, consequence in after:  # the ranks stopped by that failure, or failing in a collective with it
             print(f"{consequence} (after the failure above)", file=sys.stderr, flush=True)
         return code
     finally:
         forwarder.close()
+        if owner is not None:
+            owner.release()
     return 0
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .config import Metrics
+from . import hostcpu
+from .config import DTYPES, JobConfig, Metrics
+from .env import allocator_setup
 
 logger = logging.getLogger(__name__)
 
@@ -182,3 +184,27 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def log_setup(cfg: JobConfig, vocab: int, device: torch.device, output: Path) -> None:
+    """The startup lines: what the run reads (`vocab`: the tokenizer's) and where it writes (`output`)."""
+    d, ck = cfg.data, cfg.checkpoint
+    if cfg.job.description:
+        logger.info("job: %s", cfg.job.description)
+    r = cfg.recall
+    recall = (f"recall drill (seed {d.seed}, rows of {r.pairs} single-token pairs)" if r.drill else
+              f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and {r.value_tokens}-token "
+              f"values, each asked {r.asks}x, {r.distance_scale} distances {r.min_distance}..{r.max_distance or 'max'})")
+    source = {"synthetic": f"synthetic tokens (seed {d.seed})", "recall": recall,
+              }.get(d.source, f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
+    logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
+                source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
+                vocab, cfg.model.vocab_size, d.num_workers)
+    logger.info("host allocator: %s", allocator_setup())
+    if device.type == "cpu":
+        logger.info("host CPU: %s", hostcpu.describe())
+    if why := hostcpu.bf16_warning(device, DTYPES[cfg.training.mixed_precision_param]):
+        logger.warning(why)
+    logger.info("output: %s | checkpoints %s", output.resolve(),
+                f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
+                else "off ([checkpoint] enable = false)")

@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import LRScheduler, Optimizer
@@ -43,3 +44,18 @@ def lr_factor(step: int, total_steps: int, s: LRScheduler) -> float:
 def build_lr_scheduler(opt: torch.optim.Optimizer, total_steps: int, s: LRScheduler) -> LambdaLR:
     """LambdaLR stepped once per optimizer step; its k-th value is for step k + 1."""
     return LambdaLR(opt, lambda k: lr_factor(k + 1, total_steps, s))
+
+
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all (sharded) parameters; clips to max_norm when > 0.
+
+    With DTensor gradients the per-shard norms are reduced across the mesh, so every rank
+    gets the norm of the full gradient. No host sync.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

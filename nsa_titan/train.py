@@ -5,7 +5,8 @@ meta -> AC/compile/FSDP -> materialise + init -> optimizer, schedule, data -> re
 (accumulate, clip, check, step, log, heartbeat, save, stop on a signal) -> a summary line.
 
 Exit codes: 0 done or stopped by a signal (after saving), 2 bad input, 3 halted on a non-finite
-step, 124 a hang found by the watchdog, 130 a second Ctrl-C, 1 a crash.
+step, 4 the run's last save failed, 75 the data source stayed unreadable (saved: resume to go on),
+124 a hang found by the watchdog, 130 a second Ctrl-C, 1 a crash.
 """
 
 from __future__ import annotations
@@ -16,63 +17,42 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from . import hostcpu
 from .checkpoint import CheckpointManager, TrainState
-from .cli import BAD_INPUT, make_folder, note_failure, report, run_command
-from .config import DTYPES, JobConfig, Model, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
-from .data import DataError, Sample, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
+from .cli import BAD_INPUT, make_folder, note_failure, report, run_command, setup_logging
+from .env import LAUNCHED_BY
+from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
+from .data import DataError, DataUnavailable, Sample, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
 from .debug_hooks import install_debug_hooks
-from .diagnostics import dtype_report, first_nonfinite_grad, missing_grads, nsa_stats, step_profiler
-from .env import allocator_setup, set_deterministic
+from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
+from .env import set_deterministic
+from .export import export_trained
+from .extras import require_hf
+from .ownership import FolderOwner
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
-from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, peak_flops, peak_memory_gib
-from .models.attention import Kernels, choose_kernels, set_explore_step
+from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib
+from .models.attention import choose_kernels, describe_attention, set_explore_step
 from .models.transformer import Transformer, nsa_spec
-from .optim import build_lr_scheduler, build_optimizer
+from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
 from .stop import StopRequest
 
 logger = logging.getLogger("nsa_titan")
 
-EXIT_HALTED = 3
-"""Exit code of a run halted by a non-finite loss or gradient."""
+EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY = 3, 4, 75
+"""Exit codes: halted by a non-finite step; the run's last save failed (its summary names the last checkpoint
+it committed); stopped, after saving, by data unreadable through its retries (EX_TEMPFAIL: resume it)."""
 
 
 class TrainingHalted(RuntimeError):
     """Training stopped on purpose (a non-finite step), with the report in the message."""
-
-
-def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all (sharded) parameters; clips to max_norm when > 0.
-
-    With DTensor gradients the per-shard norms are reduced across the mesh, so every rank
-    gets the norm of the full gradient. No host sync.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
-
-
-def _attention_line(m: Model, kernels: Kernels | None) -> str:
-    """The attention that runs, with the kernel of each branch (the startup log)."""
-    if m.attention == "dense":
-        return "dense attention (causal SDPA)"
-    branch = f", only the {m.nsa_branch} branch" if m.nsa_branch != "all" else ""
-    if kernels is None:
-        return f"NSA attention (reference: dense masks for every branch{branch})"
-    return f"NSA attention (fast: {kernels.describe()}{branch})"
 
 
 class Trainer:
@@ -83,7 +63,12 @@ class Trainer:
         handlers (main() installs them first); None makes one, owned here."""
         t, m = cfg.training, cfg.model
         self.cfg, self.paths = cfg, RunPaths.of(cfg)
+        # The folder is this run's before anything is written (under the launcher, the launcher holds it).
+        self.owner = None if os.environ.get(LAUNCHED_BY) else FolderOwner.claim(
+            self.paths.root, cfg.job.owner_heartbeat_seconds, cfg.job.owner_stale_seconds)
         make_folder(self.paths.root, "[job] dump_folder")
+        if cfg.checkpoint.export_at_end and cfg.checkpoint.export_format == "hf":  # found out now, not at the end
+            require_hf("[checkpoint] export_format = 'hf' (set 'pt' to do without)")
         self.owns_stop, self.stop = stop is None, stop or StopRequest()
         self.started = time.monotonic()
         self.stopped_by: str | None = None  # the stop signal that ended the run early
@@ -91,6 +76,7 @@ class Trainer:
         self.history: list[StepStats] = []
         self.last_batch: tuple | None = None  # the NSA statistics' forward: inputs, labels, document ids (or None)
         self.skips_in_a_row = self.skips_total = 0
+        self.loader_at_step_start: dict | None = None  # the loader's position before this step's batches
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
         rank = int(os.environ.get("RANK", "0"))
@@ -110,7 +96,7 @@ class Trainer:
             # The tokenizer fixes the vocabulary unless the config sets a (large enough) one.
             self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
             self.cfg = cfg = derive(cfg, self.world_size, self.tokenizer.vocab_size)
-            self._log_setup()
+            log_setup(cfg, self.tokenizer.vocab_size, self.device, self.paths.root)
 
             # Model: built on meta, wrapped, then materialised and initialised.
             cp = cfg.parallelism.context_parallel_degree
@@ -128,7 +114,7 @@ class Trainer:
             self.params = [p for p in model.parameters() if p.requires_grad]
             flops = model.flops_per_token(t.seq_len)
             logger.info("model: %s, %.2fM parameters, %.3f GFLOP per token",
-                        _attention_line(m, kernels), sum(p.numel() for p in self.params) / 1e6, flops / 1e9)
+                        describe_attention(m, kernels), sum(p.numel() for p in self.params) / 1e6, flops / 1e9)
 
             self.optimizer = build_optimizer(model, cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
@@ -167,34 +153,13 @@ class Trainer:
                         f", each sequence split across {cp} context-parallel ranks" if cp > 1 else "")
         except BaseException:
             self.watchdog.stop()
+            if self.owner is not None:
+                self.owner.release()
             if hasattr(self, "dataloader"):  # a checkpoint load starts its workers: they would hold the exit
                 shutdown_workers(self.dataloader)
             if self.owns_stop:
                 self.stop.close()
             raise
-
-    def _log_setup(self) -> None:
-        """What the run reads and where it writes."""
-        cfg, d, ck = self.cfg, self.cfg.data, self.cfg.checkpoint
-        if cfg.job.description:
-            logger.info("job: %s", cfg.job.description)
-        r = cfg.recall
-        recall = (f"recall drill (seed {d.seed}, rows of {r.pairs} single-token pairs)" if r.drill else
-                  f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and {r.value_tokens}-token "
-                  f"values, each asked {r.asks}x, {r.distance_scale} distances {r.min_distance}..{r.max_distance or 'max'})")
-        source = {"synthetic": f"synthetic tokens (seed {d.seed})", "recall": recall,
-                  }.get(d.source, f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
-        logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
-                    source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
-                    self.tokenizer.vocab_size, cfg.model.vocab_size, d.num_workers)
-        logger.info("host allocator: %s", allocator_setup())
-        if self.device.type == "cpu":
-            logger.info("host CPU: %s", hostcpu.describe())
-        if why := hostcpu.bf16_warning(self.device, DTYPES[cfg.training.mixed_precision_param]):
-            logger.warning(why)
-        logger.info("output: %s | checkpoints %s", self.paths.root.resolve(),
-                    f"in {ck.folder}/ every {ck.interval} steps and at the end ({ck.async_mode})" if ck.enable
-                    else "off ([checkpoint] enable = false)")
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None
                          ) -> torch.Tensor:
@@ -221,6 +186,23 @@ class Trainer:
         self.last_batch = inputs.to(self.device), labels.to(self.device), self.documents(document_ids)
         return self.last_batch
 
+    def step_batches(self, batches: Iterator[Sample]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """This step's micro-batches, all fetched before any compute. A file source's reading is agreed by every
+        rank first (one small all-reduce): a source that stayed unreadable on any rank is DataUnavailable on
+        all, before the step changes anything, with the loader's position before the step kept for the save."""
+        if self.cfg.data.source != "datasets":
+            return [self.next_batch(batches) for _ in range(self.grad_accum_steps)]
+        self.loader_at_step_start = self.dataloader.state_dict()
+        try:
+            micro, failure = [self.next_batch(batches) for _ in range(self.grad_accum_steps)], None
+        except DataUnavailable as e:
+            micro, failure = [], e.reason
+        failed = torch.tensor([failure is not None], device=self.device, dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise DataUnavailable(failure or "another rank's data source stayed unreadable (its line says why)")
+        return micro
+
     def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
         """The batch's document ids (on the host, where the model measures them) when `[training]
         document_masking` is on, else None."""
@@ -234,9 +216,9 @@ class Trainer:
         """
         self.optimizer.zero_grad(set_to_none=True)
         set_explore_step(self.model, self.state.step)  # `sel_score_explore` draws other blocks each step
-        losses = [self.forward_backward(*self.next_batch(batches)) for _ in range(self.grad_accum_steps)]
+        losses = [self.forward_backward(*batch) for batch in self.step_batches(batches)]
         if self.state.step == self.first_step and self.cfg.debug.report_missing_grads:
-            self.report_missing_grads()
+            report_missing_grads(self.model)
         for p in self.params:  # unused (a branch switched off): a 0 gradient keeps its optimizer state, which
             if p.grad is None:  # a checkpoint needs to load into a fresh optimizer (DCP initialises every state)
                 p.grad = torch.zeros_like(p)
@@ -250,14 +232,6 @@ class Trainer:
             self.on_nonfinite(loss_value, norm_value)
         self.lr_scheduler.step()
         return loss, loss_value, norm_value
-
-    def report_missing_grads(self) -> None:
-        names = missing_grads(self.model)
-        if names:
-            logger.warning("missing-params report: %d parameters got no gradient in the first backward: %s",
-                           len(names), ", ".join(names))
-        else:
-            logger.info("missing-params report: none; every parameter got a gradient in the first backward")
 
     def on_nonfinite(self, loss_value: float, norm_value: float) -> None:
         """`halt`: stop with a report (saving nothing); `skip`: drop this update, count it."""
@@ -284,13 +258,19 @@ class Trainer:
         loader = build_validation_dataloader(self.cfg.data, v, self.tokenizer, t.seq_len, t.local_batch_size,
                                              self.dp_rank, self.dp_world_size)
         self.model.eval()
-        total = torch.zeros(2, device=self.device)  # loss sum, batch count
-        for _, (inputs, labels, document_ids) in zip(range(v.steps), loader):
-            logits = self.model(inputs.to(self.device), self.documents(document_ids))
-            total[0] += self.loss(logits, labels.to(self.device))
-            total[1] += 1
+        total = torch.zeros(3, device=self.device)  # loss sum, batch count, ranks whose source stayed unreadable
+        failure = None
+        try:
+            for _, (inputs, labels, document_ids) in zip(range(v.steps), loader):
+                logits = self.model(inputs.to(self.device), self.documents(document_ids))
+                total[0] += self.loss(logits, labels.to(self.device))
+                total[1] += 1
+        except DataUnavailable as e:  # the others still reduce: tell them
+            total[2], failure = 1, e.reason
         self.model.train()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        if total[2] > 0:
+            raise DataUnavailable(failure or "another rank's validation source stayed unreadable (its line says why)")
         if total[1] == 0:
             held = f"[data] holdout = {self.cfg.data.holdout} of" if self.cfg.data.holdout else f"[validation] split '{v.split}' of"
             raise DataError(f"{held} '{v.path or self.cfg.data.path}' gave no batch of seq_len {t.seq_len} on some "
@@ -325,9 +305,13 @@ class Trainer:
             self.throughput.step_started()
             self.watchdog.beat(step, "the training step", first_step_done=step > self.first_step)
             lr = self.lr_scheduler.get_last_lr()[0]
-            with step_profiler(step, d.profile_step, d.memory_snapshot_step, self.paths.profile, self.rank,
-                               self.device):
-                loss, loss_value, norm_value = self.train_step(batches)
+            try:
+                with step_profiler(step, d.profile_step, d.memory_snapshot_step, self.paths.profile, self.rank,
+                                   self.device):
+                    loss, loss_value, norm_value = self.train_step(batches)
+            except DataUnavailable as e:  # the step did not run: save the one before, with the data position then
+                self.state.step -= 1
+                self.stop_for_data(e, self.loader_at_step_start)
             self.state.tokens_seen += t.global_batch_size * t.seq_len
             if step == self.first_step:
                 set_collective_timeout(self.cfg.fault.collective_timeout_seconds)
@@ -345,7 +329,10 @@ class Trainer:
             stopping = self.stop.agreed(self.device)  # a stop signal on any rank, agreed by all
             if v.enable and (step % v.freq == 0 or last) and not stopping:  # stopping: save first, quickly
                 with self.throughput.paused():
-                    loss_v, batches_v = self.validate()
+                    try:
+                        loss_v, batches_v = self.validate()
+                    except DataUnavailable as e:
+                        self.stop_for_data(e, None)
                     self.metrics.log_validation(step, loss_v, batches_v)
                     self.last_validation = (step, loss_v)
             if step % self.cfg.metrics.log_freq == 0 or step == 1 or last or stopping:
@@ -360,10 +347,20 @@ class Trainer:
                 break
         self.stop.finish_vote()
         if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:
-            self.checkpointer.export(self.state.step)
+            export_trained(self.model, self.cfg.checkpoint, self.paths.checkpoints, self.state.step,
+                           self.checkpointer.config_toml)
         if self.skips_total:
             logger.warning("%d non-finite step(s) were skipped in this run", self.skips_total)
         return self.history
+
+    def stop_for_data(self, error: DataUnavailable, loader_state: dict | None) -> NoReturn:
+        """A data source stayed unreadable on some rank (every rank is here): save this step, with the data
+        position `loader_state` (None: the loader's own), unless it is saved already; then stop (EXIT_RETRY)."""
+        self.stop.finish_vote()
+        saved = self.checkpointer.save_now(self.state.step, loader_state)
+        where = f"checkpoint {saved}" if saved else "no checkpoint (nothing trained yet, or the save failed)"
+        raise DataUnavailable(f"{error.reason}. Stopped after step {self.state.step} with {where}; the same command "
+                              f"resumes exactly (exit code {EXIT_RETRY}: retry later)")
 
     def summary(self) -> str:
         """The run in one line: steps, wall time, final losses, the last checkpoint."""
@@ -375,16 +372,22 @@ class Trainer:
             parts.append(f"loss {last.loss:.4f}")
         if self.last_validation is not None:
             parts.append(f"validation loss {self.last_validation[1]:.4f} (step {self.last_validation[0]})")
-        latest = self.checkpointer.latest()
-        parts.append(f"last checkpoint {latest}" if latest else "no checkpoint saved")
+        saved, failure = self.checkpointer.last_saved, self.checkpointer.failure
+        resumed = f" (it resumed from {self.checkpointer.resumed_from})" if self.checkpointer.resumed_from else ""
+        parts.append(f"last checkpoint {saved}" if saved else f"no checkpoint saved by this run{resumed}")
+        if failure is not None:
+            parts.append(f"the save of step {failure[0]} FAILED")
+        return " | ".join(parts)
         return " | ".join(parts)
 
     def close(self) -> None:
-        """Finish what is in flight (an async save), then release threads, files and groups."""
+        """Finish what is in flight (an async save), then release threads, files, groups and the folder."""
         try:
             self.checkpointer.close()
         finally:
             self.watchdog.stop()
+            if self.owner is not None:
+                self.owner.release()
             self.metrics.close()
             if self.heartbeat is not None:
                 self.heartbeat.close()
@@ -393,17 +396,6 @@ class Trainer:
                 self.stop.close()
             if self.owns_process_group:
                 dist.destroy_process_group()
-
-
-def setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stdout,
-        force=True,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,9 +417,16 @@ def _run(argv: list[str] | None) -> int:
         try:
             trainer.train()
         finally:
-            trainer.close()  # an async save still in flight is finished here, and its failure reported
+            trainer.close()  # an async save still in flight is finished here, and its failure known
         logger.info(trainer.summary())
+        if trainer.checkpointer.failure is not None:
+            report(f"nsa_titan: save error: the run's last save, of step {trainer.checkpointer.failure[0]}, failed "
+                   f"(the error line above says why); exit code {EXIT_SAVE_FAILED}")
+            return EXIT_SAVE_FAILED
         return 0
+    except DataUnavailable as e:
+        report(f"nsa_titan: data unavailable: {e.reason}")
+        return EXIT_RETRY
     except TrainingHalted as e:
         report(f"nsa_titan: halted: {e}")
         return EXIT_HALTED

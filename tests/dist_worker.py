@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from nsa_titan.config import load_config
 from nsa_titan.diagnostics import clean_name, missing_grads
 from nsa_titan.parallel import device_for_rank, init_distributed
-from nsa_titan.train import Trainer, setup_logging
+from nsa_titan.cli import setup_logging
+from nsa_titan.train import Trainer
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()

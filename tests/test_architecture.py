@@ -87,6 +87,30 @@ def test_environment_variables_are_set_in_env_py_only():
     assert any(_writes_environ(n) for n in ast.walk(ast.parse((PACKAGE / "env.py").read_text())))
 
 
+def _imports(path: Path) -> set[str]:
+    """The nsa_titan modules `path` imports, at module level or inside a function, as dotted names."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            base = package.rsplit(".", n.level - 1)[0] if n.level else ""
+            module = ".".join(x for x in (base, n.module) if x) if n.level else n.module or ""
+            found |= {module} | {f"{module}.{a.name}" for a in n.names}
+        elif isinstance(n, ast.Import):
+            found |= {a.name for a in n.names}
+    return found
+
+
+def test_the_checkpoint_package_imports_no_higher_layer():
+    """checkpoint/ is below the trainer and the Hugging Face exporter: it never imports nsa_titan.hf (the
+    end-of-run export is the trainer's), nor the trainer, nor the export command."""
+    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
+        higher = {m for m in _imports(path) if m.split(".")[:2] in (["nsa_titan", "hf"], ["nsa_titan", "train"],
+                                                                     ["nsa_titan", "export"], ["nsa_titan", "extras"])}
+        assert not higher, f"{path.relative_to(ROOT)} imports {sorted(higher)}"
+    assert "nsa_titan.hf" in {m[:12] for m in _imports(PACKAGE / "export.py")}  # the check sees lazy imports
+
+
 def test_production_classes_know_nothing_of_fault_injection():
     for path in [PACKAGE / "train.py", PACKAGE / "fault.py", *(PACKAGE / "checkpoint").glob("*.py")]:
         text = path.read_text()

@@ -241,7 +241,7 @@ def write_bad_inputs(tmp_path):
 
 
 BAD_DATA = [
-    (["--data.path", "{tmp}/missing"], "no such file or folder, and not a hub id"),
+    (["--data.path", "{tmp}/missing"], "no such file or folder, not a URL and not a hub id"),
     (["--data.path", "{tmp}/empty"], "the dataset is empty"),
     (["--data.path", "{tmp}/nocol"], "text_column = 'text' is not a column of .*its columns are \\['content'\\]"),
     (["--data.path", "{tmp}/nodata"], "no parquet, jsonl or txt files"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor

@@ -161,7 +161,7 @@ def test_a_non_finite_step_after_a_resume_names_the_checkpoint(saved, tmp_path):
     proc = train(dump, 8, "--debug.fault_nan_step", "6", nproc=1)
     assert proc.returncode == 3, proc.stderr[-3000:]
     step = dump / "checkpoint" / "step-4"
-    assert (f"step 6: non-finite gradient norm nan" in proc.stderr and f"This run resumed from {step} 2 step(s) "
+    assert ("step 6: non-finite gradient norm nan" in proc.stderr and f"This run resumed from {step} 2 step(s) "
             f"before: that checkpoint is a suspect (check it with `python -m nsa_titan.checkpoint verify {step}`"
             in proc.stderr), proc.stderr[-3000:]
 

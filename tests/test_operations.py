@@ -199,7 +199,7 @@ def _limit_file_size() -> None:
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_the_rerun_resumes(small_disk, mode):
+def test_disk_full_at_the_last_save_exits_4_keeps_the_previous_checkpoint_and_the_rerun_resumes(small_disk, mode):
     disk, mounted = small_disk
     dump = disk / "out"
     args = ["--training.steps", "20", "--checkpoint.interval", "10", "--checkpoint.async_mode", mode,
@@ -212,9 +212,13 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_the_rerun_res
     if mounted:  # leave less free space than one checkpoint needs
         filler.write_bytes(b"\0" * max(shutil.disk_usage(disk).free - size // 2, 0))
     rc, out = Job(dump, *args, nproc=2, preexec=None if mounted else _limit_file_size).finish()
-    assert rc == 2, out[-4000:]
+    assert rc == 4, out[-4000:]  # the run's last save failed
     assert "Traceback" not in out, out[-4000:]
-    m = re.search(r"nsa_titan: checkpoint error: the checkpoint of step 20 could not be written to (\S+): .*"
+    assert out.count("save failed: the checkpoint of step 20") == 1, out[-4000:]  # one error line
+    assert re.search(r"run summary: reached step 20 of 20 .*\| no checkpoint saved by this run \(it resumed from "
+                     rf"{good}\) \| the save of step 20 FAILED$", out, re.M), out[-3000:]
+    assert out.count("nsa_titan: save error: the run's last save, of step 20, failed") == 1, out[-3000:]
+    m = re.search(r"save failed: the checkpoint of step 20 could not be written to (\S+): .*"
                   r"It needs about ([\d,.]+) MB \(([\d,.]+) MB free there now\)\. Nothing was lost: the last complete "
                   r"checkpoint, (\S+), is intact and a rerun resumes from it", out)
     assert m, out[-4000:]

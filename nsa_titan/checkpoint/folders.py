@@ -2,6 +2,8 @@
 
     step-N/                  a complete checkpoint: DCP files, config.toml, and `.complete`
     step-N.incomplete-TOKEN/ a save in progress, or one that was interrupted
+    step-N.superseded-TIME/  an earlier run's step beyond the one a later run resumed from: set aside,
+                             never read, kept or removed (remove it by hand once it is not wanted)
 
 `.complete` is written last: a JSON manifest of every file, its size and its content hash
 (`integrity.py`). Only folders with a manifest that matches the files' sizes on disk are resumed
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,3 +104,14 @@ def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str,
         os.fsync(f.fileno())
     os.replace(manifest, final / MANIFEST)
     return sum(files.values())
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the step folder `path` to `step-N.superseded-TIME` (a free name); returns the new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        target = path.with_name(f"{path.name}.superseded-{stamp}" + (f"-{i}" if i else ""))
+        if not target.exists():
+            os.replace(path, target)
+            return target
+    raise FileExistsError(f"no free name to set {path} aside")

@@ -31,14 +31,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..config import Checkpoint as CheckpointConfig
-from ..extras import require_hf
 from ..parallel import side_group
 from .errors import CheckpointError
-from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan
+from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan, set_aside
 from .hf_folder import check_settings, is_hf_folder, read_hf_folder
 from .integrity import HashingWriter, verify_files
-from .model_file import check_fit, read_model_file, saved_shapes, shapes, write_model_file
-from .states import ModelState, Opaque, OptimizerState, RNGState, TrainState
+from .model_file import check_fit, read_model_file, saved_shapes, shapes
+from .states import FixedState, ModelState, Opaque, OptimizerState, RNGState, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +83,6 @@ class CheckpointManager:
         """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
         `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
         loader position is saved (the context-parallel ranks of a group share one)."""
-        if cfg.export_at_end and cfg.export_format == "hf":  # found out now, not after the whole run
-            require_hf("[checkpoint] export_format = 'hf' (set 'pt' to do without)")
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
         self.folder = folder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -105,7 +102,10 @@ class CheckpointManager:
         self.token = token[0]
         self.pending: Any = None  # the future of an async save in flight: (future, step, tmp folder)
         self.committed = threading.Event()  # rank 0: its commit of that save has finished
+        self.commit_error: str | None = None  # rank 0: why its commit of the save in flight failed
         self.last_saved: Path | None = None  # rank 0: the newest checkpoint committed by this run
+        self.failure: tuple[int, str] | None = None  # the step and cause, if the latest save failed
+        self.saved_step: int | None = None  # every rank: the step of the latest save this run committed
         self.resumed_from: Path | None = None
 
     # ---------------------------------------------------------------- loading
@@ -123,10 +123,23 @@ class CheckpointManager:
             logger.info("resumed from %s at step %d%s in %.2f s", target, self.train_state.step,
                         f" (not restored: {', '.join(sorted(exclude))})" if exclude else "", time.perf_counter() - start)
             self.resumed_from = target
-            return target
-        if self.cfg.initial_load_path:
+        elif self.cfg.initial_load_path:
             self._initial_load(Path(self.cfg.initial_load_path))
-        return None
+        if self.cfg.enable:
+            self._own_steps_after(self.train_state.step)
+        return target
+
+    def _own_steps_after(self, step: int) -> None:
+        """The steps after `step` are this run's: step folders of an earlier run beyond it are set aside
+        (renamed `step-N.superseded-TIME`, never read, kept or purged), so that none is skipped over,
+        kept or resumed as this run's."""
+        if self.rank == 0:
+            newer = [f.path for f in scan(self.folder) if f.step > step and f.path.name == f"step-{f.step}"]
+            if newer:
+                moved = [set_aside(p) for p in newer]
+                logger.warning("this run continues from step %d: %d later checkpoint(s) of an earlier run set aside, "
+                               "not used or removed: %s", step, len(moved), ", ".join(str(p) for p in moved))
+        dist.barrier(group=self.pg)
 
     def suspect(self, steps_since_resume: int) -> str:
         """For a non-finite step's report: the checkpoint this run resumed from, named as a suspect when the
@@ -261,48 +274,81 @@ class CheckpointManager:
     def maybe_save(self, step: int, force: bool = False) -> Path | None:
         """Save at every `interval`-th step, or now when `force` (last step, preemption).
 
-        Returns the folder the checkpoint is committed to (an async one once written), or None.
-        A save that cannot be written (disk full, folder not writable) raises a CheckpointError
-        naming the folder and the bytes needed; the previous checkpoints are left as they were.
+        Returns the folder the checkpoint is committed to (an async one once written), or None when
+        nothing is saved or the save failed. A save that fails (disk full, folder not writable, a commit
+        that cannot rename) is one error line naming the step and the cause, on rank 0, and `failure`
+        until a later save succeeds; the previous checkpoints are left as they were.
         """
         if not self.cfg.enable or not (force or step % self.cfg.interval == 0):
             return None
-        final = self.folder / f"step-{step}"
-        if final.exists():  # e.g. the last step is also an interval step
-            return final
         self.wait()  # one async save in flight at a time
+        final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.incomplete-{self.token}"
         start = time.perf_counter()
         state = dict(self.parts)
         writer = self.storage_writer(tmp, step)  # each rank hashes its files; rank 0 gathers them
-        if self.cfg.async_mode == "async":
-            self.committed.clear()
-            future = self._guarded(step, tmp, lambda: dcp.async_save(state, storage_writer=writer,
-                                                                     process_group=self.pg))
-            self.pending = (future, step, tmp)
-            blocked = time.perf_counter() - start
-            if self.rank == 0:  # rank 0's save finishes after every rank's write: commit then
-                future.add_done_callback(lambda fut: self._commit(fut, writer, tmp, final, step, start, blocked))
-        else:
-            self._guarded(step, tmp, lambda: dcp.save(state, storage_writer=writer, process_group=self.pg))
-            if self.rank == 0:
-                self._commit(None, writer, tmp, final, step, start, time.perf_counter() - start)
-        return final
+        self.commit_error = None
+        try:
+            if self.cfg.async_mode == "async":
+                self.committed.clear()
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+                self.pending = (future, step, tmp)
+                blocked = time.perf_counter() - start
+                if self.rank == 0:  # rank 0's save finishes after every rank's write: commit then
+                    future.add_done_callback(lambda fut: self._commit(fut, writer, tmp, final, step, start, blocked))
+                return final
+            dcp.save(state, storage_writer=writer, process_group=self.pg)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            return self._settle(step, tmp, e)
+        if self.rank == 0:
+            self._commit(None, writer, tmp, final, step, start, time.perf_counter() - start)
+        return self._settle(step, tmp, None)
+
+    def save_now(self, step: int, loader_state: dict | None = None) -> Path | None:
+        """Save `step` and wait until it is committed (a run about to stop), unless this run committed it
+        already or nothing was trained; `loader_state`: the data position to record instead of the
+        loader's own. Returns the checkpoint, or None."""
+        self.wait()
+        if step == 0 or not self.cfg.enable:
+            return None
+        if step != self.saved_step:
+            key = f"dataloader.dp_rank_{self.dp_rank}"
+            loader = self.parts[key]
+            if loader_state is not None:
+                self.parts[key] = Opaque(FixedState(loader_state))
+            try:
+                self.maybe_save(step, force=True)
+                self.wait()
+            finally:
+                self.parts[key] = loader
+        return self.folder / f"step-{step}" if self.saved_step == step else None
 
     def storage_writer(self, path: Path, step: int) -> HashingWriter:
         """The DCP writer of the save of `step` into `path`."""
         return HashingWriter(str(path), hash_files=self.cfg.content_hashes)
 
-    def _guarded(self, step: int, tmp: Path, save: Any) -> Any:
-        try:
-            return save()
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            raise self._save_failed(step, tmp, e) from None
+    def _settle(self, step: int, tmp: Path, write_error: BaseException | None) -> Path | None:
+        """After a save's write (`write_error`: this rank's failure, if any) and rank 0's commit: every
+        rank learns whether the checkpoint of `step` was committed (a collective). Returns its folder, or
+        None and records `failure`, with one error line."""
+        local = self._save_failed(step, tmp, write_error) if write_error is not None else None
+        if self.rank == 0 and local is None and self.commit_error is not None:
+            local = f"the checkpoint of step {step} could not be committed in {self.folder}: {self.commit_error}"
+        causes: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(causes, local, group=self.pg)
+        cause = next((c for c in causes if c), None)
+        if cause is None:
+            self.failure, self.saved_step = None, step
+            return self.folder / f"step-{step}"
+        self.failure = (step, cause)
+        if self.rank == 0:
+            logger.error("save failed: %s", cause)
+        return None
 
-    def _save_failed(self, step: int, tmp: Path, error: BaseException) -> CheckpointError:
-        """The error for a save that could not be written. When the disk is at fault (full, not writable),
-        rank 0 removes the partial folder to give the space back; after a crashed peer it stays, as
-        an interrupted save that resumes ignore."""
+    def _save_failed(self, step: int, tmp: Path, error: BaseException) -> str:
+        """Why a save could not be written. When the disk is at fault (full, not writable), rank 0 removes
+        the partial folder to give the space back; after a crashed peer it stays, as an interrupted
+        save that resumes ignore."""
         cause, disk_error = _root_cause(error)
         needed = self._bytes_needed()
         try:
@@ -317,9 +363,9 @@ class CheckpointManager:
         previous = [f for f in scan(self.folder) if f.problem is None]
         kept = (f"the last complete checkpoint, {previous[-1].path}, is intact and a rerun resumes from it"
                 if previous else "there is no earlier checkpoint")
-        return CheckpointError(f"the checkpoint of step {step} could not be written to {self.folder}: {cause}. "
-                               f"It needs about {needed / 1e6:,.1f} MB ({free}). Nothing was lost: {kept}. Free "
-                               f"space there, or set [checkpoint] folder or [job] dump_folder to another disk")
+        return (f"the checkpoint of step {step} could not be written to {self.folder}: {cause}. It needs about "
+                f"{needed / 1e6:,.1f} MB ({free}). Nothing was lost: {kept}. Free space there, or set "
+                f"[checkpoint] folder or [job] dump_folder to another disk")
 
     def _bytes_needed(self) -> int:
         """About the size of one checkpoint: this rank's parameter and optimizer shards times the number
@@ -329,20 +375,22 @@ class CheckpointManager:
 
     def _commit(self, fut: Any, writer: HashingWriter, tmp: Path, final: Path, step: int, start: float,
                 blocked: float) -> None:
-        """Rank 0, after every rank has written and hashed its files: rename, then write the manifest last."""
+        """Rank 0, after every rank has written and hashed its files: rename, then write the manifest last.
+        A folder already at `final` (an earlier run's) is set aside first. A failure is kept in
+        `commit_error` for `_settle` (in the async saver's thread it would otherwise go unseen)."""
         try:
             if fut is None or fut.exception() is None:
-                self._rename_and_mark(writer, tmp, final, step, start, blocked)
+                if final.exists():
+                    logger.warning("%s exists: set aside as %s", final, set_aside(final))
+                size = commit(tmp, final, step, self.world_size, self.config_toml, writer.hashes)
+                self.last_saved = final
+                logger.info("checkpoint %s: %.1f MB in %.2f s (training blocked %.2f s, %s)", final, size / 1e6,
+                            time.perf_counter() - start, blocked, "async" if self.cfg.async_mode == "async" else "sync")
+                self._purge()
+        except Exception as e:  # noqa: BLE001 - every cause is reported, with its type
+            self.commit_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         finally:
             self.committed.set()
-
-    def _rename_and_mark(self, writer: HashingWriter, tmp: Path, final: Path, step: int, start: float,
-                         blocked: float) -> None:
-        size = commit(tmp, final, step, self.world_size, self.config_toml, writer.hashes)
-        self.last_saved = final
-        logger.info("checkpoint %s: %.1f MB in %.2f s (training blocked %.2f s, %s)", final, size / 1e6,
-                    time.perf_counter() - start, blocked, "async" if self.cfg.async_mode == "async" else "sync")
-        self._purge()
 
     def _purge(self) -> None:
         """Keep the newest `keep_latest_k` complete checkpoints; drop broken ones older than the newest."""
@@ -357,7 +405,7 @@ class CheckpointManager:
             logger.info("removed checkpoint %s%s", f.path, f" ({f.problem})" if f.problem else "")
 
     def wait(self) -> None:
-        """Block until an async save in flight is written and committed; raise if it failed."""
+        """Block until an async save in flight is written and committed (`failure` says if it was not)."""
         if self.pending is None:
             return
         future, step, tmp = self.pending
@@ -365,32 +413,10 @@ class CheckpointManager:
         error = future.exception()
         if self.rank == 0:
             self.committed.wait()
-        if error is not None:
-            raise self._save_failed(step, tmp, error)
-        dist.barrier(group=self.pg)
-
-    # ----------------------------------------------------------------- export
-
-    def export(self, step: int) -> Path | None:
-        """Gather the full model on rank 0 and write it in `export_dtype` with its config: `model-step-N.pt`,
-        or the Hugging Face folder `model-step-N-hf/` (`export_format`)."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
-            return None
-        if self.cfg.export_format == "hf":
-            from ..hf.export import export_hf
-
-            path = self.folder / f"model-step-{step}-hf"
-            size = export_hf(state, self.config_toml, str((self.folder / f"step-{step}").resolve()), path,
-                             self.cfg.export_dtype)
-        else:
-            path = self.folder / f"model-step-{step}.pt"
-            size = write_model_file(state, path, self.cfg.export_dtype, self.config_toml)
-        logger.info("exported the model (%s) to %s: %.1f MB", self.cfg.export_dtype, path, size / 1e6)
-        return path
+        self._settle(step, tmp, error)
 
     def close(self) -> None:
-        """Finish an async save in flight (raises if it failed) and release the checkpoint group."""
+        """Finish an async save in flight (`failure` says if it failed) and release the checkpoint group."""
         try:
             self.wait()
         finally:

@@ -70,6 +70,16 @@ class Opaque:
         self.inner.load_state_dict(pickle.loads(state["pickle"]))
 
 
+class FixedState:
+    """A state captured earlier (the data loader's position before a step that did not run), saved as it is."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+
 class RNGState:
     """Every generator a step may draw from: python, numpy, torch CPU and CUDA."""
 

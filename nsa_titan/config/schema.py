@@ -28,6 +28,12 @@ class Job:
     """Root folder for everything a run writes (TensorBoard, later checkpoints)."""
     description: str = ""
     """A label for the run, shown in the startup log."""
+    owner_heartbeat_seconds: float = 30.0
+    """The run holds dump_folder through `<dump_folder>/owner.json` and renews its heartbeat this often
+    (docs/operations.md, "One run per folder")."""
+    owner_stale_seconds: float = 300.0
+    """An owner record from another host whose heartbeat is older than this belongs to a run that is
+    gone, and is taken over (on the same host, a holder whose pid has exited is gone at once)."""
 
 
 @dataclass
@@ -158,8 +164,9 @@ class Data:
     `synthetic`: seeded token streams with learnable structure (no files, no tokenizer use);
     `recall`: the long-range recall task of `[recall]` (no files, no tokenizer use)."""
     path: str = "data/python_docs"
-    """A hub dataset id (e.g. HuggingFaceFW/fineweb-edu), or a local parquet/jsonl/txt file or
-    folder. Relative paths are taken from the working directory, else from the repository."""
+    """A hub dataset id (e.g. HuggingFaceFW/fineweb-edu), a local parquet/jsonl/txt file or folder, or
+    the URL of a file, folder or glob that fsspec reads (`https://`, `s3://`, `gs://`, `hf://`; s3 and gs
+    need s3fs or gcsfs). Relative paths are taken from the working directory, else from the repository."""
     name: str = ""
     """Hub dataset config name (e.g. sample-10BT for FineWeb-Edu)."""
     split: str = "train"
@@ -177,6 +184,13 @@ class Data:
     each document's text (the same on every rank, run and resume): training never reads them, and
     validation reads them instead of `[validation] path` and `split` (for sources with one split,
     such as FineWeb-Edu). 0: none held out."""
+    read_retries: int = 10
+    """A remote source (URL, hub id): transient read errors (connection resets, timeouts, HTTP 429 and 5xx)
+    retried this many times in a row, from the same position; then the run saves and exits with code 75,
+    to be resumed (docs/operations.md). 0: no retries."""
+    retry_wait_seconds: float = 1.0
+    """The first wait before a retry; each further one doubles, up to 60 s (the defaults wait about 5
+    minutes in all, which must stay below [fault] step_timeout_seconds)."""
     tokenizer: Literal["sentencepiece", "hf", "byte"] = "sentencepiece"
     """`sentencepiece` (a `.model` file), `hf` (a Hugging Face `tokenizer.json`, read by the `tokenizers`
     package) or `byte` (UTF-8 bytes and <eos>, vocabulary 257)."""

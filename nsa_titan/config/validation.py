@@ -6,7 +6,26 @@ Called before any model is built, so a bad config costs nothing. Every problem i
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from .schema import ConfigError, JobConfig, Model, Recall
+
+RETRY_MAX_WAIT_S = 60.0
+"""The longest wait between two tries of a remote read (`data/retry.py`)."""
+
+
+def retry_wait_total(retries: int, wait_s: float) -> float:
+    """The longest a remote reader waits in all before it gives up: its backoff waits, doubling from
+    `wait_s` up to RETRY_MAX_WAIT_S."""
+    return sum(min(wait_s * 2**i, RETRY_MAX_WAIT_S) for i in range(retries))
+
+
+def is_remote(path: str) -> bool:
+    """Whether a `[data] path` is read over a network: a URL, or a hub id (owner/name) that is not a local path."""
+    return bool(re.match(r"^[a-z][a-z0-9+.-]*://", path)) or (
+        bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path)) and not Path(path).expanduser().exists())
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -27,7 +46,11 @@ _POSITIVE = {
 
 def validate(cfg: JobConfig, world_size: int) -> None:
     """Check the combination of values for `world_size` ranks (`cfg` is not changed)."""
-    m, t = cfg.model, cfg.training
+    m, t, j = cfg.model, cfg.training, cfg.job
+    _require(j.owner_heartbeat_seconds > 0 and j.owner_stale_seconds >= 3 * j.owner_heartbeat_seconds,
+             f"[job] owner_heartbeat_seconds = {j.owner_heartbeat_seconds:g}, owner_stale_seconds = "
+             f"{j.owner_stale_seconds:g}: the heartbeat must be positive and the stale bound at least 3 heartbeats, "
+             f"so that a live run is never taken for a gone one (defaults: 30 and 300)")
     for section, keys in _POSITIVE.items():
         for key in keys:
             v = getattr(getattr(cfg, section), key)
@@ -80,8 +103,16 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
     if dt.source == "recall":
         _validate_recall(cfg.recall, t.seq_len, cfg.model.vocab_size)
-
     f = cfg.fault
+    _require(dt.read_retries >= 0 and dt.retry_wait_seconds > 0,
+             f"[data] read_retries = {dt.read_retries}, retry_wait_seconds = {dt.retry_wait_seconds:g}: must be >= 0 "
+             f"and > 0")
+    waits = retry_wait_total(dt.read_retries, dt.retry_wait_seconds)
+    _require(dt.source != "datasets" or not is_remote(dt.path) or f.action == "warn" or waits < f.step_timeout_seconds,
+             f"[data] read_retries = {dt.read_retries} with retry_wait_seconds = {dt.retry_wait_seconds:g} may wait "
+             f"{waits:.0f} s for a remote source, and [fault] step_timeout_seconds = {f.step_timeout_seconds:g} would "
+             f"call that a hang: lower the retries or raise the step timeout")
+
     for key in ("step_timeout_seconds", "first_step_timeout_seconds", "collective_timeout_seconds"):
         _require(getattr(f, key) > 0, f"[fault] {key} = {getattr(f, key)}: must be > 0")
     _require(f.collective_timeout_seconds > f.step_timeout_seconds,

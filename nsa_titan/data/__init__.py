@@ -1,9 +1,9 @@
 """Data: tokenizers, text sources through `datasets`, packing, and the per-rank stateful loaders."""
 
 from .batch import Sample
-from .errors import DataError
+from .errors import DataError, DataUnavailable
 from .loader import build_dataloader, build_validation_dataloader, shutdown_workers
 from .tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["DataError", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer", "build_validation_dataloader",
+__all__ = ["DataError", "DataUnavailable", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer", "build_validation_dataloader",
            "shutdown_workers"]

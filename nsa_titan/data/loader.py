@@ -39,10 +39,11 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
         layout, distances = recall_layout(recall, seq_len, vocab_size)
         dataset = RecallTokens(layout, data.seed, distances, dp_rank, dp_size, local_batch)
     else:
-        stream = split_dataset_by_node(held_out(open_text_stream(data.path, data.name, data.split, data.text_column),
+        stream = split_dataset_by_node(held_out(open_text_stream(data.path, data.name, data.split, data.text_column,
+                                                                 data.read_retries, data.retry_wait_seconds),
                                                 data, keep=False), rank=dp_rank, world_size=dp_size)
         dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, data.shuffle_buffer,
-                                    data.seed, dp_rank)
+                                    data.seed, dp_rank, retry=reader_retry(data, data.path))
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
                               persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
                               worker_init_fn=ignore_stop_signals, generator=own_generator(data.seed, dp_rank))
@@ -51,11 +52,17 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
 def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
                                 local_batch: int, dp_rank: int, dp_size: int) -> StatefulDataLoader:
     """One pass over the held-out split (or `[data] holdout`'s documents), in order, sharded over the dp ranks."""
-    source = open_text_stream(data.path, data.name, data.split, data.text_column) if data.holdout else \
-        open_text_stream(v.path or data.path, data.name, v.split, data.text_column)
+    path, split = (data.path, data.split) if data.holdout else (v.path or data.path, v.split)
+    source = open_text_stream(path, data.name, split, data.text_column, data.read_retries, data.retry_wait_seconds)
     stream = split_dataset_by_node(held_out(source, data, keep=True), rank=dp_rank, world_size=dp_size)
-    dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1)
+    dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1,
+                                retry=reader_retry(data, path))
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
+
+
+def reader_retry(data: Data, path: str) -> tuple[str, int, float]:
+    """What a reader of `path` retries with: its name, `[data] read_retries` and `retry_wait_seconds`."""
+    return f"[data] path = '{path}'", data.read_retries, data.retry_wait_seconds
 
 
 def _select(example: dict, column: str, share: float, keep: bool) -> bool:

@@ -19,6 +19,7 @@ from datasets import IterableDataset as HFIterableDataset
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import Sample, eos_documents
+from .retry import Retrier
 from .tokenizer import Tokenizer
 
 
@@ -31,8 +32,10 @@ class PackedTextDataset(IterableDataset):
     """
 
     def __init__(self, stream: HFIterableDataset, tokenizer: Tokenizer, seq_len: int, text_column: str,
-                 shuffle_buffer: int, seed: int, rank: int, epochs: int | None = None):
+                 shuffle_buffer: int, seed: int, rank: int, epochs: int | None = None,
+                 retry: tuple[str, int, float] = ("the data source", 0, 1.0)):
         self.stream, self.tokenizer, self.seq_len = stream, tokenizer, seq_len
+        self.retry = retry  # (what, retries, first wait): `Retrier`
         self.text_column, self.shuffle_buffer, self.epochs = text_column, shuffle_buffer, epochs
         self.seed, self.rank = seed, rank
         self.epoch = 0
@@ -67,12 +70,9 @@ class PackedTextDataset(IterableDataset):
         self.stream = copy.deepcopy(self.stream)
         while self.epochs is None or self.epoch < self.epochs:
             self.stream.set_epoch(self.epoch)
-            if self.stream_state is not None:
-                self.stream.load_state_dict(self.stream_state)
             had_data = self.stream_state is not None or bool(self.buffer)  # resumed mid-epoch
-            for example in self.stream:
+            for example in self._examples():
                 had_data = True
-                self.stream_state = self.stream.state_dict()
                 if self.shuffle_buffer <= 0:
                     yield from self._windows(example[self.text_column])
                     continue
@@ -85,6 +85,22 @@ class PackedTextDataset(IterableDataset):
                 return  # this worker holds no shard: let the others serve
             self.epoch += 1
             self.stream_state = None
+
+    def _examples(self) -> Iterator[dict]:
+        """This epoch's documents from the position reached; after a transient read error, read again from
+        that position (none skipped or repeated), within the retry budget (`retry.Retrier`)."""
+        retrier = Retrier(*self.retry)
+        while True:
+            if self.stream_state is not None:
+                self.stream.load_state_dict(self.stream_state)
+            try:
+                for example in self.stream:
+                    self.stream_state = self.stream.state_dict()
+                    retrier.ok()
+                    yield example
+                return
+            except Exception as e:  # noqa: BLE001 - the retrier re-raises what is not transient
+                retrier.failed(e)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -2,11 +2,14 @@
 
 `path` is a Hugging Face hub dataset id (e.g. HuggingFaceFW/fineweb-edu with name
 sample-10BT), a local folder of parquet / jsonl / txt files (split from the file names, e.g.
-train-00000-of-00008.parquet, exactly as on the hub), or a single such file.
+train-00000-of-00008.parquet, exactly as on the hub), a single such file, or the URL of a file,
+a folder or a glob that `fsspec` reads (`https://`, `s3://`, `gs://`, `hf://`). Opening a remote
+source retries transient errors (`retry.py`); so does reading it (`packing.py`).
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import re
 import socket
@@ -14,15 +17,24 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import datasets
+import fsspec
 import pyarrow as pa
 from datasets import IterableDataset, load_dataset
+from datasets.data_files import DataFilesList
 
+from ..config import is_remote
+from ..env import own_streaming_retries
 from .errors import DataError
+from .retry import Retrier, transient
 
 logger = logging.getLogger(__name__)
 
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
+SPLIT_WORD = re.compile(r"(?:^|(?<=[-._ /]))(train|validation|test)(?=[-._ 0-9/]|$)")
+"""A split named in a remote file's path, as on the hub: train-00000-of-00008.parquet, validation/x.jsonl."""
+FSSPEC_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 HUB_TIMEOUT_S = 5.0
 
 
@@ -56,8 +68,49 @@ def local_builder(path: Path) -> str:
     return kinds.pop()
 
 
-def open_text_stream(path: str, name: str, split: str, text_column: str) -> IterableDataset:
-    """A streaming dataset of documents with a `text_column` column; checked to be non-empty."""
+def remote_files(url: str, split: str) -> list[str]:
+    """The files of `split` at `url`: the file itself, the matches of a glob, or a folder's files of that
+    split (named as on the hub: train-00000-of-00008.parquet; every file of a folder without split names
+    is `train`)."""
+    try:
+        fs, inner = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:
+        package = FSSPEC_PACKAGES.get(url.split("://", 1)[0], "the fsspec filesystem of this protocol")
+        raise DataError(f"[data] path = '{url}' cannot be read here ({e}): pip install {package}") from None
+    if glob.has_magic(inner):
+        files = [f if URL.match(f) else fs.unstrip_protocol(f) for f in sorted(fs.glob(inner))]
+    elif Path(urlparse(url).path).suffix in BUILDERS:  # a file (an HTTP server answers for folders too)
+        files = [url]
+    else:  # a folder: one listing; its files of `split`, or all of them where no name holds a split
+        listed = [f if URL.match(f) else fs.unstrip_protocol(f) for f in sorted(fs.find(inner))]
+        named = {f: SPLIT_WORD.findall(urlparse(f).path[len(urlparse(url).path):]) for f in listed}
+        if any(named.values()):
+            files = [f for f, words in named.items() if split in words]
+        else:
+            files = listed if split == "train" else []
+    files = [f for f in files if Path(urlparse(f).path).suffix in BUILDERS]
+    if not files:
+        raise DataError(f"[data] path = '{url}': no parquet, jsonl or txt files there (split '{split}')")
+    return files
+
+
+def open_text_stream(path: str, name: str, split: str, text_column: str, read_retries: int = 0,
+                     retry_wait_s: float = 1.0) -> IterableDataset:
+    """A streaming dataset of documents with a `text_column` column; checked to be non-empty. A remote
+    source's transient errors while it is opened are retried `read_retries` times."""
+    retrier = Retrier(f"[data] path = '{path}'", read_retries, retry_wait_s)
+    if is_remote(path):
+        own_streaming_retries()
+    while True:
+        try:
+            return _open(path, name, split, text_column)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the retrier re-raises what is not transient
+            retrier.failed(e)
+
+
+def _open(path: str, name: str, split: str, text_column: str) -> IterableDataset:
     local = Path(path).expanduser()
     try:
         if local.exists():
@@ -67,21 +120,32 @@ def open_text_stream(path: str, name: str, split: str, text_column: str) -> Iter
                 ds = load_dataset(str(local), name=name or None, split=split, streaming=True, **kwargs)
             else:
                 ds = load_dataset(builder, data_files=str(local), split="train", streaming=True, **kwargs)
+        elif URL.match(path):
+            files = remote_files(path, split)
+            builder = BUILDERS[Path(urlparse(files[0]).path).suffix]
+            kwargs = {"sample_by": "document"} if builder == "text" else {}
+            listed = DataFilesList(files, [(f,) for f in files])  # as listed: not looked up again file by file
+            ds = load_dataset(builder, data_files={"train": listed}, split="train", streaming=True, **kwargs)
         elif HUB_ID.match(path):
             check_hub_reachable(path)
             ds = load_dataset(path, name=name or None, split=split, streaming=True)
         else:
-            raise DataError(f"[data] path = '{path}': no such file or folder, and not a hub id (owner/name); "
-                            f"give a local parquet/jsonl/txt file or folder, or a hub dataset id")
+            raise DataError(f"[data] path = '{path}': no such file or folder, not a URL and not a hub id (owner/name); "
+                            f"give a local parquet/jsonl/txt file or folder, a URL (https://, s3://, gs://, hf://) "
+                            f"or a hub dataset id")
     except DataError:
         raise
     except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+        if transient(e):
+            raise  # open_text_stream retries it
         raise DataError(f"[data] path = '{path}' (name '{name}', split '{split}') cannot be loaded: {e}") from None
     try:
         first = next(iter(ds))
     except StopIteration:
         raise DataError(f"[data] path = '{path}', split '{split}': the dataset is empty") from None
     except (pa.ArrowException, OSError, ValueError) as e:  # e.g. a parquet file with no rows, a truncated file
+        if transient(e):
+            raise
         raise DataError(f"[data] path = '{path}', split '{split}': the dataset is empty or cannot be read ({e})") from None
     if text_column not in first:
         raise DataError(f"[data] text_column = '{text_column}' is not a column of '{path}'; its columns are "

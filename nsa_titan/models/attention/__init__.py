@@ -5,11 +5,12 @@ from .common import BRANCHES, NSASpec, cmp_visibility, mix_branches, select_bloc
 from .documents import Documents
 from .dense import dense_causal
 from .fast import nsa_fast
-from .kernels import Kernels, choose_kernels
+from .kernels import Kernels, choose_kernels, describe_attention
 from .reference import masked_attention, nsa_reference
 from .routing import set_explore_step, with_score_grad
 
 __all__ = [
-    "BRANCHES", "Documents", "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal", "masked_attention", "mix_branches",
+    "BRANCHES", "Documents", "Kernels", "NSASpec", "choose_kernels", "cmp_visibility", "dense_causal",
+    "describe_attention", "masked_attention", "mix_branches",
     "nsa_fast", "nsa_reference", "select_blocks", "sel_members", "set_explore_step", "top_n", "with_score_grad",
 ]

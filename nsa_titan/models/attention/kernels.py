@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import ConfigError
+from ...config import ConfigError, Model
 from . import cpu_attention, triton_sel
 from .common import NSASpec
 from .documents import Documents, varlen_boundaries
@@ -106,3 +106,13 @@ def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpe
         o = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, Tq, hi - lo, causal=True,
                                    window_size=window).view(B, Tq, H, D)
     return o.view(B, Tq, k.shape[2], H // k.shape[2], D).transpose(1, 2)
+
+
+def describe_attention(m: Model, kernels: Kernels | None) -> str:
+    """The attention that runs, with the kernel of each branch (the startup log)."""
+    if m.attention == "dense":
+        return "dense attention (causal SDPA)"
+    branch = f", only the {m.nsa_branch} branch" if m.nsa_branch != "all" else ""
+    if kernels is None:
+        return f"NSA attention (reference: dense masks for every branch{branch})"
+    return f"NSA attention (fast: {kernels.describe()}{branch})"
