@@ -406,6 +406,8 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(bad, exported, toke
 
     def run(case: tuple[list[str], str, dict]) -> tuple[list[str], str, subprocess.CompletedProcess]:
         cmd, phrase, env = case
+        if "--job.dump_folder" in cmd:  # each training run its own folder: two runs at once on one are refused
+            cmd = [*cmd, "--job.dump_folder", str(bad / f"run-{phrase.__hash__() & 0xffff}")]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port()), **env}
         return cmd, phrase, subprocess.run(cmd, cwd=bad, capture_output=True, text=True, timeout=300, env=env)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .parsing import resolve_path
 from .schema import ConfigError, JobConfig, Model, Recall
 
 RETRY_MAX_WAIT_S = 60.0
@@ -24,7 +25,7 @@ def retry_wait_total(retries: int, wait_s: float) -> float:
 def is_remote(path: str) -> bool:
     """Whether a `[data] path` is read over a network: a URL, or a hub id (owner/name) that is not a local path."""
     return bool(re.match(r"^[a-z][a-z0-9+.-]*://", path)) or (
-        bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path)) and not Path(path).expanduser().exists())
+        bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path)) and not Path(resolve_path(path)).expanduser().exists())
 
 
 def _require(ok: bool, message: str) -> None:
