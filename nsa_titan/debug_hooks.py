@@ -7,11 +7,14 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
   fault_nan_step                                        rank 0's logits, and so its loss, become NaN
   fault_kill_in_save_step                               the last rank SIGKILLs itself once its files
                                                         of that step's checkpoint are written
+  fault_fail_commit_step                                that step's save folder vanishes once written
+                                                        (rank 0), so that its commit fails
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -40,6 +43,14 @@ class _KillAfterWrite(HashingWriter):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _VanishBeforeCommit(HashingWriter):
+    """Remove the save's folder once every rank has written it (rank 0, DCP's coordinator): its commit fails."""
+
+    def finish(self, metadata, results):
+        super().finish(metadata, results)
+        shutil.rmtree(self.path)
+
+
 def install_debug_hooks(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                         checkpointer: CheckpointManager, rank: int, world_size: int,
                         current_step: Callable[[], int]) -> None:
@@ -64,3 +75,10 @@ def install_debug_hooks(d: Debug, *, model: nn.Module, optimizer: torch.optim.Op
             return _KillAfterWrite(str(path)) if step == d.fault_kill_in_save_step else plain(path, step)
 
         checkpointer.storage_writer = writer
+    if rank == 0 and d.fault_fail_commit_step > 0:
+        plain_writer = checkpointer.storage_writer
+
+        def vanishing(path: Path, step: int) -> HashingWriter:
+            return _VanishBeforeCommit(str(path)) if step == d.fault_fail_commit_step else plain_writer(path, step)
+
+        checkpointer.storage_writer = vanishing

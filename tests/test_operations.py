@@ -247,3 +247,25 @@ def test_run_train_sh_exits_with_the_trainers_code(tmp_path, fault, code, line):
     failed = [x for x in out.splitlines() if re.match(r"nsa_titan: (rank \d+ failed|halted)", x)]
     assert failed[0].startswith(line), failed
     assert all(x.endswith("(after the failure above)") for x in failed[1:]), failed
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+@pytest.mark.parametrize("failing", [10, 20], ids=["intermediate", "last"])
+def test_a_failed_commit_is_one_error_line_and_only_a_failed_last_save_fails_the_run(tmp_path, mode, failing):
+    """The issue's own case: a commit that cannot complete (here its folder vanishes once written, as when
+    another process removes it). In an async save it used to fail in a background callback, unseen."""
+    dump = tmp_path / "out"
+    rc, out = Job(dump, "--training.steps", "20", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
+                  "--checkpoint.async_mode", mode, "--data.num_workers", "2", "--debug.fault_fail_commit_step",
+                  str(failing), nproc=2).finish()
+    errors = [x for x in out.splitlines() if "save failed:" in x]
+    assert len(errors) == 1 and re.search(rf"ERROR save failed: the checkpoint of step {failing} could not be committed "
+                                          rf"in {dump / 'checkpoint'}: FileNotFoundError", errors[0]), out[-4000:]
+    assert "Traceback" not in out and "Exception in callback" not in out, out[-4000:]
+    ck = dump / "checkpoint"
+    committed = sorted(int(p.name.split("-")[1]) for p in ck.iterdir() if inspect_folder(p) is None)
+    assert committed == [s for s in (5, 10, 15, 20) if s != failing], committed
+    last = max(committed)
+    assert re.search(rf"run summary: reached step 20 of 20 .*\| last checkpoint {ck / f'step-{last}'}"
+                     + (r" \| the save of step 20 FAILED$" if failing == 20 else "$"), out, re.M), out[-3000:]
+    assert rc == (4 if failing == 20 else 0), out[-3000:]

@@ -383,6 +383,8 @@ class Debug:
     """Fault injection for tests: rank 0's loss becomes NaN at this step."""
     fault_kill_in_save_step: int = 0
     """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
+    fault_fail_commit_step: int = 0
+    """Fault injection for tests: this step's checkpoint folder vanishes once written, so its commit fails."""
 
 
 @dataclass
