@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from nsa_titan.checkpoint import inspect_folder, load_tensors
-from nsa_titan.data.errors import DataUnavailable
+from nsa_titan.data.errors import DataError, DataUnavailable
 from nsa_titan.data.retry import Retrier, transient
+from nsa_titan.data.sources import open_text_stream
 
 from conftest import ROOT
 from flaky_server import FlakyServer
 from test_operations import STEPS, Job, run_job
-
-pytestmark = pytest.mark.multiprocess
 
 FILES = 96
 # Small files and a small shuffle buffer, so that every loader worker keeps opening files during the run.
@@ -86,6 +85,14 @@ def test_transient_errors_are_told_from_lasting_ones():
         Retrier("x", 5, 0.001).failed(ValueError("not a network error"))
 
 
+@pytest.mark.parametrize("url,package", [("s3://bucket/corpus/*.parquet", "s3fs"), ("gs://bucket/x.jsonl", "gcsfs")])
+def test_a_url_whose_filesystem_is_not_installed_names_the_package(url, package):
+    with pytest.raises(DataError, match=rf"\[data\] path = '{re.escape(url)}' cannot be read here .*: pip install "
+                                        rf"{package}$"):
+        open_text_stream(url, "", "train", "text")
+
+
+@pytest.mark.multiprocess
 def test_a_flaky_server_gives_the_same_training_as_a_clean_one(shards, clean_run, tmp_path):
     with FlakyServer(shards, reset=0.08, unavailable=0.08, seed=3) as server:
         out = run_job(tmp_path / "out", *ARGS, "--data.path", server.url, nproc=2)
@@ -96,6 +103,7 @@ def test_a_flaky_server_gives_the_same_training_as_a_clean_one(shards, clean_run
     assert_same_training(tmp_path / "out", clean_run)
 
 
+@pytest.mark.multiprocess
 def test_a_server_down_past_the_retry_budget_saves_exits_75_and_the_resume_is_bit_equal(shards, clean_run, tmp_path):
     dump = tmp_path / "out"
     args = [*ARGS, "--data.read_retries", "3", "--data.retry_wait_seconds", "0.2"]
