@@ -131,6 +131,16 @@ def holder_alive(record: OwnerRecord, stale_s: float) -> tuple[bool, str]:
     return age <= stale_s, f"its heartbeat is {age:.0f} s old (> owner_stale_seconds = {stale_s:g})"
 
 
+def other_holder(folder: Path, job: str) -> str | None:
+    """Who holds `folder` if its owner record names another job than `job` (a takeover while this run was
+    thought gone), else None (no record, or this job's)."""
+    try:
+        found = _read(folder / OWNER_FILE)
+    except FolderInUse as e:
+        return str(e)
+    return _holder(found) if found is not None and found.job != job else None
+
+
 class FolderOwner:
     """This process's hold on a folder: `claim` it, and `release` it at the end (a thread renews it)."""
 

@@ -33,7 +33,7 @@ from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_m
 from .env import set_deterministic
 from .export import export_trained
 from .extras import require_hf
-from .ownership import FolderOwner
+from .ownership import FolderOwner, job_key, other_holder
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib
@@ -132,7 +132,8 @@ class Trainer:
             self.checkpointer = CheckpointManager(
                 cfg.checkpoint, folder=self.paths.checkpoints, config_toml=config_toml, model=model,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-                train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size)
+                train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
+                other_owner=lambda: other_holder(self.paths.root, job_key()))
             install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                                 rank=self.rank, world_size=self.world_size, current_step=lambda: self.state.step)
             resumed = self.checkpointer.load()

@@ -216,3 +216,20 @@ def test_a_run_resumed_from_an_earlier_step_sets_the_later_ones_aside_and_contin
     out = run_job(dump, *changed, "--training.steps", "25", nproc=2)
     assert f"resumed from {ck / 'step-20'} at step 20" in out and "set aside" not in out, out[-3000:]
     assert "lr = 0.005" in (ck / "step-25" / "config.toml").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_run_whose_folder_was_taken_over_commits_nothing_more_and_exits_4(tmp_path):
+    """Another job took the record over (as after a heartbeat stuck beyond owner_stale_seconds): every later
+    save of the first run is refused before its commit, and its last one fails the run."""
+    dump = tmp_path / "out"
+    job = Job(dump, *DEFAULTS, "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0", nproc=2)
+    job.wait_for(r"checkpoint \S+/step-5: ")
+    other = write_record(dump, job="slurm job 999 step batch", host="node-elsewhere", pid=1)
+    rc, out = job.finish()
+    assert rc == 4, out[-3000:]
+    refused = [x for x in out.splitlines() if "this run no longer owns its folder: it is held by slurm job 999" in x]
+    assert refused and all("save failed: the checkpoint of step" in x for x in refused), out[-3000:]
+    left = sorted(p.name for p in (dump / "checkpoint").iterdir())
+    assert left[0] == "step-5" and len(left) <= 2 and all(".incomplete" not in n for n in left), left  # 10 may race
+    assert json.loads((dump / OWNER_FILE).read_text())["job"] == other.job  # the other job's record stays

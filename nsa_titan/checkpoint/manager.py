@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,12 +80,13 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, *, folder: Path, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
-                 dp_rank: int, dp_world_size: int | None = None):
+                 dp_rank: int, dp_world_size: int | None = None, other_owner: Callable[[], str | None] | None = None):
         """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
         `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
-        loader position is saved (the context-parallel ranks of a group share one)."""
+        loader position is saved (the context-parallel ranks of a group share one); `other_owner`: who
+        holds the output folder if another run does (asked before each commit: nothing is committed then)."""
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
-        self.folder = folder
+        self.folder, self.other_owner = folder, other_owner
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_world_size = dp_world_size or self.world_size
         self.train_state, self.dp_rank = train_state, dp_rank
@@ -380,6 +382,10 @@ class CheckpointManager:
         `commit_error` for `_settle` (in the async saver's thread it would otherwise go unseen)."""
         try:
             if fut is None or fut.exception() is None:
+                if self.other_owner is not None and (holder := self.other_owner()):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise CheckpointError(f"this run no longer owns its folder: it is held by {holder}, which took "
+                                          f"it over; nothing was committed there")
                 if final.exists():
                     logger.warning("%s exists: set aside as %s", final, set_aside(final))
                 size = commit(tmp, final, step, self.world_size, self.config_toml, writer.hashes)
