@@ -16,8 +16,10 @@
 #   MAX_RESTARTS   times torchrun restarts every rank after one fails (default 0); each restart
 #                  resumes from the latest complete checkpoint
 #
-# Exit code: the trainer's (0 done or stopped by a signal after saving, 2 bad input, 3 halted on a
-# non-finite step, 124 a hang, 130 a second Ctrl-C, 128+N a rank killed by signal N, 1 a crash).
+# Exit code: the trainer's (0 done or stopped by a signal after saving, 2 bad input or a folder in use
+# by another run, 3 halted on a non-finite step, 4 the last save failed, 75 the data source unreadable
+# through its retries (saved: rerun to resume), 124 a hang, 130 a second Ctrl-C, 128+N a rank killed by
+# signal N, 1 a crash).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"

@@ -10,7 +10,8 @@ processes, `--max-restarts`) and adds four things:
   SIGQUIT (hard stop). A second SIGINT kills the ranks at once. Ranks that have not exited
   `SHUTDOWN_TIMEOUT` seconds after the signal are killed.
 - **Exit codes.** The exit code is the first failed rank's: 2 bad input, 3 halted on a non-finite
-  step, 4 the last save failed, 75 data unreadable through its retries (saved), 124 a detected hang, 128 + N a rank killed by signal N; 0 when every rank exited 0.
+  step, 4 the last save failed, 75 data unreadable through its retries (saved), 124 a detected hang,
+  128 + N a rank killed by signal N; 0 when every rank exited 0.
 - **One run per folder.** The job takes `[job] dump_folder` before any rank starts, and holds it
   across torchrun's restarts (`nsa_titan/ownership.py`); a folder held by another live run is
   refused with exit code 2, nothing written.

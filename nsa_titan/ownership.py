@@ -89,10 +89,16 @@ def _read(path: Path) -> OwnerRecord | None:
                           f"{path.parent}, remove it; else choose another --job.dump_folder") from None
 
 
-def _write_new(path: Path, record: OwnerRecord) -> bool:
-    """Create `path` holding `record` if it does not exist, atomically (a fully written file linked in)."""
+def _staged(path: Path, record: OwnerRecord) -> Path:
+    """`record` written in full to a new file beside `path`, to be linked or renamed into place."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_text(json.dumps(asdict(record), indent=1))
+    return tmp
+
+
+def _write_new(path: Path, record: OwnerRecord) -> bool:
+    """Create `path` holding `record` if it does not exist, atomically (a fully written file linked in)."""
+    tmp = _staged(path, record)
     try:
         os.link(tmp, path)
         return True
@@ -110,9 +116,7 @@ def _write_new(path: Path, record: OwnerRecord) -> bool:
 
 
 def _replace(path: Path, record: OwnerRecord) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=1))
-    os.replace(tmp, path)
+    os.replace(_staged(path, record), path)
 
 
 def _holder(record: OwnerRecord) -> str:

@@ -25,21 +25,21 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command, setup_logging
-from .env import LAUNCHED_BY
 from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
-from .data import DataError, DataUnavailable, Sample, build_dataloader, build_tokenizer, build_validation_dataloader, shutdown_workers
+from .data import (DataError, DataUnavailable, Sample, build_dataloader, build_tokenizer, build_validation_dataloader,
+                   shutdown_workers)
 from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
-from .env import set_deterministic
+from .env import LAUNCHED_BY, set_deterministic
 from .export import export_trained
 from .extras import require_hf
-from .ownership import FolderOwner, job_key, other_holder
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib
 from .models.attention import choose_kernels, describe_attention, set_explore_step
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from .ownership import FolderOwner, job_key, other_holder
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
 from .stop import StopRequest

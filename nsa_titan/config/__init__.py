@@ -8,12 +8,12 @@ from .schema import (
     DEFAULT_CONFIG, DTYPES, REPO_ROOT, ActivationCheckpoint, Checkpoint, Compile, ConfigError, Data, Debug, Fault,
     Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Recall, Training, Validation,
 )
-from .validation import RETRY_MAX_WAIT_S, cp_multiple, is_remote, retry_wait_total, validate
+from .validation import HUB_ID, RETRY_MAX_WAIT_S, URL, cp_multiple, is_remote, retry_wait_total, validate
 
 __all__ = [
-    "DEFAULT_CONFIG", "DTYPES", "RETRY_MAX_WAIT_S", "REPO_ROOT", "USAGE", "ActivationCheckpoint", "Checkpoint", "Compile", "ConfigError",
-    "Data", "Debug", "Fault", "Job", "JobConfig", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism",
-    "Recall", "Training", "Validation", "ac_layers", "cp_multiple", "derive", "dp_world", "is_remote", "grad_accum_steps",
-    "load_config", "padded_vocab", "parse_args", "resolve_path", "retry_wait_total", "to_toml",
-    "validate",
+    "DEFAULT_CONFIG", "DTYPES", "HUB_ID", "REPO_ROOT", "RETRY_MAX_WAIT_S", "URL", "USAGE", "ActivationCheckpoint",
+    "Checkpoint", "Compile", "ConfigError", "Data", "Debug", "Fault", "Job", "JobConfig", "LRScheduler", "Metrics",
+    "Model", "Optimizer", "Parallelism", "Recall", "Training", "Validation", "ac_layers", "cp_multiple", "derive",
+    "dp_world", "grad_accum_steps", "is_remote", "load_config", "padded_vocab", "parse_args", "resolve_path",
+    "retry_wait_total", "to_toml", "validate",
 ]

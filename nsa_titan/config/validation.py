@@ -22,10 +22,15 @@ def retry_wait_total(retries: int, wait_s: float) -> float:
     return sum(min(wait_s * 2**i, RETRY_MAX_WAIT_S) for i in range(retries))
 
 
+URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
+"""A `[data] path` that fsspec reads: https://, s3://, gs://, hf://."""
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+"""A `[data] path` that names a Hugging Face hub dataset (owner/name), unless it is a local path."""
+
+
 def is_remote(path: str) -> bool:
     """Whether a `[data] path` is read over a network: a URL, or a hub id (owner/name) that is not a local path."""
-    return bool(re.match(r"^[a-z][a-z0-9+.-]*://", path)) or (
-        bool(re.fullmatch(r"[\w.-]+/[\w.-]+", path)) and not Path(resolve_path(path)).expanduser().exists())
+    return bool(URL.match(path)) or (bool(HUB_ID.match(path)) and not Path(resolve_path(path)).expanduser().exists())
 
 
 def _require(ok: bool, message: str) -> None:

@@ -5,5 +5,5 @@ from .errors import DataError, DataUnavailable
 from .loader import build_dataloader, build_validation_dataloader, shutdown_workers
 from .tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["DataError", "DataUnavailable", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer", "build_validation_dataloader",
-           "shutdown_workers"]
+__all__ = ["DataError", "DataUnavailable", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer",
+           "build_validation_dataloader", "shutdown_workers"]

@@ -22,7 +22,7 @@ import pyarrow as pa
 from datasets import IterableDataset, load_dataset
 from datasets.data_files import DataFilesList
 
-from ..config import is_remote
+from ..config import HUB_ID, URL, is_remote
 from ..env import own_streaming_retries
 from .errors import DataError
 from .retry import Retrier, transient
@@ -30,8 +30,6 @@ from .retry import Retrier, transient
 logger = logging.getLogger(__name__)
 
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
 SPLIT_WORD = re.compile(r"(?:^|(?<=[-._ /]))(train|validation|test)(?=[-._ 0-9/]|$)")
 """A split named in a remote file's path, as on the hub: train-00000-of-00008.parquet, validation/x.jsonl."""
 FSSPEC_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
