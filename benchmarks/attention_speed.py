@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import allocator_env  # noqa: E402
 from nsa_titan.models.attention import Kernels, NSASpec, cpu_attention, dense_causal, nsa_fast, nsa_reference  # noqa: E402
-from nsa_titan.models.transformer import DenseAttention, NSAAttention, rope_tables  # noqa: E402
+from nsa_titan.models.rope import rope_tables  # noqa: E402
+from nsa_titan.models.transformer import DenseAttention, NSAAttention  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
            sel_top_n=16, window_size=512)
@@ -112,7 +113,7 @@ def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, 
     module = (DenseAttention(cfg) if variant == "dense" else NSAAttention(cfg)).to(device)
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    rope = rope_tables(64, T, 10000.0, device)
+    rope = rope_tables(Model(head_dim=64), T, device)
     return module, lambda x: module(x, rope)
 
 

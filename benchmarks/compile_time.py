@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import MALLOC_TUNING  # noqa: E402
-from nsa_titan.models.transformer import TransformerBlock, rope_tables  # noqa: E402
+from nsa_titan.models.rope import rope_tables  # noqa: E402
+from nsa_titan.models.transformer import TransformerBlock  # noqa: E402
 
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
            sel_top_n=16, window_size=512, attn_impl="fast")
@@ -56,7 +57,7 @@ def run_one(variant: str, T: int, repeats: int) -> dict:
     block = TransformerBlock(Model(**M7C)).to(device, dtype)
     block.init_weights(0.02, 0.02, torch.Generator().manual_seed(0))
     x = torch.randn(1, T, M7C["dim"], device=device, dtype=dtype, requires_grad=True)
-    rope = rope_tables(M7C["head_dim"], T, 10000.0, device).to(dtype)
+    rope = rope_tables(Model(head_dim=M7C["head_dim"]), T, device).to(dtype)
     nodes: list[int] = []
     fn = block
     if variant == "compiled":

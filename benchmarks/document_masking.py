@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import MALLOC_TUNING  # noqa: E402
 from nsa_titan.models.attention import Documents  # noqa: E402
-from nsa_titan.models.transformer import DenseAttention, NSAAttention, nsa_spec, rope_tables  # noqa: E402
+from nsa_titan.models.rope import rope_tables  # noqa: E402
+from nsa_titan.models.transformer import DenseAttention, NSAAttention, nsa_spec  # noqa: E402
 
 VARIANTS = ("nsa", "nsa-docs", "dense-docs")
 M7C = dict(dim=768, n_heads=12, n_kv_groups=2, head_dim=64, cmp_block_size=32, cmp_stride=16, sel_block_size=64,
@@ -77,7 +78,7 @@ def run_one(variant: str, T: int, mean: int, repeats: int, compile: bool) -> dic
     ids = None if variant == "nsa" else document_ids(T, mean)  # on the host, as the loader gives them
     x = torch.randn(1, T, cfg.dim, device=device, dtype=dtype, requires_grad=True)
     forward = torch.compile(module, fullgraph=True) if compile else module
-    table = rope_tables(cfg.head_dim, T, 10000.0, device).to(dtype)
+    table = rope_tables(cfg, T, device).to(dtype)
 
     def step() -> None:
         docs, rope = None, table

@@ -53,10 +53,10 @@ DRILL = ["--recall.drill", "true", "--recall.pairs", "16", "--training.seq_len",
 MODELS = ("nsa", "win", "dense")
 
 
-def train(name: str, overrides: list[str], dump: Path) -> float:
-    """Train one model into `dump`; returns the wall-clock seconds."""
+def train(name: str, overrides: list[str], dump: Path, config: str = CONFIG) -> float:
+    """Train one model of `config` into `dump`; returns the wall-clock seconds."""
     start = time.perf_counter()
-    run = subprocess.run([str(ROOT / "run_train.sh"), "--config", CONFIG, *overrides, "--job.dump_folder", str(dump)],
+    run = subprocess.run([str(ROOT / "run_train.sh"), "--config", config, *overrides, "--job.dump_folder", str(dump)],
                          capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"training {name} failed (exit {run.returncode}):\n{run.stdout[-3000:]}{run.stderr[-3000:]}")

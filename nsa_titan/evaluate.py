@@ -5,6 +5,7 @@
     python -m nsa_titan.evaluate CHECKPOINT --task recall --distances 32 256 1024 [--batches 4] [--plot recall.png]
     python -m nsa_titan.evaluate CHECKPOINT --task recall --ablate     # ... with each NSA branch of each layer off
     python -m nsa_titan.evaluate CHECKPOINT --task documents --path docs.jsonl [--documents 100]
+    python -m nsa_titan.evaluate CHECKPOINT --seq_len 4096 --by_position [--bucket 512]   # loss by position
 
 The loss reads the split the way training validates (same packing, same batches, rank shards under
 torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so at
@@ -19,6 +20,10 @@ document on its own, as lm-evaluation-harness's perplexity tasks (loglikelihood_
 one prefix token (the tokenizer's bos, else its eos), in windows of seq_len predicted tokens, each
 window reading the seq_len tokens before its last; it reports the harness's word and byte
 perplexity and bits per byte, which equal the harness's on a Hugging Face export of the model.
+`--seq_len` sets the context of every task (default: the training length), up to the model's
+declared maximum (`[model] max_seq_len`, or the RoPE scaling's reach; docs/long-context.md);
+`--by_position` splits the loss by the position of the predicted token (in its document, with
+document masking) in buckets of `--bucket` tokens.
 """
 
 from __future__ import annotations
@@ -32,15 +37,17 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from .cli import ArgumentParser, run_command
 from .config import ConfigError, JobConfig, cp_multiple
-from .data import DataError, build_validation_dataloader
+from .data import DataError, Tokenizer, build_validation_dataloader
 from .data.batch import document_ids
 from .data.sources import open_text_stream
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
@@ -51,18 +58,45 @@ from .parallel import apply_cp
 from .plots import line_chart
 
 
+def load_at(checkpoint: str, config: str | None, overrides: list[str] | None, seq_len: int = 0,
+            context_parallel: int = 1) -> tuple[Transformer, Tokenizer, JobConfig]:
+    """`load_model`, its config's training.seq_len set to the context asked for (`seq_len`; 0: the
+    training length), which must lie within the model's declared maximum."""
+    context = ("--seq_len", lambda _: seq_len) if seq_len else None
+    model, tokenizer, cfg = load_model(checkpoint, config, overrides, context_parallel=context_parallel, context=context)
+    return model, tokenizer, dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                                  seq_len=seq_len or cfg.training.seq_len))
+
+
+def token_positions(document_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """(B, T): each token's position in its row, or in its document (ids change where one starts)."""
+    B, T = shape
+    index = torch.arange(T).expand(B, T)
+    if document_ids is None:
+        return index
+    starts = torch.ones(B, T, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
 @torch.no_grad()
 def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, config: str | None = None,
-             overrides: list[str] | None = None, context_parallel: int = 1) -> dict[str, float]:
+             overrides: list[str] | None = None, context_parallel: int = 1, seq_len: int = 0,
+             by_position: bool = False, bucket: int = 0) -> dict[str, Any]:
     """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)
-    per data-parallel rank; with `context_parallel` = cp > 1 (under torchrun) each sequence is split
+    per data-parallel rank of `seq_len` tokens (0: the training length); `by_position` adds
+    'by_position': {(first, end): (loss, tokens)} of the tokens predicted at positions [first, end),
+    `bucket` wide (0: seq_len / 8; positions from `token_positions`). With `context_parallel` = cp > 1 (under torchrun) each sequence is split
     across cp ranks as in training, and the other ranks are data-parallel."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     cp = context_parallel
     if world % cp:
         raise ConfigError(f"--context_parallel {cp} does not divide the {world} evaluating ranks: run under torchrun "
                           f"with a multiple of {cp} ranks (e.g. NGPU={cp} / --nproc-per-node {cp})")
-    model, tokenizer, cfg = load_model(checkpoint, config, overrides, context_parallel=cp)
+    model, tokenizer, cfg = load_at(checkpoint, config, overrides, seq_len, cp)
+    T = cfg.training.seq_len
+    bucket = bucket or max(1, T // 8)
+    buckets = torch.zeros(2, -(-T // bucket) if by_position else 0, dtype=torch.float64)  # loss sums, tokens
     dp_rank, dp_world = rank // cp, world // cp
     if cp > 1:  # the cp ranks of a data-parallel group neighbours, as in training
         mesh = init_device_mesh("cpu", (dp_world, cp), mesh_dim_names=("dp", "cp"))
@@ -71,23 +105,35 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
                                          cfg.training.seq_len, cfg.training.local_batch_size, dp_rank, dp_world)
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
     masking = cfg.training.document_masking  # as in training
-    for k, (inputs, labels, document_ids) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
+    for k, (inputs, labels, doc_ids) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
                                                             total=batches or None)):
         if batches and k >= batches:
             break
-        logits = model(inputs, document_ids if masking else None)
+        logits = model(inputs, doc_ids if masking else None)
         loss = cross_entropy_loss(logits, labels) if model.cp is None else model.cp.loss(logits, labels)
+        if by_position:
+            losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                     reduction="none")
+            where = token_positions(doc_ids if masking else None, labels.shape).flatten() // bucket
+            counted = (labels.flatten() != IGNORE_INDEX).double()
+            buckets[0].index_add_(0, where, losses.double() * counted)
+            buckets[1].index_add_(0, where, counted)
         text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())
         # Each of the cp ranks adds 1 / cp of its group's batch: its loss share averages to the batch's.
         totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64) / cp
     if dist.is_initialized():
         dist.all_reduce(totals)
+        dist.all_reduce(buckets)
     if totals[1] == 0:
-        raise DataError(f"split '{split}' gave no batch of seq_len {cfg.training.seq_len}")
+        raise DataError(f"split '{split}' gave no batch of seq_len {T}")
     loss = float(totals[0] / totals[1])
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50)),
-            "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),
-            "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
+    result: dict[str, Any] = {"loss": loss, "perplexity": math.exp(min(loss, 50)),
+                              "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),
+                              "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
+    if by_position:
+        result["by_position"] = {(i * bucket, min(T, (i + 1) * bucket)): (float(s / max(n, 1)), int(n))
+                                 for i, (s, n) in enumerate(buckets.T.tolist())}
+    return result
 
 
 def rolling_windows(ids: list[int], prefix: int, seq_len: int) -> Iterator[tuple[list[int], list[int]]]:
@@ -107,11 +153,12 @@ def rolling_windows(ids: list[int], prefix: int, seq_len: int) -> Iterator[tuple
 
 @torch.no_grad()
 def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation", documents: int = 0,
-                       config: str | None = None, overrides: list[str] | None = None) -> dict[str, float]:
+                       config: str | None = None, overrides: list[str] | None = None, seq_len: int = 0
+                       ) -> dict[str, float]:
     """Each document of `path` (default: the validation source) scored on its own (`rolling_windows`):
     {'documents', 'tokens', 'loss' (per token), 'perplexity', 'word_perplexity', 'byte_perplexity',
-    'bits_per_byte'}, as lm-evaluation-harness defines the last three."""
-    model, tokenizer, cfg = load_model(checkpoint, config, overrides)
+    'bits_per_byte'}, as lm-evaluation-harness defines the last three; windows of `seq_len` (0: the training length)."""
+    model, tokenizer, cfg = load_at(checkpoint, config, overrides, seq_len)
     column = cfg.data.text_column
     stream = open_text_stream(path or cfg.validation.path or cfg.data.path, cfg.data.name, split, column)
     prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
@@ -226,6 +273,13 @@ def recall_table(results: dict[str, dict[int, tuple[int, int]]]) -> str:
     return "\n".join(lines)
 
 
+def position_table(by_position: dict[tuple[int, int], tuple[float, int]]) -> str:
+    """Markdown: a row per position bucket, its loss and tokens."""
+    lines = ["| positions | loss | tokens |", "|---|---|---|"]
+    lines += [f"| {a:,}-{b:,} | {loss:.4f} | {n:,} |" for (a, b), (loss, n) in by_position.items()]
+    return "\n".join(lines)
+
+
 def routing_table(results: dict[int, dict[str, float]]) -> str:
     """Markdown: a row per distance, a column per `recall_routing` share, in %."""
     names = list(next(iter(results.values())))
@@ -249,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="recall: also with each NSA branch of each layer switched off in turn")
     parser.add_argument("--batches", type=int, default=0, help="at most this many batches per rank (0: all)")
     parser.add_argument("--config", help="the training config (default: the checkpoint's config.toml)")
+    parser.add_argument("--seq_len", type=int, default=0,
+                        help="the context of every task (default: the training length), up to the model's declared "
+                             "maximum (docs/long-context.md)")
+    parser.add_argument("--by_position", action="store_true",
+                        help="loss: also by the position of the predicted token, in buckets of --bucket tokens")
+    parser.add_argument("--bucket", type=int, default=0, help="--by_position's bucket width (default: seq_len / 8)")
     parser.add_argument("--context_parallel", type=int, default=1,
                         help="loss: split each sequence across this many ranks (under torchrun; default 1)")
     args, overrides = parser.parse_known_args(argv)
@@ -256,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batches must be >= 0 (0: the whole split; for recall, 4 per distance)")
     if min(args.distances) < 1:
         parser.error("--distances must be >= 1")
+    if args.seq_len < 0 or args.bucket < 0:
+        parser.error("--seq_len and --bucket must be >= 0 (0: the training length, and seq_len / 8)")
+    if args.by_position and (args.task != "loss" or args.context_parallel > 1):
+        parser.error("--by_position splits the loss task's tokens in one process: use it with --task loss and "
+                     "without --context_parallel")
     if args.context_parallel < 1 or (args.task != "loss" and args.context_parallel > 1):
         parser.error("--context_parallel must be >= 1, and 1 for --task recall or documents (one process)")
     if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
@@ -269,13 +334,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.task == "documents":
-        r = evaluate_documents(args.checkpoint, args.path, args.split, args.documents, args.config, overrides)
+        r = evaluate_documents(args.checkpoint, args.path, args.split, args.documents, args.config, overrides,
+                               args.seq_len)
         print(f"{r['documents']} documents, {r['tokens']:,} tokens: loss {r['loss']:.4f} | perplexity "
               f"{r['perplexity']:.3f} | word perplexity {r['word_perplexity']:.3f} | byte perplexity "
               f"{r['byte_perplexity']:.4f} | bits/byte {r['bits_per_byte']:.4f}")
         return 0
     if args.task == "recall":
-        model, _, cfg = load_model(args.checkpoint, args.config, overrides)
+        model, _, cfg = load_at(args.checkpoint, args.config, overrides, args.seq_len)
         if args.ablate and cfg.model.attention != "nsa":
             raise ConfigError(f"--ablate switches NSA branches off, but {args.checkpoint} is a "
                               f"{cfg.model.attention} attention model: leave --ablate out")
@@ -299,10 +365,13 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
                        "exact recall by distance", "distance (tokens)", "exact recall", (0.0, 1.0), marks)
             print(f"plot: {args.plot}")
         return 0
-    r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides, args.context_parallel)
+    r = evaluate(args.checkpoint, args.split, args.batches, args.config, overrides, args.context_parallel,
+                 args.seq_len, args.by_position, args.bucket)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{args.split}: loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte "
               f"{r['bits_per_byte']:.4f} | {r['batches']} batches, {r['tokens']:,} tokens")
+        if args.by_position:
+            print(position_table(r["by_position"]))
     return 0
 
 

@@ -3,11 +3,12 @@ Hugging Face export folder."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint import CheckpointError, check_fit, load_tensors, read_model_file, shapes
 from .checkpoint.hf_folder import check_settings, is_hf_folder, read_hf_folder, read_settings
-from .config import JobConfig, cp_multiple, derive, load_config
+from .config import JobConfig, check_context, cp_multiple, derive, load_config, max_context
 from .data import Tokenizer, build_tokenizer
 from .models.transformer import Transformer
 from .paths import config_of_checkpoint
@@ -16,13 +17,17 @@ from .paths import config_of_checkpoint
 SINGLE_PROCESS = ["--parallelism.data_parallel_shard_degree", "-1", "--parallelism.data_parallel_replicate_degree",
                   "1", "--parallelism.context_parallel_degree", "1"]
 """The parallelism overrides under which a checkpoint's config is read for inference."""
+Context = tuple[str, Callable[[Tokenizer], int]] | None
+"""What asks for a context, and its length in tokens given the model's tokenizer."""
 
 
 def load_model(checkpoint: str, config: str | None = None, overrides: list[str] | None = None,
-               max_seq_len: int = 0, device: str = "cpu", context_parallel: int = 1
+               device: str = "cpu", context_parallel: int = 1, context: Context = None
                ) -> tuple[Transformer, Tokenizer, JobConfig]:
     """The model (eval mode, on `device`), its tokenizer and its config (by default the one saved with
-    the checkpoint). With `context_parallel` > 1 the config is checked for that split (a ConfigError
+    the checkpoint). The model takes contexts up to its declared maximum (`config.max_context`);
+    `context`, (what asks for it, its tokens given the tokenizer), is checked against it before the
+    weights are read. With `context_parallel` > 1 the config is checked for that split (a ConfigError
     if it cannot run) and the model takes the padded sequence (`parallel.apply_cp` then splits it)."""
     path = Path(checkpoint)
     if not path.exists():
@@ -40,13 +45,15 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
                           *(split if context_parallel > 1 else [])], world_size=context_parallel)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     cfg = derive(cfg, context_parallel, tokenizer.vocab_size)
+    if context is not None:
+        check_context(cfg, context[1](tokenizer), context[0])
     multiple = cp_multiple(cfg.model, context_parallel) if context_parallel > 1 else 1  # the cp padding
     if is_hf_folder(path):
         settings, state = read_hf_folder(path)
         check_settings(path, settings, cfg.model)
     else:
         state = load_tensors(path) if path.is_dir() else read_model_file(path)
-    model = Transformer(cfg.model, max(max_seq_len, -(-cfg.training.seq_len // multiple) * multiple))
+    model = Transformer(cfg.model, -(-max_context(cfg) // multiple) * multiple)
     model.init_weights(0)  # the rope table; every parameter is then overwritten
     check_fit(f"checkpoint '{checkpoint}'", shapes(state), shapes(model.state_dict()))
     model.load_state_dict({k: v.float() for k, v in state.items()})

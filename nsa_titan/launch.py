@@ -36,8 +36,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from .checkpoint.hf_folder import check_initial_source
 from .cli import EXIT_BAD_INPUT, make_folder, run_command
-from .config import load_config
+from .config import load_config, resolve_path
 from .env import set_launcher_env
 from .config import parse_args as parse_config
 from .fault import EXIT_HANG
@@ -126,6 +127,9 @@ def preflight(trainer_args: list[str], world_size: int | None, job: str) -> Fold
     """Config and output folders, checked before any rank starts (raises a bad-input error); the output
     folder taken for `job` (refused, with nothing written, if another run holds it)."""
     cfg = load_config(trainer_args, world_size)[0] if world_size else parse_config(trainer_args)[0]
+    source = Path(resolve_path(cfg.checkpoint.initial_load_path)) if cfg.checkpoint.initial_load_path else None
+    if source is not None and source.exists():  # an adaptation's RoPE, before anything is written
+        check_initial_source(source, cfg.model)
     paths = RunPaths.of(cfg)
     owner = FolderOwner.claim(paths.root, cfg.job.owner_heartbeat_seconds, cfg.job.owner_stale_seconds, job)
     try:

@@ -28,7 +28,8 @@ from .cli import ArgumentParser, run_command
 from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config
 from .data import build_tokenizer
 from .loss import cross_entropy_loss
-from .models.transformer import Transformer, TransformerBlock, rope_tables
+from .models.rope import rope_tables
+from .models.transformer import Transformer, TransformerBlock
 from .parallel import apply_ac, build_mesh, parallelize
 
 GIB = 2**30
@@ -64,7 +65,7 @@ def block_saved_bytes(cfg: JobConfig, T: int) -> float:
 
     x = torch.randn(1, T, m.dim, dtype=dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, rope_tables(m.head_dim, T, m.rope_theta).to(dtype))
+        block(x, rope_tables(m, T).to(dtype))
     return float(sum(seen.values()))
 
 

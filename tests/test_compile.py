@@ -14,7 +14,8 @@ import torch
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, ops
-from nsa_titan.models.transformer import NSAAttention, rope_tables
+from nsa_titan.models.rope import rope_tables
+from nsa_titan.models.transformer import NSAAttention
 
 from test_nsa_reference import random_inputs
 
@@ -41,7 +42,8 @@ def compiled_and_eager(module: NSAAttention, T: int, docs: Documents | None) -> 
 
     torch._dynamo.reset()
     x = torch.randn(2, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(T), requires_grad=True)
-    rope = rope_tables(16, T, 10000.0).double() if docs is None else rope_tables(16, T, 10000.0).double()[docs.positions]
+    rope = rope_tables(Model(head_dim=16), T).double()
+    rope = rope if docs is None else rope[docs.positions]
     results = []
     for fn in (torch.compile(module, backend=backend, fullgraph=True), module):
         out = fn(x, rope, docs=docs)
@@ -116,7 +118,7 @@ def test_inductor_compiled_block_equals_eager():
     module, T = layer(), 70
     docs = Documents.of(torch.stack([torch.arange(T) // 30, torch.arange(T) // 50]), SPEC)
     x = torch.randn(2, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    rope = rope_tables(16, T, 10000.0).double()[docs.positions]
+    rope = rope_tables(Model(head_dim=16), T).double()[docs.positions]
     torch._dynamo.reset()
     results = []
     for fn in (torch.compile(module, fullgraph=True), module):
@@ -131,7 +133,7 @@ def test_a_float32_block_choosing_its_kernels_per_call_compiles_fullgraph():
     built, which dynamo takes as a constant (it could not trace the build) instead of breaking the graph."""
     module = layer().float()
     x = torch.randn(1, 96, 48, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    rope = rope_tables(16, 96, 10000.0)
+    rope = rope_tables(Model(head_dim=16), 96)
     torch._dynamo.reset()
     compiled = torch.compile(module, backend="eager", fullgraph=True)
     got, want = compiled(x, rope), module(x, rope)

@@ -17,7 +17,7 @@ import torch
 
 from nsa_titan import export
 from nsa_titan.checkpoint import write_model_file
-from nsa_titan.config import derive, load_config, to_toml
+from nsa_titan.config import derive, load_config, max_context, to_toml
 from nsa_titan.data import DataError, build_tokenizer
 from nsa_titan.data.batch import eos_documents
 from nsa_titan.data.packing import PackedTextDataset
@@ -26,6 +26,7 @@ from nsa_titan.data.train_tokenizer import train_tokenizer
 from nsa_titan.evaluate import evaluate_documents, rolling_windows
 from nsa_titan.generate import generate
 from nsa_titan.inference import load_model
+from nsa_titan.models.rope import SCALED as SCALED_KEYS, hf_rope_parameters
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
@@ -41,7 +42,10 @@ OFF_PAPER = {"nsa": ["--model.smear", "true", "--model.cmp_phi", "mean", "--mode
 # name: (attention, off-paper options on, tokenizer kind)
 VARIANTS = {"nsa": ("nsa", False, "hf"), "nsa-offpaper": ("nsa", True, "hf"), "dense": ("dense", False, "hf"),
             "dense-offpaper": ("dense", True, "hf"), "nsa-sentencepiece": ("nsa", False, "sentencepiece"),
-            "dense-bytes": ("dense", False, "byte")}
+            "dense-bytes": ("dense", False, "byte"), "nsa-yarn": ("nsa", False, "hf")}
+YARN = ["--model.rope_scaling", "yarn", "--model.rope_factor", "4", "--model.rope_original_seq_len", "32"]
+"""Trained at 64 (the MODEL's seq_len) from 32: declared for 4 x 32 = 128 tokens, twice the training length."""
+SCALED = {"nsa-yarn": YARN}
 PROMPT = "The with statement"
 
 
@@ -52,8 +56,8 @@ def texts(n: int, split: str = "validation") -> list[str]:
 def variant_args(name: str, tokenizer_dir: Path) -> list[str]:
     attention, off, kind = VARIANTS[name]
     path = {"hf": str(tokenizer_dir), "sentencepiece": str(CORPUS / "tokenizer.model"), "byte": ""}[kind]
-    return [*MODEL, "--model.attention", attention, *(OFF_PAPER[attention] if off else []), "--data.tokenizer", kind,
-            "--data.tokenizer_path", path]
+    return [*MODEL, "--model.attention", attention, *(OFF_PAPER[attention] if off else []), *SCALED.get(name, []),
+            "--data.tokenizer", kind, "--data.tokenizer_path", path]
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +89,11 @@ def exported(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 def loaded(exported, tmp_path_factory) -> dict[str, dict]:
     """What a fresh interpreter with transformers sees of each export (tests/hf_check.py), and the ids asked."""
     work = tmp_path_factory.mktemp("hf_check")
-    ids = torch.randint(1, 900, (2, 60), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, 900, (2, 120), generator=torch.Generator().manual_seed(0))
     folders = {}
     for name in VARIANTS:
         _, tok, _ = load_model(str(exported / f"{name}.pt"))
-        rows = ids % tok.vocab_size
+        rows = ids[:, :120 if name in SCALED else 60] % tok.vocab_size  # past the training length, if declared
         rows[:, 25] = tok.eos_id  # a document ends here (the configs' document masking)
         folders[name] = {"dir": str(exported / name), "ids": rows.tolist(), "prompt": tok.encode(PROMPT)}
     request = {"folders": folders, "new_tokens": 12, "texts": texts(6) + [" odd  spacing\t\n", "é 日本"]}
@@ -123,8 +127,11 @@ def test_transformers_loads_the_export_with_equal_logits(exported, loaded, name)
     settings = json.loads((exported / name / "config.json").read_text())
     assert settings["model_type"] == "nsa_titan" and set(settings["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
     for key, value in vars(cfg.model).items():  # every [model] setting, the off-paper ones included
-        assert settings[key] == value, key
-    assert settings["vocab_size"] % 64 == 0 and settings["max_position_embeddings"] == cfg.training.seq_len
+        if key not in ("rope_theta", "max_seq_len", *SCALED_KEYS):  # RoPE's as transformers' rope_parameters
+            assert settings[key] == value, key
+    assert settings["rope_parameters"] == hf_rope_parameters(cfg.model)
+    assert settings["vocab_size"] % 64 == 0 and settings["max_position_embeddings"] == max_context(cfg)
+    assert max_context(cfg) == (128 if name in SCALED else cfg.training.seq_len)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -151,13 +158,16 @@ def test_the_exported_tokenizer_encodes_as_the_runs_own(exported, loaded, name):
     assert (got["eos"], got["bos"]) == (tok.eos_id, tok.bos_id)
 
 
-def test_a_dense_model_exports_as_llama_without_remote_code(tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("scaling", [[], YARN, ["--model.rope_scaling", "linear", "--model.rope_factor", "2",
+                                                "--model.rope_original_seq_len", "64"]])
+def test_a_dense_model_exports_as_llama_without_remote_code(tokenizer_dir, tmp_path, scaling):
     """Dense attention without smear or document masking is Llama's layout: `--format llama` writes a
-    folder transformers loads as LlamaForCausalLM, equal logits and greedy generate()."""
+    folder transformers loads as LlamaForCausalLM, equal logits (up to the declared maximum context,
+    past the training length with a RoPE scaling) and greedy generate()."""
     from transformers import AutoModelForCausalLM
 
     cfg, _ = load_config([*variant_args("dense", tokenizer_dir), "--training.document_masking", "false",
-                          "--model.rope_theta", "50000"], world_size=1)
+                          "--model.rope_theta", "50000", *scaling], world_size=1)
     cfg = derive(cfg, 1, build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path).vocab_size)
     model = Transformer(cfg.model, cfg.training.seq_len)
     model.init_weights(3)
@@ -169,7 +179,8 @@ def test_a_dense_model_exports_as_llama_without_remote_code(tokenizer_dir, tmp_p
     llama = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").eval()
     assert type(llama).__name__ == "LlamaForCausalLM"
     model, tok, _ = load_model(str(tmp_path / "dense.pt"))
-    ids = torch.randint(0, tok.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+    assert llama.config.max_position_embeddings == model.max_seq_len == max_context(cfg)
+    ids = torch.randint(0, tok.vocab_size, (2, max_context(cfg)), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(llama(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
         prompt = torch.tensor([tok.encode(PROMPT)])

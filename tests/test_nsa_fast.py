@@ -13,7 +13,8 @@ from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import Kernels, choose_kernels
 from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.attention import cpu_attention, ops
-from nsa_titan.models.transformer import NSAAttention, rope_tables
+from nsa_titan.models.rope import rope_tables
+from nsa_titan.models.transformer import NSAAttention
 
 from test_nsa_reference import random_inputs
 
@@ -66,7 +67,7 @@ different blocks), and up to 1e-4 from each other. fp64 (1e-10) is the exactness
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, FP32_TOL)])
 def test_fast_equals_reference_output_and_every_gradient(B, T, H, G, D, dtype, tol):
     ref, fast = module_pair(H, G, D, SPEC, dtype)
-    rope = rope_tables(D, T, 10000.0).to(dtype)
+    rope = rope_tables(Model(head_dim=D), T).to(dtype)
     x = torch.randn(B, T, 48, dtype=dtype, generator=torch.Generator().manual_seed(T))
     xr, xf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out_r, out_f = ref(xr, rope), fast(xf, rope)
@@ -135,7 +136,7 @@ def test_branches_left_out_add_nothing_and_are_not_computed(monkeypatch, branche
 @pytest.mark.parametrize("T", [70, 200])
 def test_fast_is_causal(cpu_path, T):
     _, fast = module_pair(12, 2, 16, SPEC, torch.float64)
-    rope = rope_tables(16, T, 10000.0).double()
+    rope = rope_tables(Model(head_dim=16), T).double()
     x = torch.randn(1, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     y = fast(x, rope)
     for s in (0, 15, 16, 63, 64, 65, T - 1):  # block and chunk edges
@@ -298,7 +299,7 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
                 sel_top_n=5, window_size=24)
     layer = NSAAttention(cfg, Kernels(win="flash"))
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
-    layer(torch.randn(1, 40, 48), rope_tables(16, 40, 10000.0))
+    layer(torch.randn(1, 40, 48), rope_tables(Model(head_dim=16), 40))
     assert calls == [{"causal": True, "window_size": (23, 0)}]
 
 

@@ -11,7 +11,8 @@ from nsa_titan.config import Model
 from nsa_titan.models.attention import (
     NSASpec, cmp_visibility, dense_causal, nsa_reference, sel_members, select_blocks, top_n,
 )
-from nsa_titan.models.transformer import NSAAttention, Transformer, rope_tables
+from nsa_titan.models.rope import rope_tables
+from nsa_titan.models.transformer import NSAAttention, Transformer
 
 SMALL = NSASpec(l=8, d=4, l_sel=8, n=4, w=16)
 
@@ -220,7 +221,7 @@ def attention_module(H: int = 4, G: int = 2, D: int = 16, spec: NSASpec = SMALL,
 def test_nsa_module_is_causal(T, H, G):
     """Changing the input at position s changes no output before s (compression included)."""
     attn = attention_module(H, G)
-    rope = rope_tables(16, T, 10000.0).double()
+    rope = rope_tables(Model(head_dim=16), T).double()
     x = torch.randn(2, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = attn(x, rope)
     for s in (0, 7, 8, 15, 16, T - 1):  # block edges of l=8, d=4, l'=8

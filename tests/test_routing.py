@@ -18,7 +18,8 @@ from nsa_titan.models.attention.common import block_scores, forced_blocks, maske
 from nsa_titan.models.attention import cpu_attention, routing
 from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
 from nsa_titan.models import transformer
-from nsa_titan.models.transformer import NSAAttention, rope_tables
+from nsa_titan.models.rope import rope_tables
+from nsa_titan.models.transformer import NSAAttention
 
 from test_nsa_reference import random_inputs
 
@@ -270,7 +271,7 @@ def test_the_layer_adds_the_scores_gradient_and_keeps_its_output(wrap, explore):
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
     T, w = 72, 0.7
     x = torch.randn(2, T, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    rope = rope_tables(16, T, 10000.0).double()
+    rope = rope_tables(Model(head_dim=16), T).double()
     params = list(layer.parameters())
     plain = layer(x, rope)
     plain_grads = torch.autograd.grad(plain.square().sum(), params)
@@ -315,5 +316,5 @@ def test_a_layer_whose_sel_is_gated_off_skips_the_scores_gradient(branch, monkey
     monkeypatch.setattr(transformer, "with_score_grad", lambda o, *a, **k: calls.append(1) or o)
     layer = NSAAttention(dataclasses.replace(CFG, nsa_branch=branch, sel_score_grad=1.0, sel_score_explore=2))
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
-    layer(torch.randn(1, 40, 48), rope_tables(16, 40, 10000.0)).sum().backward()
+    layer(torch.randn(1, 40, 48), rope_tables(Model(head_dim=16), 40)).sum().backward()
     assert len(calls) == (branch == "all")

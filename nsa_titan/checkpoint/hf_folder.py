@@ -8,12 +8,15 @@ another model config is refused with the keys that differ, before anything is lo
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import Model
+from ..models.rope import check_source, describe, hf_rope_parameters, rope_of, rope_settings
+from ..paths import config_of_checkpoint
 from .errors import CheckpointError
 
 MODEL_TYPE = "nsa_titan"
@@ -46,10 +49,14 @@ def read_settings(path: Path) -> dict[str, Any]:
     return settings
 
 
-def check_settings(path: Path, settings: dict[str, Any], model: Model) -> None:
-    """A CheckpointError naming the ARCHITECTURE settings of the export that differ from `model`'s."""
+def check_settings(path: Path, settings: dict[str, Any], model: Model, scaling: bool = True) -> None:
+    """A CheckpointError naming the ARCHITECTURE settings of the export that differ from `model`'s, and
+    its RoPE scaling's unless `scaling` is False (an adaptation checks those, `models.rope.check_source`)."""
+    settings = {**settings, **rope_settings(settings)}
     wrong = [f"{k} = {settings[k]!r} there, {getattr(model, k)!r} here" for k in ARCHITECTURE
              if k in settings and settings[k] != getattr(model, k)]
+    if scaling and hf_rope_parameters(rope_of(settings)) != hf_rope_parameters(model):
+        wrong.append(f"RoPE scaling {describe(rope_of(settings))} there, {describe(model)} here")
     if wrong:
         raise CheckpointError(f"{path} was exported from a different model config ({'; '.join(wrong[:5])}): set "
                               f"[model] as the export's config.json has it (its nsa_titan.toml is the whole config)")
@@ -71,3 +78,28 @@ def read_hf_folder(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     if settings.get("tie_embeddings") and "output.weight" not in state and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]  # saved once, as transformers saves tied weights
     return settings, state
+
+
+def source_settings(path: Path) -> tuple[dict[str, Any], int] | None:
+    """(the `[model]` settings, the training seq_len) a checkpoint was trained with: an export's config.json,
+    else the config beside a step folder or model file; None where none is found."""
+    if is_hf_folder(path):
+        settings = read_settings(path)
+        return {**settings, **rope_settings(settings)}, settings.get("max_position_embeddings", 0)
+    config = config_of_checkpoint(path)
+    if not config.is_file():
+        return None
+    try:
+        saved = tomllib.loads(config.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise CheckpointError(f"{config}, the config of {path}, cannot be read ({e})") from None
+    return saved.get("model", {}), saved.get("training", {}).get("seq_len", 0)
+
+
+def check_initial_source(path: Path, model: Model) -> tuple[dict[str, Any], int] | None:
+    """`source_settings` of an initial load's `path`, after a ConfigError if its RoPE cannot start `model`
+    (`models.rope.check_source`: the same, or an unscaled one `model` scales from its training length)."""
+    source = source_settings(path)
+    if source is not None:
+        check_source(source[0], source[1], model, str(path))
+    return source

@@ -18,6 +18,7 @@ import re
 import shutil
 import threading
 import time
+import tomllib
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,8 @@ from ..config import Checkpoint as CheckpointConfig
 from ..parallel import side_group
 from .errors import CheckpointError
 from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan, set_aside
-from .hf_folder import check_settings, is_hf_folder, read_hf_folder
+from ..models.rope import describe, rope_of
+from .hf_folder import check_initial_source, check_settings, is_hf_folder, read_hf_folder
 from .integrity import HashingWriter, verify_files
 from .model_file import check_fit, read_model_file, saved_shapes, shapes
 from .states import FixedState, ModelState, Opaque, OptimizerState, RNGState, TrainState
@@ -241,23 +243,31 @@ class CheckpointManager:
         raise CheckpointError(f"checkpoint {path} cannot be used: {problem}. Nothing was loaded or overwritten; {way}")
 
     def _initial_load(self, path: Path) -> None:
-        """Warm start from a DCP step folder, an exported single-file state dict or a Hugging Face export."""
+        """Warm start from a DCP step folder, an exported single-file state dict or a Hugging Face export;
+        its RoPE must be the run's, or an unscaled one the run's scaling stretches (an adaptation)."""
+        if not path.exists():
+            raise CheckpointError(f"[checkpoint] initial_load_path = '{path}': no such checkpoint folder or file")
+        source = check_initial_source(path, self.model.cfg)
         if path.is_file() or is_hf_folder(path):
             if path.is_file():
                 state = read_model_file(path)
             else:
                 settings, state = read_hf_folder(path)
-                check_settings(path, settings, self.model.cfg)
+                check_settings(path, settings, self.model.cfg, scaling=False)
             check_fit(f"[checkpoint] initial_load_path = '{path}'", shapes(state), shapes(get_model_state_dict(self.model)))
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
-            logger.info("initial model weights from %s", path)
+            model_only = True
+        else:
+            model_only = self.cfg.initial_load_model_only
+            self._load(path, {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} if model_only
+                       else set(self.cfg.exclude_from_loading), initial=True)
+        if not model_only:
+            logger.info("initial load from %s (full: model, optimizer, schedule, data position)", path)
             return
-        if not path.is_dir():
-            raise CheckpointError(f"[checkpoint] initial_load_path = '{path}': no such checkpoint folder or file")
-        exclude = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} if self.cfg.initial_load_model_only \
-            else set(self.cfg.exclude_from_loading)
-        self._load(path, exclude, initial=True)
-        logger.info("initial load from %s (%s)", path, "model only" if self.cfg.initial_load_model_only else "full")
+        trained = "" if source is None else f", trained at seq_len {source[1]:,} with RoPE {describe(rope_of(source[0]))}"
+        seq_len = tomllib.loads(self.config_toml)["training"]["seq_len"]
+        logger.info("initial model weights from %s%s; this run: seq_len %s, RoPE %s; fresh optimizer, lr schedule and "
+                    "data position", path, trained, f"{seq_len:,}", describe(self.model.cfg))
 
     def _dcp_load(self, parts: dict[str, Any], path: Path) -> None:
         try:

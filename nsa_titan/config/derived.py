@@ -64,6 +64,27 @@ def derive(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) 
     return out
 
 
+def max_context(cfg: JobConfig) -> int:
+    """The longest context the model is declared for: `[model] max_seq_len`, else rope_original_seq_len x
+    rope_factor with a RoPE scaling, else training.seq_len."""
+    m = cfg.model
+    if m.max_seq_len:
+        return m.max_seq_len
+    return int(m.rope_original_seq_len * m.rope_factor) if m.rope_scaling != "none" else cfg.training.seq_len
+
+
+def check_context(cfg: JobConfig, context: int, what: str) -> None:
+    """A ConfigError if `context` tokens (`what` asked for them) exceed `max_context`."""
+    if context > (limit := max_context(cfg)):
+        m = cfg.model
+        declared = (f"[model] max_seq_len = {m.max_seq_len}" if m.max_seq_len else
+                    f"rope_original_seq_len {m.rope_original_seq_len} x rope_factor {m.rope_factor:g}"
+                    if m.rope_scaling != "none" else f"training.seq_len = {cfg.training.seq_len}, no RoPE scaling")
+        raise ConfigError(f"{what}: a context of {context:,} tokens is beyond the model's declared maximum of "
+                          f"{limit:,} ({declared}): adapt the model to a longer context (docs/long-context.md), or "
+                          f"pass --model.max_seq_len {context} to run it past its length anyway")
+
+
 def dp_world(cfg: JobConfig) -> int:
     """Data-parallel ranks of a derived config: the world size / context_parallel_degree."""
     return cfg.parallelism.data_parallel_replicate_degree * cfg.parallelism.data_parallel_shard_degree

@@ -66,6 +66,24 @@ class Model:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base; larger keeps far positions apart (recall.toml: 500000)."""
+    rope_scaling: Literal["none", "linear", "yarn"] = "none"
+    """RoPE stretched past the pretraining length (docs/long-context.md): `linear`, every frequency divided by
+    rope_factor (position interpolation); `yarn`, YaRN (arXiv 2309.00071): only the slow frequencies
+    divided, cos and sin times rope_attention_factor. The tables equal transformers' rope types."""
+    rope_factor: float = 1.0
+    """s: how many times rope_original_seq_len the scaled model reaches (>= 1; 1 without a scaling)."""
+    rope_original_seq_len: int = 0
+    """With a scaling: the length the model was pretrained at (<= training.seq_len; YaRN's L)."""
+    rope_beta_fast: float = 32.0
+    """YaRN: a frequency that turns more than this many times over the original length is kept."""
+    rope_beta_slow: float = 1.0
+    """YaRN: one that turns fewer times than this is interpolated (divided by s); a linear ramp between."""
+    rope_attention_factor: float = 0.0
+    """YaRN: the factor cos and sin are multiplied by; 0 means YaRN's 0.1 ln(s) + 1."""
+    max_seq_len: int = 0
+    """The longest context the model is declared for (generate, evaluate, the HF export's
+    max_position_embeddings); 0 means rope_original_seq_len x rope_factor with a scaling, else
+    training.seq_len. A context beyond it is refused; set it to evaluate past that on purpose."""
     tie_embeddings: bool = False
     """Share the token embedding with the output head."""
     smear: bool = False

@@ -66,6 +66,7 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              f"each KV group must serve the same number of query heads (e.g. n_kv_groups = 1, 2, ... "
              f"dividing {m.n_heads})")
     _require(m.head_dim % 2 == 0, f"[model] head_dim = {m.head_dim}: must be even (RoPE rotates pairs)")
+    _validate_rope(m, t.seq_len)
     _require(m.ffn_hidden_dim >= 0 and m.cmp_mlp_hidden >= 0,
              "[model] ffn_hidden_dim and cmp_mlp_hidden must be >= 0 (0 picks the default)")
     _require(m.kernels == "auto" or (m.attention == "nsa" and m.attn_impl == "fast"),
@@ -146,6 +147,34 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              f"[training] global_batch_size = {t.global_batch_size} must be a positive multiple of "
              f"local_batch_size x dp degree = {t.local_batch_size} x {dp} = {micro} "
              f"(the multiple is the number of gradient-accumulation steps), or -1 for {micro}")
+
+
+def _validate_rope(m: Model, seq_len: int) -> None:
+    """The RoPE scaling keys (docs/long-context.md)."""
+    _require(m.rope_theta > 0, f"[model] rope_theta = {m.rope_theta:g}: must be > 0")
+    if m.rope_scaling == "none":
+        _require(m.rope_factor == 1 and m.rope_original_seq_len == 0,
+                 f"[model] rope_factor = {m.rope_factor:g}, rope_original_seq_len = {m.rope_original_seq_len} with "
+                 f"rope_scaling = 'none': they stretch a scaling; set rope_scaling = 'yarn' (or 'linear'), or leave "
+                 f"them at 1 and 0")
+    else:
+        _require(m.rope_factor >= 1, f"[model] rope_factor = {m.rope_factor:g}: the context grows by this factor, so "
+                                     f"it must be >= 1 (e.g. 4 for 1,024 -> 4,096)")
+        _require(0 < m.rope_original_seq_len <= seq_len,
+                 f"[model] rope_original_seq_len = {m.rope_original_seq_len}: with rope_scaling = '{m.rope_scaling}' "
+                 f"give the length the model was pretrained at, > 0 and <= training.seq_len = {seq_len} (the "
+                 f"scaling stretches it to a longer context, never a shorter one)")
+        _require(m.max_seq_len or seq_len <= m.rope_original_seq_len * m.rope_factor,
+                 f"[training] seq_len = {seq_len} exceeds rope_original_seq_len x rope_factor = "
+                 f"{m.rope_original_seq_len} x {m.rope_factor:g}, the length the scaling reaches: raise rope_factor "
+                 f"to {seq_len / m.rope_original_seq_len:g}")
+    _require(m.rope_beta_fast > m.rope_beta_slow > 0 and m.rope_attention_factor >= 0,
+             f"[model] rope_beta_fast = {m.rope_beta_fast:g}, rope_beta_slow = {m.rope_beta_slow:g}, "
+             f"rope_attention_factor = {m.rope_attention_factor:g}: YaRN needs beta_fast > beta_slow > 0 and an "
+             f"attention factor >= 0 (0: 0.1 ln(s) + 1; defaults 32, 1, 0)")
+    _require(m.max_seq_len == 0 or m.max_seq_len >= seq_len,
+             f"[model] max_seq_len = {m.max_seq_len}: the declared maximum context must be >= training.seq_len = "
+             f"{seq_len} (0: derived)")
 
 
 def last_ac_layer(m: Model, last_layer: int) -> int:

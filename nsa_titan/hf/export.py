@@ -26,10 +26,11 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..checkpoint import CheckpointError, check_fit, shapes
-from ..config import DTYPES, JobConfig, derive, load_config
+from ..config import DTYPES, JobConfig, derive, load_config, max_context
 from ..data import Tokenizer, build_tokenizer
 from ..data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
 from ..inference import SINGLE_PROCESS
+from ..models.rope import SCALED, hf_rope_parameters
 from ..models.transformer import Transformer
 from . import NSATitanConfig, NSATitanForCausalLM
 
@@ -94,10 +95,11 @@ def check_output(output: Path, source: str) -> None:
 
 def hf_config(cfg: JobConfig, tokenizer: Tokenizer, source: str):
     """The NSATitanConfig of a run's derived config."""
-    return NSATitanConfig(max_position_embeddings=cfg.training.seq_len, document_masking=cfg.training.document_masking,
-                          eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.eos_id,
-                          tie_word_embeddings=cfg.model.tie_embeddings, **{SOURCE_KEY: source},
-                          **dataclasses.asdict(cfg.model))
+    settings = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("rope_theta", "max_seq_len", *SCALED)}
+    return NSATitanConfig(max_position_embeddings=max_context(cfg), document_masking=cfg.training.document_masking,
+                          rope_parameters=hf_rope_parameters(cfg.model), eos_token_id=tokenizer.eos_id,
+                          bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.eos_id,
+                          tie_word_embeddings=cfg.model.tie_embeddings, **{SOURCE_KEY: source}, **settings)
 
 
 def llama_model(cfg: JobConfig, tokenizer: Tokenizer, source: str, state: Mapping[str, torch.Tensor]):
@@ -117,7 +119,7 @@ def llama_model(cfg: JobConfig, tokenizer: Tokenizer, source: str, state: Mappin
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=state["layers.0.feed_forward.w1.weight"].shape[0],
         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=G, head_dim=D,
-        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, max_position_embeddings=cfg.training.seq_len,
+        rms_norm_eps=m.norm_eps, rope_parameters=hf_rope_parameters(m), max_position_embeddings=max_context(cfg),
         tie_word_embeddings=m.tie_embeddings, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
         pad_token_id=tokenizer.eos_id, **{SOURCE_KEY: source}))
     renamed = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"],

@@ -15,7 +15,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from nsa_titan.config import Model
 from nsa_titan.data.batch import document_ids
 from nsa_titan.models.decode import DecodeCache
-from nsa_titan.models.transformer import Transformer, rope_tables
+from nsa_titan.models.rope import rope_settings, rope_tables
+from nsa_titan.models.transformer import Transformer
 
 from .configuration_nsa_titan import NSATitanConfig
 
@@ -25,7 +26,8 @@ CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ 
 
 def model_config(config: NSATitanConfig) -> Model:
     """nsa_titan's `[model]` section of an HF config (defaults for settings it lacks)."""
-    return Model(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Model) if hasattr(config, f.name)})
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(Model) if hasattr(config, f.name)}
+    return Model(**{**fields, **rope_settings({"rope_parameters": config.rope_parameters})})
 
 
 class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
@@ -47,8 +49,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Only what a checkpoint does not hold: the RoPE table (a buffer it does not save)."""
         if isinstance(module, Transformer):
-            cfg = module.cfg
-            module.rope.copy_(rope_tables(cfg.head_dim, module.max_seq_len, cfg.rope_theta, module.rope.device))
+            module.rope.copy_(rope_tables(module.cfg, module.max_seq_len, module.rope.device))
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.tok_embeddings

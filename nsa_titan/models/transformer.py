@@ -24,6 +24,7 @@ from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference, with_score_grad
 from .attention.dense import with_block_masks
 from .nsa_stats import gate_stats, selection_stats
+from .rope import apply_rope, rope_tables
 
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
@@ -52,23 +53,6 @@ def previous_tokens(tokens: torch.Tensor, docs: Documents | None = None) -> torc
     """(B, T): the token before each one in its document; -1 at a row's or a document's first token."""
     prev = F.pad(tokens[:, :-1], (1, 0), value=-1)
     return prev if docs is None else prev.masked_fill(docs.positions == 0, -1)
-
-
-def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """(seq_len, head_dim) float32: cos in the first half, sin in the second."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate (x1, x2) halves of the last dim of x (B, T, N, D) by position: `rope` is the table
-    from position 0 (>= T rows) or each token's own row (B, T, head_dim)."""
-    T, D = x.shape[1], x.shape[-1]
-    rope = rope[:T, None] if rope.dim() == 2 else rope[:, :, None]
-    cos, sin = rope[..., : D // 2], rope[..., D // 2 :]
-    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class FeedForward(nn.Module):
@@ -321,7 +305,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_tables(cfg, max_seq_len), persistent=False)
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
 
     def check_length(self, end: int) -> None:
@@ -435,7 +419,7 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight  # plain `to_empty` unties them
         gen = torch.Generator().manual_seed(seed)
-        self.rope.copy_(rope_tables(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device))
+        self.rope.copy_(rope_tables(self.cfg, self.max_seq_len, self.rope.device))
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
         _init_trunc_normal(self.tok_embeddings.weight, std if self.cfg.tie_embeddings else 1.0, gen)
         if self.smear is not None:
