@@ -194,6 +194,17 @@ def test_generate_and_evaluate_past_the_training_length_agree_with_the_forward(a
 
 
 @pytest.mark.multiprocess
+def test_recall_takes_distances_past_the_training_length(adapted):
+    """Held-out recall rows of 512 tokens (twice the training length) with each pair 300 tokens back."""
+    proc = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", str(adapted), "--task", "recall", "--seq_len",
+                           "512", "--distances", "64", "300", "--batches", "1"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:4] for line in proc.stdout.splitlines() if line.startswith("| 300 |")]
+    assert rows and int(rows[0][2]) > 0, proc.stdout  # queries asked at distance 300
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command, phrase", [
     (["nsa_titan.evaluate", "{ckpt}", "--seq_len", "1024", "--batches", "1"],
      "--seq_len: a context of 1,024 tokens is beyond the model's declared maximum of 512 (rope_original_seq_len 128 "
@@ -214,9 +225,13 @@ def test_a_context_past_the_declared_maximum_is_one_line_and_exit_2(adapted, com
 @pytest.mark.parametrize("args, phrase", [
     (["--model.rope_original_seq_len", "64"], "rope_original_seq_len = 64, but {src} was trained at seq_len 128"),
     (["--model.rope_theta", "500000"], "rope_theta = 500000, but {src} was trained with rope_theta = 10000"),
+    (["--model.rope_factor", "0.5"], "rope_factor = 0.5: the context grows by this factor"),
+    (["--model.rope_scaling", "ntk"], "rope_scaling = 'ntk' is invalid"),
+    (["--model.rope_original_seq_len", "512"], "rope_original_seq_len = 512: with rope_scaling = 'yarn'"),
 ])
-def test_scaling_a_checkpoint_whose_settings_differ_exits_2_and_writes_nothing(pretrained, tmp_path, args, phrase):
+def test_bad_rope_settings_or_sources_exit_2_with_one_line_and_write_nothing(pretrained, tmp_path, args, phrase):
     src = pretrained / "step-12"
     out = run_train(tmp_path / "run", *ADAPT, *args, "--checkpoint.initial_load_path", str(src), expect=2)
-    assert phrase.format(src=src) in out
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert len(errors) == 1 and phrase.format(src=src) in errors[0], out[-3000:]
     assert not (tmp_path / "run").exists()

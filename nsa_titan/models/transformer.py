@@ -309,10 +309,11 @@ class Transformer(nn.Module):
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
 
     def check_length(self, end: int) -> None:
-        """A clear error for positions past max_seq_len (the RoPE table's length)."""
+        """A clear error for positions past max_seq_len (the RoPE table's length: the declared maximum context)."""
         if end > self.max_seq_len:
-            raise ValueError(f"{end} positions exceed the model's max_seq_len = {self.max_seq_len}: build it with "
-                             f"a larger max_seq_len (training.seq_len, or load_model's max_seq_len)")
+            raise ValueError(f"{end} positions exceed the model's max_seq_len = {self.max_seq_len}, the context it is "
+                             f"declared for: adapt it to a longer one (docs/long-context.md), or build it with a "
+                             f"larger max_seq_len ([model] max_seq_len, training.seq_len)")
 
     @contextlib.contextmanager
     def branch_off(self, layer: int, branch: str) -> Iterator[None]:
