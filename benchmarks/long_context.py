@@ -1,7 +1,8 @@
 """Long context the paper's way, on the CPU: pretrain short, evaluate past the training length, adapt
 long with YaRN (and, as a control, without a scaling), evaluate again.
 
-    python benchmarks/long_context.py [--models nsa dense] [--steps N] [--adapt_steps 150] [--work DIR]
+    python benchmarks/long_context.py [--models nsa dense] [--steps N] [--adapt_steps 150] [--scalings yarn plain]
+        [--work DIR]
         [--distances 256 512 960 1536 2048 3072 4000] [--batches 4] [--text_steps 300] [--text_adapt_steps 40]
 
 Recall (`train_configs/recall.toml`, trained as `recall_report.py` trains it: the drill, then the recall
@@ -10,10 +11,12 @@ run at seq 1,024; dense with its MLP widened to NSA's parameter count), per mode
   yarn        adapted at seq 4,096 with `rope_scaling = "yarn"`, factor 4 from 1,024, for --adapt_steps steps
               (batch 2: the pretraining's tokens per step), from the pretrained weights (fresh optimizer);
   plain       the same adaptation without a scaling.
-Each is evaluated on held-out recall rows of 4,096 tokens at every distance (exact recall of all value
-tokens), then NSA's routing (`recall_routing`: how often each layer's selection held the pair).
+Each is evaluated on the same held-out recall rows of 4,096 tokens (--batches x 8) at every distance
+(exact recall of all value tokens), then NSA's routing (`recall_routing`: how often each layer's
+selection held the pair).
 Text (`debug_model.toml` on the embedded corpus, without document masking so that rows are 4,096-token
-streams): the same three stages at --text_steps / --text_adapt_steps, and the loss by position
+streams): the same three stages at --text_steps / --text_adapt_steps (batch 1, lr 3e-4: a tenth of the
+pretraining's), and the loss by position
 (`evaluate --by_position`, buckets of 512) at 4,096.
 
 Stages whose checkpoint is already in --work are not trained again (a run can be resumed).
@@ -40,6 +43,8 @@ YARN = ["--model.rope_scaling", "yarn", "--model.rope_factor", str(LONG // SHORT
         str(SHORT)]
 PAST = ["--model.max_seq_len", str(LONG)]
 """Evaluation overrides of a model pretrained at SHORT: declared for LONG, to measure it there."""
+ROWS = ["--training.local_batch_size", "8"]
+"""Recall evaluation batches of 8 rows for every stage (the adaptations train with 2): the same held-out rows."""
 
 
 def last_step(dump: Path) -> Path | None:
@@ -66,16 +71,17 @@ def recall_stages(model: str, overrides: list[str], args: argparse.Namespace, wo
     adapt = [*overrides, "--training.seq_len", str(LONG), "--training.local_batch_size", "2", "--training.steps",
              str(args.adapt_steps), "--checkpoint.interval", str(args.adapt_steps), "--lr_scheduler.warmup_steps", "10",
              "--checkpoint.initial_load_path", str(pre)]
-    stages = {"pretrained": (pre, PAST),
-              "yarn": (trained(f"{model} yarn", CONFIG, [*adapt, *YARN], work / f"recall-{model}-yarn"), []),
-              "plain": (trained(f"{model} plain", CONFIG, adapt, work / f"recall-{model}-plain"), [])}
+    stages = {"pretrained": (pre, PAST)}
+    for scaling in args.scalings:  # the adaptations, each in a folder of its own
+        stages[scaling] = (trained(f"{model} {scaling}", CONFIG, [*adapt, *(YARN if scaling == "yarn" else [])],
+                                   work / f"recall-{model}-{scaling}-{args.adapt_steps}"), [])
     results: dict[str, dict] = {}
     for stage, (ckpt, extra) in stages.items():
-        net, _, cfg = load_at(str(ckpt), None, extra, LONG)
+        net, _, cfg = load_at(str(ckpt), None, [*extra, *ROWS], LONG)
         start = time.perf_counter()
         acc = evaluate_recall(net, cfg, args.distances, args.batches)
         results[stage] = {d: c / max(n, 1) for d, (c, n) in acc.items()}
-        print(f"  {model} {stage}: " + ", ".join(f"{d}: {v:.1%}" for d, v in results[stage].items()) +
+        print(f"  {model} {stage}: " + ", ".join(f"{d}: {c}/{n}" for d, (c, n) in acc.items()) +
               f" ({time.perf_counter() - start:.0f} s)", flush=True)
         if model == "nsa" and stage == "yarn":
             print(f"\n{model} {stage}: value tokens right, and how often each layer's selection held the pair:\n"
@@ -93,7 +99,7 @@ def text_stages(model: str, overrides: list[str], args: argparse.Namespace, work
                   work / f"text-{model}")
     adapt = [*base, "--training.seq_len", str(LONG), "--training.local_batch_size", "1", "--training.steps",
              str(args.text_adapt_steps), "--checkpoint.interval", str(args.text_adapt_steps),
-             "--lr_scheduler.warmup_steps", "5", "--checkpoint.initial_load_path", str(pre)]
+             "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-4", "--checkpoint.initial_load_path", str(pre)]
     stages = {"pretrained": (pre, PAST),
               "yarn": (trained(f"{model} text yarn", TEXT, [*adapt, *YARN], work / f"text-{model}-yarn"), []),
               "plain": (trained(f"{model} text plain", TEXT, adapt, work / f"text-{model}-plain"), [])}
@@ -111,7 +117,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=("nsa", "dense"), default=["nsa", "dense"])
     parser.add_argument("--drill_steps", type=int, default=450)
     parser.add_argument("--steps", type=int, default=0, help="recall pretraining steps (0: recall.toml's)")
-    parser.add_argument("--adapt_steps", type=int, default=150)
+    parser.add_argument("--adapt_steps", type=int, default=150, help="recall adaptation steps")
+    parser.add_argument("--scalings", nargs="+", choices=("yarn", "plain"), default=["yarn", "plain"],
+                        help="the recall adaptations: with YaRN, without a scaling")
     parser.add_argument("--distances", type=int, nargs="+", default=[256, 512, 960, 1536, 2048, 3072, 4000])
     parser.add_argument("--batches", type=int, default=4, help="held-out recall batches (of 8 rows) per distance")
     parser.add_argument("--text_steps", type=int, default=300, help="text pretraining steps (0: no text part)")
