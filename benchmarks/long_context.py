@@ -43,7 +43,7 @@ YARN = ["--model.rope_scaling", "yarn", "--model.rope_factor", str(LONG // SHORT
         str(SHORT)]
 PAST = ["--model.max_seq_len", str(LONG)]
 """Evaluation overrides of a model pretrained at SHORT: declared for LONG, to measure it there."""
-ROWS = ["--training.local_batch_size", "8"]
+ROWS = ["--training.local_batch_size", "8", "--training.global_batch_size", "-1"]
 """Recall evaluation batches of 8 rows for every stage (the adaptations train with 2): the same held-out rows."""
 
 
