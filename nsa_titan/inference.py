@@ -26,9 +26,10 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
                ) -> tuple[Transformer, Tokenizer, JobConfig]:
     """The model (eval mode, on `device`), its tokenizer and its config (by default the one saved with
     the checkpoint). The model takes contexts up to its declared maximum (`config.max_context`);
-    `context`, (what asks for it, its tokens given the tokenizer), is checked against it before the
-    weights are read. With `context_parallel` > 1 the config is checked for that split (a ConfigError
-    if it cannot run) and the model takes the padded sequence (`parallel.apply_cp` then splits it)."""
+    `context` (what asks for one, and its tokens given the tokenizer) is checked against it once the
+    checkpoint is read and fits, before any use. With `context_parallel` > 1 the config is checked
+    for that split (a ConfigError if it cannot run) and the model takes the padded sequence
+    (`parallel.apply_cp` then splits it)."""
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"checkpoint '{checkpoint}' not found: give a step-N folder, an exported .pt file or "
@@ -45,8 +46,6 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
                           *(split if context_parallel > 1 else [])], world_size=context_parallel)
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
     cfg = derive(cfg, context_parallel, tokenizer.vocab_size)
-    if context is not None:
-        check_context(cfg, context[1](tokenizer), context[0])
     multiple = cp_multiple(cfg.model, context_parallel) if context_parallel > 1 else 1  # the cp padding
     if is_hf_folder(path):
         settings, state = read_hf_folder(path)
@@ -57,4 +56,6 @@ def load_model(checkpoint: str, config: str | None = None, overrides: list[str] 
     model.init_weights(0)  # the rope table; every parameter is then overwritten
     check_fit(f"checkpoint '{checkpoint}'", shapes(state), shapes(model.state_dict()))
     model.load_state_dict({k: v.float() for k, v in state.items()})
+    if context is not None:
+        check_context(cfg, context[1](tokenizer), context[0])
     return model.to(device).eval(), tokenizer, cfg
