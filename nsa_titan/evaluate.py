@@ -86,8 +86,9 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)
     per data-parallel rank of `seq_len` tokens (0: the training length); `by_position` adds
     'by_position': {(first, end): (loss, tokens)} of the tokens predicted at positions [first, end),
-    `bucket` wide (0: seq_len / 8; positions from `token_positions`). With `context_parallel` = cp > 1 (under torchrun) each sequence is split
-    across cp ranks as in training, and the other ranks are data-parallel."""
+    `bucket` wide (0: seq_len / 8; positions from `token_positions`). With `context_parallel` = cp > 1
+    (under torchrun) each sequence is split across cp ranks as in training, and the other ranks are
+    data-parallel."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     cp = context_parallel
     if world % cp:

@@ -34,7 +34,8 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_settings(path: Path) -> dict[str, Any]:
-    """config.json of an nsa_titan export; a CheckpointError for a folder without one or of another model type."""
+    """config.json of an nsa_titan export, its RoPE as `[model]` keys (`models.rope.rope_settings`); a
+    CheckpointError for a folder without one or of another model type."""
     config = path / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{path} holds no config.json: it is not a Hugging Face model folder; export one with "
@@ -46,13 +47,12 @@ def read_settings(path: Path) -> dict[str, Any]:
     if settings.get("model_type") != MODEL_TYPE:
         raise CheckpointError(f"{path} holds a '{settings.get('model_type')}' model, not an nsa_titan one: only "
                               f"folders that `nsa_titan.export --format hf` wrote load here")
-    return settings
+    return {**settings, **rope_settings(settings)}
 
 
 def check_settings(path: Path, settings: dict[str, Any], model: Model, scaling: bool = True) -> None:
     """A CheckpointError naming the ARCHITECTURE settings of the export that differ from `model`'s, and
     its RoPE scaling's unless `scaling` is False (an adaptation checks those, `models.rope.check_source`)."""
-    settings = {**settings, **rope_settings(settings)}
     wrong = [f"{k} = {settings[k]!r} there, {getattr(model, k)!r} here" for k in ARCHITECTURE
              if k in settings and settings[k] != getattr(model, k)]
     if scaling and hf_rope_parameters(rope_of(settings)) != hf_rope_parameters(model):
@@ -85,7 +85,7 @@ def source_settings(path: Path) -> tuple[dict[str, Any], int] | None:
     else the config beside a step folder or model file; None where none is found."""
     if is_hf_folder(path):
         settings = read_settings(path)
-        return {**settings, **rope_settings(settings)}, settings.get("max_position_embeddings", 0)
+        return settings, settings.get("max_position_embeddings", 0)
     config = config_of_checkpoint(path)
     if not config.is_file():
         return None
