@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_speed import build_core  # noqa: E402
 from document_masking import document_ids  # noqa: E402
 
-from nsa_titan.models.attention import Documents, NSASpec, choose_kernels, nsa_fast  # noqa: E402
+from nsa_titan.models.attention import Documents, NSASpec, choose_family, nsa_fast  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 DENSE = ("sdpa-flash", "sdpa-cudnn", "flash-attn")
@@ -63,7 +63,7 @@ def nsa_case(T: int, mean: int | None) -> tuple[list[torch.Tensor], Callable[[],
     """nsa_fast's leaf inputs at T (bf16, CUDA) and its forward, with documents of mean length `mean`."""
     inputs, _ = build_core("fast", T, torch.device("cuda"))
     leaves = [p.detach().to(torch.bfloat16).requires_grad_(True) for p in inputs]
-    kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
+    kernels = choose_family("auto", torch.device("cuda"), torch.bfloat16, SPEC, 6, 64).kernels
     docs = None if mean is None else Documents.of(document_ids(T, mean), SPEC).to(torch.device("cuda"))
     return leaves, lambda: nsa_fast(*leaves, SPEC, kernels=kernels, docs=docs)
 
@@ -124,7 +124,7 @@ def main() -> None:
         print("gpu_attention: no CUDA device: nothing to measure")
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"kernels {choose_kernels('auto', torch.device('cuda'), torch.bfloat16, SPEC, 64, 6)}")
+          f"family {choose_family('auto', torch.device('cuda'), torch.bfloat16, SPEC, 6, 64).name}")
     print("| T | variant | forward (ms) | backward (ms) | fwd+bwd (ms) | best dense / this (fwd, bwd, both) |")
     print("|---|---|---|---|---|---|")
     for T in args.T:

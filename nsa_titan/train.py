@@ -36,7 +36,7 @@ from .extras import require_hf
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib
-from .models.attention import choose_kernels, describe_attention, set_explore_step
+from .models.attention import describe_attention, model_family, set_explore_step
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .ownership import FolderOwner, job_key, other_holder
@@ -100,12 +100,11 @@ class Trainer:
 
             # Model: built on meta, wrapped, then materialised and initialised.
             cp = cfg.parallelism.context_parallel_degree
-            kernels = (choose_kernels(m.kernels, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m), m.head_dim,
-                                      m.n_heads // m.n_kv_groups)
-                       if m.attention == "nsa" and m.attn_impl == "fast" else None)
+            family = (model_family(m, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m))
+                      if m.attention == "nsa" else None)
             multiple = cp_multiple(m, cp)
             with torch.device("meta"):  # under cp the sequence is padded to a multiple of 2 x cp chunks
-                model = Transformer(cfg.model, -(-t.seq_len // multiple) * multiple, kernels)
+                model = Transformer(cfg.model, -(-t.seq_len // multiple) * multiple, family)
             parallelize(model, self.mesh, ac_layers(cfg.model, cfg.activation_checkpoint), cfg.compile, t,
                         cfg.parallelism, multiple)
             model.to_empty(device=self.device)
@@ -114,7 +113,7 @@ class Trainer:
             self.params = [p for p in model.parameters() if p.requires_grad]
             flops = model.flops_per_token(t.seq_len)
             logger.info("model: %s, %.2fM parameters, %.3f GFLOP per token",
-                        describe_attention(m, kernels), sum(p.numel() for p in self.params) / 1e6, flops / 1e9)
+                        describe_attention(m, family), sum(p.numel() for p in self.params) / 1e6, flops / 1e9)
 
             self.optimizer = build_optimizer(model, cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)

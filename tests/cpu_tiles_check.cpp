@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
     for (int j = 0; j < 16; ++j) out.push_back(e[j]);
   }
   p += 256;
-  heads<1>(p, out); heads<2>(p, out); heads<3>(p, out); heads<4>(p, out); heads<6>(p, out); heads<8>(p, out);
+  heads<1>(p, out); heads<2>(p, out); heads<3>(p, out); heads<4>(p, out); heads<6>(p, out); heads<8>(p, out); heads<16>(p, out);
   f = std::fopen(argv[2], "wb");
   if (!f) return 2;
   std::fwrite(out.data(), sizeof(float), out.size(), f);

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nsa_titan.config import Model
-from nsa_titan.models.attention import Documents, Kernels, NSASpec
+from nsa_titan.models.attention import FAMILIES, Documents, Family, NSASpec
 from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.transformer import Transformer
 
@@ -24,8 +24,8 @@ CFG = dict(dim=48, n_layers=2, n_heads=6, n_kv_groups=2, head_dim=16, vocab_size
            cmp_stride=SPEC.d, sel_block_size=SPEC.l_sel, sel_top_n=SPEC.n, window_size=SPEC.w)
 
 
-def build(dtype: torch.dtype, kernels: Kernels | None = None, **overrides) -> Transformer:
-    model = Transformer(Model(**{**CFG, **overrides}), 4096, kernels)
+def build(dtype: torch.dtype, family: Family | None = None, **overrides) -> Transformer:
+    model = Transformer(Model(**{**CFG, **overrides}), 4096, family)
     model.init_weights(0)  # with smear: a random (not identity) smear matrix
     return model.to(dtype)
 
@@ -146,7 +146,7 @@ def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
 
     monkeypatch.setattr(kernels_module, "flash_attn_varlen_func", varlen)
     monkeypatch.setattr(kernels_module, "flash_attn_func", flash_attn_as_documented)
-    model = build(torch.float64, Kernels(win="flash"), attn_impl="fast")
+    model = build(torch.float64, FAMILIES["flash"](), attn_impl="fast")
     layouts = [[20, 5, 100, 25], [150]]
     tokens = torch.randint(0, CFG["vocab_size"], (2, 150), generator=torch.Generator().manual_seed(8))
     grad_out = torch.randn(2, 150, CFG["vocab_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(9))

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from nsa_titan.models.attention import Kernels, NSASpec, choose_kernels, nsa_fast, nsa_reference
+from nsa_titan.models.attention import FAMILIES, Kernels, NSASpec, choose_family, nsa_fast, nsa_reference
 from nsa_titan.models.attention import kernels as kernel_choice
 
 from conftest import ROOT, TINY, torchrun
@@ -72,15 +72,15 @@ def test_flash_window_on_cuda_equals_the_reference(dtype):
 @pytest.mark.parametrize("win", ["flash", "triton", "torch"])
 def test_gpu_kernels_with_documents_equal_separate_runs(win):
     """Document masking on CUDA in bf16 with the kernels `auto` takes (Triton cmp and sel; flash-attn varlen
-    window, the Triton window or the PyTorch window): a packed batch against its documents run one by one."""
+    window, the Triton window or the PyTorch window: the flash, triton and torch families): a packed batch against
+    its documents run one by one."""
     from test_documents import build, packed_and_separate
 
     if win == "flash" and kernel_choice.flash_attn_func is None:
         pytest.skip("flash-attn is not installed")
     if win == "triton" and not kernel_choice.triton_sel.AVAILABLE:
         pytest.skip("triton is not installed")
-    kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
-    model = build(torch.bfloat16, Kernels(cmp=kernels.cmp, sel=kernels.sel, win=win), attn_impl="fast", head_dim=64,
+    model = build(torch.bfloat16, FAMILIES[win](), attn_impl="fast", head_dim=64,
                   cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_top_n=16, window_size=512).cuda()
     layouts = [[700, 20, 1300, 28], [2048]]
     tokens = torch.randint(0, 61, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
@@ -105,7 +105,7 @@ def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
         ids = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 2e-3, 1)
         docs = Documents.of(ids, SPEC).to(torch.device("cuda"))
         args[1:3] = [torch.randn(B, T // SPEC.d, G, D, device="cuda").half() for _ in range(2)]  # cmp slots
-    kernels = choose_kernels("auto", torch.device("cuda"), torch.float16, SPEC, D, 6)
+    kernels = choose_family("auto", torch.device("cuda"), torch.float16, SPEC, 6, D).kernels
     whole, parts, expected, got = whole_and_parts(args, docs, [640, 1536, 2304], kernels, SPEC)
     assert rel(parts, whole) < 5e-3
     for g, e in zip(got, expected):
@@ -135,16 +135,13 @@ def test_dense_baseline_flex_with_documents_equals_the_boolean_mask_with_gradien
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_model_step_makes_no_host_sync(docs):
-    """Two M7C layers in bf16 with the kernels `auto` takes (the window through Triton with documents:
-    flash-attn's varlen layout is sized on the host, once a step, in `Transformer.documents`), forward and
+    """Two M7C layers in bf16 with the family `auto` takes (Triton where installed), forward and
     backward under `torch.cuda.set_sync_debug_mode("error")`: nothing waits for the device. The ids are on
     the device here; the trainer's host ids are measured on the host and copied over before the layers."""
     from test_host_syncs import m7c_step
 
-    kernels = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
-    if docs and kernels.win == "flash":
-        kernels = Kernels(kernels.cmp, kernels.sel, kernels.cmp)
-    step = m7c_step(kernels, device="cuda", dtype=torch.bfloat16, docs=docs)
+    family = choose_family("auto", torch.device("cuda"), torch.bfloat16, SPEC, 6, 64)
+    step = m7c_step(family, device="cuda", dtype=torch.bfloat16, docs=docs)
     step()  # compiles the Triton kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -156,10 +153,9 @@ def test_model_step_makes_no_host_sync(docs):
 
 
 def test_auto_takes_the_gpu_kernels_that_are_installed():
-    k = choose_kernels("auto", torch.device("cuda"), torch.bfloat16, SPEC, 64, 6)
-    triton = "triton" if kernel_choice.triton_sel.AVAILABLE else "torch"
-    assert (k.cmp, k.sel) == (triton, triton)
-    assert k.win == ("flash" if kernel_choice.flash_attn_func is not None else triton)
+    family = choose_family("auto", torch.device("cuda"), torch.bfloat16, SPEC, 6, 64)
+    flash = "flash" if kernel_choice.flash_attn_func is not None else "torch"
+    assert family.name == ("triton" if kernel_choice.triton_sel.AVAILABLE else flash)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

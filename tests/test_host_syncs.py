@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nsa_titan
 from nsa_titan.config import load_config
 from nsa_titan.loss import cross_entropy_loss
-from nsa_titan.models.attention import Kernels, common, triton_sel
+from nsa_titan.models.attention import FAMILIES, Family, Kernels, common, triton_sel
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT
@@ -89,13 +89,13 @@ def report(seen: dict[str, str]) -> str:
     return "host syncs: " + "; ".join(f"{what} at {where}" for what, where in seen.items())
 
 
-def m7c_step(kernels: Kernels, routing: Sequence[str] = (), device: str = "cpu", dtype: torch.dtype = torch.float32,
+def m7c_step(family: Family, routing: Sequence[str] = (), device: str = "cpu", dtype: torch.dtype = torch.float32,
              docs: bool = True) -> Callable[[], None]:
     """One forward and backward of two M7C layers (`m7c.toml`'s model, `routing` overrides, vocabulary 256)
-    on `kernels` over a row of 2,048 tokens in ~4 documents (`docs`; ids on `device`); also `tests/test_gpu.py`'s."""
+    by `family` over a row of 2,048 tokens in ~4 documents (`docs`; ids on `device`); also `tests/test_gpu.py`'s."""
     cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c.toml"), "--model.n_layers", "2",
                           "--model.vocab_size", "256", *routing])
-    model = Transformer(cfg.model, 2048, kernels).to(device)
+    model = Transformer(cfg.model, 2048, family).to(device)
     model.init_weights(0)
     model.to(dtype)
     gen = torch.Generator().manual_seed(0)
@@ -150,7 +150,7 @@ def test_model_step_has_no_host_sync(routing):
     geometry included), on the Triton kernels (recorded); also with the block scores' gradient, and with
     one branch alone (the others' gates times 0). The sel blocks are chosen by PyTorch ops
     (`common.choose_blocks`): the recorded `_choose` would leave them unset."""
-    step = m7c_step(Kernels("triton", "triton", "triton"), routing)
+    step = m7c_step(FAMILIES["triton"](), routing)
     with triton_work.as_on_a_gpu(common.choose_blocks), host_syncs() as seen:
         triton_work.recorded(step)
     assert not seen, report(seen)

@@ -10,7 +10,7 @@ import torch
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, nsa_fast, nsa_reference
 from nsa_titan.config import ConfigError
-from nsa_titan.models.attention import Kernels, choose_kernels
+from nsa_titan.models.attention import FAMILIES, Kernels, choose_family
 from nsa_titan.models.attention import kernels as kernels_module
 from nsa_titan.models.attention import cpu_attention, ops
 from nsa_titan.models.rope import rope_tables
@@ -33,13 +33,14 @@ def module_pair(H: int, G: int, D: int, spec: NSASpec, dtype: torch.dtype) -> tu
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
 
 
-def fast_and_reference(args: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None = None) -> list:
-    """[(output, gradients of every input)] of nsa_fast, then nsa_reference, for the loss
-    sum(out * grad_out) (default: sum(out^2))."""
+def fast_and_reference(args: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None = None,
+                       fast: Callable = nsa_fast) -> list:
+    """[(output, gradients of every input)] of `fast` (default nsa_fast, `auto`), then nsa_reference, for the
+    loss sum(out * grad_out) (default: sum(out^2))."""
     for a in args:
         a.requires_grad_(True)
     results = []
-    for fn in (nsa_fast, nsa_reference):
+    for fn in (fast, nsa_reference):
         out = fn(*args, SPEC)
         loss = out.square().sum() if grad_out is None else (out * grad_out).sum()
         results.append((out.detach(), torch.autograd.grad(loss, args)))
@@ -255,8 +256,8 @@ def test_window_branch_calls_flash_attn_as_documented(monkeypatch):
         return flash_attn_as_documented(*args, **kwargs)
 
     monkeypatch.setattr(kernels_module, "flash_attn_func", standin)
-    monkeypatch.setattr(kernels_module, "flash_problem", lambda device, dtype: None)  # `auto` takes it
-    (out, grads), (ref, grads_ref) = fast_and_reference(random_inputs(2, 90, 12, 2, 16, SPEC, seed=4))
+    (out, grads), (ref, grads_ref) = fast_and_reference(random_inputs(2, 90, 12, 2, 16, SPEC, seed=4),
+                                                        fast=FAMILIES["flash"]())
     assert calls == [{"causal": True, "window_size": (SPEC.w - 1, 0)}]
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for name, gf, gr in zip(NAMES, grads, grads_ref):
@@ -268,26 +269,26 @@ CPU = torch.device("cpu")
 
 def test_kernel_choice_is_explicit_and_says_why_a_kernel_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert choose_kernels("torch", CPU, torch.float32, SPEC, 64, 6) == Kernels()
-    assert choose_kernels("auto", CPU, torch.bfloat16, SPEC, 64, 6) == Kernels("cpp", "cpp", "cpp")  # test_cpu_attention.py
+    assert choose_family("torch", CPU, torch.float32, SPEC, 6, 64).name == "torch"
+    assert choose_family("auto", CPU, torch.bfloat16, SPEC, 6, 64).name == "cpp"  # test_cpu_attention.py
     with pytest.raises(ConfigError, match="kernels = 'flash' cannot run: flash-attn (is not installed|runs on CUDA)"):
-        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64, 6)
+        choose_family("flash", CPU, torch.bfloat16, SPEC, 6, 64)
     monkeypatch.setattr(kernels_module, "flash_attn_func", lambda *a, **k: None)  # "installed"
     with pytest.raises(ConfigError, match="flash-attn runs on CUDA devices and this run is on cpu"):
-        choose_kernels("flash", CPU, torch.bfloat16, SPEC, 64, 6)
+        choose_family("flash", CPU, torch.bfloat16, SPEC, 6, 64)
     if kernels_module.triton_sel.AVAILABLE:
         with pytest.raises(ConfigError, match="kernels = 'triton' cannot run: the Triton kernels run on CUDA"):
-            choose_kernels("triton", CPU, torch.float32, SPEC, 64, 6)
+            choose_family("triton", CPU, torch.float32, SPEC, 6, 64)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert choose_kernels("triton", CPU, torch.float32, SPEC, 64, 6) == Kernels("triton", "triton", "triton")
+        assert choose_family("triton", CPU, torch.float32, SPEC, 6, 64).name == "triton"
         with pytest.raises(ConfigError, match="take float32, float16 or bfloat16, and the compute dtype is torch.float64"):
-            choose_kernels("triton", CPU, torch.float64, SPEC, 64, 6)
+            choose_family("triton", CPU, torch.float64, SPEC, 6, 64)
         with pytest.raises(ConfigError, match="powers of two >= 16 \\(they are 24 and 16\\)"):
-            choose_kernels("triton", CPU, torch.float32, SPEC, 24, 6)
-        assert choose_kernels("auto", CPU, torch.float32, SPEC, 24, 6) == Kernels()  # auto falls back (C++: D 24)
+            choose_family("triton", CPU, torch.float32, SPEC, 6, 24)
+        assert choose_family("auto", CPU, torch.float32, SPEC, 6, 24).name == "torch"  # auto falls back (C++: D 24)
     else:
         with pytest.raises(ConfigError, match="Triton is not installed"):
-            choose_kernels("triton", CPU, torch.float32, SPEC, 64, 6)
+            choose_family("triton", CPU, torch.float32, SPEC, 6, 64)
 
 
 def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
@@ -297,7 +298,7 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
                         lambda *a, **k: calls.append(k) or flash_attn_as_documented(*a, **k))
     cfg = Model(dim=48, n_heads=4, n_kv_groups=2, head_dim=16, cmp_block_size=8, cmp_stride=4, sel_block_size=16,
                 sel_top_n=5, window_size=24)
-    layer = NSAAttention(cfg, Kernels(win="flash"))
+    layer = NSAAttention(cfg, FAMILIES["flash"]())
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
     layer(torch.randn(1, 40, 48), rope_tables(Model(head_dim=16), 40))
     assert calls == [{"causal": True, "window_size": (23, 0)}]

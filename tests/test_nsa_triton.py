@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from nsa_titan.models.attention import NSASpec, choose_kernels, nsa_fast, nsa_reference  # noqa: E402
+from nsa_titan.models.attention import NSASpec, choose_family, nsa_fast, nsa_reference  # noqa: E402
 from nsa_titan.models.attention.common import block_readers  # noqa: E402
 from test_cpu_attention import CHOICES, choice_inputs  # noqa: E402
 
@@ -52,7 +52,7 @@ def run_part(part: str) -> dict:
         args = random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)
         for a in args:
             a.requires_grad_(True)
-        chosen = choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, D, 6)
+        chosen = choose_family("auto", torch.device("cpu"), torch.float32, SPEC, 6, D).kernels
         used = f"{chosen.cmp} {chosen.sel} {chosen.win}"
         ref = nsa_reference(*args, SPEC)
         grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
@@ -92,8 +92,8 @@ def documents() -> dict:
     grad_out = torch.randn(2, 120, 61, generator=torch.Generator().manual_seed(6))
     packed, g_packed, separate, g_separate = packed_and_separate(model, tokens, layouts, grad_out)
     flat = lambda g: torch.cat([x.flatten() for x in g.values()])  # noqa: E731
-    return {"used": model.layers["0"].attention.attn_fn.keywords["kernels"] is None and
-            choose_kernels("auto", torch.device("cpu"), torch.float32, SPEC, 16, 6).sel,
+    return {"used": model.layers["0"].attention.family.name == "auto" and
+            choose_family("auto", torch.device("cpu"), torch.float32, SPEC, 6, 16).name,
             "out": rel(packed, separate), "grads": rel(flat(g_packed), flat(g_separate))}
 
 
@@ -103,8 +103,8 @@ def query_parts() -> list:
     report = []
     for with_docs in (False, True):
         args, docs = random_parts_inputs(203, with_docs, torch.float32)
-        whole, parts, expected, got = whole_and_parts(args, docs, [16, 48, 112, 160], choose_kernels(
-            "triton", torch.device("cpu"), torch.float32, SPEC, 16, 6))
+        whole, parts, expected, got = whole_and_parts(args, docs, [16, 48, 112, 160], choose_family(
+            "triton", torch.device("cpu"), torch.float32, SPEC, 6, 16).kernels)
         report.append({"docs": with_docs, "out": rel(parts.detach(), whole.detach()),
                        "grads": {n: rel(a, b) for n, a, b in zip(NAMES, got, expected)}})
     return report

@@ -17,7 +17,7 @@ from nsa_titan.models.attention import Documents, NSASpec, cmp_visibility, maske
 from nsa_titan.models.attention.common import block_scores, forced_blocks, masked_softmax
 from nsa_titan.models.attention import cpu_attention, routing
 from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
-from nsa_titan.models import transformer
+from nsa_titan.models.attention.families import base as family_base
 from nsa_titan.models.rope import rope_tables
 from nsa_titan.models.transformer import NSAAttention
 
@@ -281,7 +281,7 @@ def test_the_layer_adds_the_scores_gradient_and_keeps_its_output(wrap, explore):
     q, kv = layer.project(x, rope)
     kc, vc = layer.compress(kv["k_cmp"], kv["v_cmp"])
     gates = layer.gates(x)
-    o = layer.attn_fn(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, layer.spec)
+    o = layer.family(q, kc, vc, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, layer.spec)
     d_o = torch.autograd.grad(layer.wo(o.reshape(2, T, -1)).square().sum(), o)[0]
     added = torch.autograd.grad(with_score_grad(torch.zeros_like(o, requires_grad=True), q, kc, kv["k_sel"], kv["v_sel"],
                                                 gates, layer.spec, w, explore=explore, seed=7), params, d_o,
@@ -313,7 +313,7 @@ def test_a_layer_whose_sel_is_gated_off_skips_the_scores_gradient(branch, monkey
     """With `nsa_branch` cmp or win the sel gate is 0, so the scores' gradient is exactly 0: a
     window-only run (the recall report's baseline) does not pay for computing it."""
     calls = []
-    monkeypatch.setattr(transformer, "with_score_grad", lambda o, *a, **k: calls.append(1) or o)
+    monkeypatch.setattr(family_base, "with_score_grad", lambda o, *a, **k: calls.append(1) or o)
     layer = NSAAttention(dataclasses.replace(CFG, nsa_branch=branch, sel_score_grad=1.0, sel_score_explore=2))
     layer.init_weights(0.3, 0.3, torch.Generator().manual_seed(0))
     layer(torch.randn(1, 40, 48), rope_tables(Model(head_dim=16), 40)).sum().backward()

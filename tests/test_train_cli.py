@@ -36,7 +36,7 @@ def test_run_train_sh_two_ranks_logs_one_line_per_step_and_tensorboard(tmp_path)
     assert float(lines[-1].group(3)) < float(lines[0].group(3))
     assert "FSDP mesh {'dp_shard': 2}" in proc.stdout
     # The startup log names the kernel that runs each branch (on a CPU: NSA's C++ kernel).
-    assert "model: NSA attention (fast: cmp C++, sel C++, win C++)" in proc.stdout
+    assert "model: NSA attention, cpp family (NSA's C++ kernels)" in proc.stdout
     # The launcher gives CPU ranks the glibc malloc settings that stop large-block mmap churn.
     assert "host allocator: glibc malloc, MALLOC_MMAP_THRESHOLD_=17179869184" in proc.stdout
     assert f"host CPU: {hostcpu.vector_isa()}, " in proc.stdout  # and no bf16 warning: the config trains in fp32

@@ -44,10 +44,11 @@ class Model:
     """NSA implementation: `fast`, sparse (cost grows with the keys attended, memory linear in
     T); `reference`, the exact definition with dense per-branch masks (O(T^2) memory), the yardstick."""
     kernels: Literal["auto", "torch", "triton", "flash", "cpp"] = "auto"
-    """Kernels of the fast path: `torch`, PyTorch for every branch; `triton`, every branch as Triton
-    kernels (CUDA); `flash`, the win branch through flash-attn (CUDA); `cpp`, every branch by NSA's
-    C++ kernel (CPUs, built at install or first use); `auto`, each where it can run (the device, the dtype,
-    installed or built), else PyTorch. The startup log names the kernel of each branch."""
+    """The kernel family of the fast path (docs/kernels.md), chosen once at startup: `torch`, PyTorch; `triton`,
+    Triton kernels (CUDA); `flash`, PyTorch with the win branch through flash-attn (CUDA); `cpp`, NSA's C++
+    kernels (CPUs, built at install or first use); `auto`, the first of triton, cpp, flash, torch that can run
+    (the device, the dtype, installed or built). One named that cannot run stops the run with the reason; the
+    startup log names the family."""
     dim: int = 256
     """Model width (M7C: 768)."""
     n_layers: int = 4

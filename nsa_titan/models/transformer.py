@@ -10,7 +10,6 @@ so the values do not depend on how the parameters are later sharded.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Iterator
 
@@ -21,7 +20,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
 from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
-from .attention import BRANCHES, Documents, Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference, with_score_grad
+from .attention import BRANCHES, Documents, Family, NSASpec, dense_causal
+from .attention.families import Auto, Reference
 from .attention.dense import with_block_masks
 from .nsa_stats import gate_stats, selection_stats
 from .rope import apply_rope, rope_tables
@@ -122,12 +122,13 @@ class NSAAttention(nn.Module):
 
     BRANCHES = BRANCHES
 
-    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
-        """`kernels`: the fast path's kernel per branch (None: chosen per call, `auto`)."""
+    def __init__(self, cfg: ModelConfig, family: Family | None = None):
+        """`family`: the NSA kernel family (`attention.families`; None: `reference` for attn_impl = reference,
+        else chosen per call, `auto`)."""
         super().__init__()
         self.n_heads, self.n_groups, self.head_dim = cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
         self.spec = nsa_spec(cfg)
-        self.attn_fn = functools.partial(nsa_fast, kernels=kernels) if cfg.attn_impl == "fast" else nsa_reference
+        self.family = family or (Reference() if cfg.attn_impl == "reference" else Auto())
         self.keep = tuple(float(cfg.nsa_branch in ("all", b)) for b in self.BRANCHES)  # nsa_branch: others x 0
         self.record_stats, self.stats_tokens = False, None  # stats_tokens (B, T): also their gates apart
         self.cp: ContextSplit | None = None  # set by parallel.apply_cp
@@ -194,11 +195,11 @@ class NSAAttention(nn.Module):
         branches = (cmp or self.record_stats or self.record_selection, sel, win or not any(self.keep))  # (output unchanged)
 
         def attend(rows: slice, **q0: int) -> torch.Tensor:
-            o, idx, valid = self.attn_fn(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches,
-                                         return_selection=True, **q0)
+            o, idx, valid = self.family(q[:, rows], *keys, gates[:, rows], self.spec, docs=docs, branches=branches,
+                                        return_selection=True, score_grad=score_grad, explore=self.explore,
+                                        seed=self.explore_step, **q0)
             read.append((idx, valid))
-            return with_score_grad(o, q[:, rows], kc, kv["k_sel"], kv["v_sel"], gates[:, rows], self.spec, score_grad, docs,
-                                   explore=self.explore, seed=self.explore_step, chosen=(idx, valid), **q0) if score_grad else o
+            return o
         o = attend_in_parts(self.cp, kv["k_sel"].shape[1], attend)
         if self.record_stats:
             self.stats = {**gate_stats(gates, self.stats_tokens), **selection_stats(*read[0], self.spec, docs)}
@@ -264,10 +265,10 @@ class DenseAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
+    def __init__(self, cfg: ModelConfig, family: Family | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = NSAAttention(cfg, kernels) if cfg.attention == "nsa" else DenseAttention(cfg)
+        self.attention = NSAAttention(cfg, family) if cfg.attention == "nsa" else DenseAttention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         hidden = cfg.ffn_hidden_dim or 64 * math.ceil(8 * cfg.dim / 3 / 64)
         self.feed_forward = FeedForward(cfg.dim, hidden)
@@ -293,14 +294,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_seq_len: int, kernels: Kernels | None = None):
-        """`kernels`: the NSA fast path's kernel per branch (None: chosen per call, `auto`)."""
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, family: Family | None = None):
+        """`family`: the NSA kernel family (None: `reference` for attn_impl = reference, else chosen per call)."""
         super().__init__()
-        self.cfg, self.max_seq_len, self.kernels = cfg, max_seq_len, kernels
+        self.cfg, self.max_seq_len, self.family = cfg, max_seq_len, family
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.smear = nn.Linear(cfg.dim, cfg.dim, bias=False) if cfg.smear else None  # maps the previous token in
         # A ModuleDict keyed "0".."L-1" keeps parameter names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kernels) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, family) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -344,7 +345,7 @@ class Transformer(nn.Module):
         nsa, T = isinstance(attention, NSAAttention), document_ids.shape[1]
         parts = [(0, T)] if self.cp is None else self.cp.chunks(T)  # the query parts attention takes
         varlen = []  # flash-attn's varlen layouts of the query parts
-        if nsa and self.kernels is not None and self.kernels.win == "flash":
+        if nsa and self.family is not None and self.family.win_flash:
             varlen = [(max(0, a - attention.spec.w + 1), a, b) for a, b in parts]
         docs = Documents.of(document_ids, attention.spec if nsa else None, varlen).to(self.rope.device)
         return docs if nsa else with_block_masks(docs, parts)  # dense on a GPU: FlexAttention's masks

@@ -37,7 +37,7 @@ from .documents import Documents
 
 SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp", Path(__file__).parent / "csrc" / "tiles.h")
 """The kernel and its vector layer (a header, built in; `tests/test_cpu_attention.py` also builds it alone)."""
-HEADS = (1, 2, 3, 4, 6, 8)
+HEADS = (1, 2, 3, 4, 6, 8, 16)
 HEAD_DIMS = (16, 32, 64, 128)
 ROWS_MAX_KEYS = 4096
 """The sel backward goes query by query up to this many keys per (batch, group), block by block

@@ -9,20 +9,20 @@ chunk by chunk: memory is linear in T and no T x T tensor exists.
   sel (`fast_sel.py`): the forced blocks as dense products, the blocks chosen by score as
       block-centric tiles.
 The loops are over chunks, never over tokens, and inside the ops: under torch.compile each branch
-is one node, so the graph does not grow with T. `kernels.py` chooses where the branches run as Triton
-kernels instead (`triton_shared.py` for cmp and win, `triton_sel.py`), and win through flash-attn;
-where a branch runs in NSA's C++ kernel, the gated sum of the branches does too (`cpu_attention.mix`).
+is one node, so the graph does not grow with T. `kernels` (`kernels.py`, fixed per run by the kernel
+family, `families/`) says where the branches run as Triton kernels instead (`triton_shared.py` for cmp
+and win, `triton_sel.py`), and win through flash-attn; where a branch runs in NSA's C++ kernel, the
+gated sum of the branches does too (`cpu_attention.mix`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import kernels as kernel_choice
 from . import ops
 from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, mix_branches
 from .documents import Documents
-from .kernels import Kernels
+from .kernels import Kernels, window_flash
 
 
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
@@ -40,8 +40,9 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     acc = torch.promote_types(q.dtype, torch.float32)
     if spec.n < N_FORCED_INITIAL + N_FORCED_LOCAL:
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
-    if kernels is None:
-        kernels = kernel_choice.choose_kernels("auto", q.device, q.dtype, spec, D, H // G)
+    if kernels is None:  # (the families build on this function)
+        from .families import choose_family
+        kernels = choose_family("auto", q.device, q.dtype, spec, H // G, D).kernels
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""
@@ -69,7 +70,7 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
         o_sel = ops.selected(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx, valid,
                              spec, q0, docs)
     if branches[2] and kernels.win == "flash":
-        o_win = kernel_choice.window_flash(q, k_win, v_win, spec, docs, q0)
+        o_win = window_flash(q, k_win, v_win, spec, docs, q0)
     elif branches[2]:
         o_win, _, _ = ops.shared(qs, grouped(k_win, low), grouped(v_win, low), "win", spec, T, q0, docs, kernels.win)
     outs = [o.to(acc) if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)]  # cmp's scores only: None

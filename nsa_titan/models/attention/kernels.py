@@ -1,17 +1,12 @@
-"""Which kernel computes each NSA branch of the fast path, chosen explicitly (`[model] kernels`).
+"""The kernel of each branch of the branch-by-branch path (`fast.nsa_fast`), and why each cannot run.
 
-  cmp  PyTorch chunks (`fast_shared.py`), Triton kernels (`triton_shared.py`) on CUDA, or NSA's C++
-       kernel (`cpu_attention.py`) on CPUs
-  sel  PyTorch block-centric tiles (`fast_sel.py`), Triton kernels (`triton_sel.py`) on CUDA, or NSA's
-       C++ kernel (`cpu_attention.py`) on CPUs
-  win  PyTorch chunks, Triton kernels (`triton_shared.py`), or flash-attn's sliding window on CUDA in
-       fp16 / bf16 (`window_flash`), or NSA's C++ kernel (`cpu_attention.py`) on CPUs
+  cmp  PyTorch chunks (`fast_shared.py`), Triton kernels (`triton_shared.py`), or NSA's C++ kernel
+       (`cpu_attention.py`)
+  sel  PyTorch block-centric tiles (`fast_sel.py`), Triton kernels (`triton_sel.py`), or NSA's C++ kernel
+  win  PyTorch chunks, Triton kernels, flash-attn's sliding window (`window_flash`), or NSA's C++ kernel
 On CPUs and CUDA devices the PyTorch kernels run their chunks and tiles through ATen's fused
-attention kernels (`fused_attention.py`), not a separate choice: they are what SDPA runs there.
-
-`auto` takes each fast kernel where it can run, else PyTorch; asking for one that cannot run is
-a ConfigError that says why. Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks),
-and there takes the place of the C++ kernel.
+attention kernels (`fused_attention.py`): they are what SDPA runs there. The kernel families
+(`families/`) fix these per run; Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks).
 """
 
 from __future__ import annotations
@@ -21,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import ConfigError, Model
-from . import cpu_attention, triton_sel
+from . import triton_sel
 from .common import NSASpec
 from .documents import Documents, varlen_boundaries
 
@@ -72,21 +66,6 @@ def flash_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def choose_kernels(choice: str, device: torch.device, dtype: torch.dtype, spec: NSASpec, head_dim: int,
-                   heads_per_group: int) -> Kernels:
-    """The kernels for `[model] kernels = choice` on `device` with compute `dtype`; a ConfigError if a
-    kernel asked for by name cannot run."""
-    tri_problem, win_problem = triton_problem(device, head_dim, spec, dtype), flash_problem(device, dtype)
-    cpp_problem = cpu_attention.problem(device, dtype, spec, heads_per_group, head_dim) if choice in ("auto", "cpp") else None
-    for name, problem in (("triton", tri_problem), ("flash", win_problem), ("cpp", cpp_problem)):
-        if choice == name and problem:
-            raise ConfigError(f"[model] kernels = '{name}' cannot run: {problem}; use kernels = 'auto' (the fastest "
-                              f"that runs) or 'torch'")
-    triton = "triton" if choice in ("auto", "triton") and not tri_problem else "torch"
-    cpp = "cpp" if choice in ("auto", "cpp") and triton == "torch" and not cpp_problem else triton
-    return Kernels(cmp=cpp, sel=cpp, win="flash" if choice in ("auto", "flash") and not win_problem else cpp)
-
-
 def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpec, docs: Documents | None,
                  q0: int) -> torch.Tensor:
     """The win branch by flash-attn's sliding window: q (B, Tq, H, D) at positions q0 .. q0 + Tq - 1,
@@ -106,13 +85,3 @@ def window_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: NSASpe
         o = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, Tq, hi - lo, causal=True,
                                    window_size=window).view(B, Tq, H, D)
     return o.view(B, Tq, k.shape[2], H // k.shape[2], D).transpose(1, 2)
-
-
-def describe_attention(m: Model, kernels: Kernels | None) -> str:
-    """The attention that runs, with the kernel of each branch (the startup log)."""
-    if m.attention == "dense":
-        return "dense attention (causal SDPA)"
-    branch = f", only the {m.nsa_branch} branch" if m.nsa_branch != "all" else ""
-    if kernels is None:
-        return f"NSA attention (reference: dense masks for every branch{branch})"
-    return f"NSA attention (fast: {kernels.describe()}{branch})"

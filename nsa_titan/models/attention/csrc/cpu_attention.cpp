@@ -584,8 +584,9 @@ void dispatch(int r, int D, F&& f) {
     case 4: by_d(std::integral_constant<int, 4>{}); return;
     case 6: by_d(std::integral_constant<int, 6>{}); return;
     case 8: by_d(std::integral_constant<int, 8>{}); return;
+    case 16: by_d(std::integral_constant<int, 16>{}); return;
   }
-  TORCH_CHECK(false, "cpu_attention: query heads per KV group must be 1, 2, 3, 4, 6 or 8, got ", r);
+  TORCH_CHECK(false, "cpu_attention: query heads per KV group must be 1, 2, 3, 4, 6, 8 or 16, got ", r);
 }
 
 void check(const torch::Tensor& x, const char* name) {

@@ -154,7 +154,7 @@ inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int6
 
 // Accumulators (R x NV) and the NV key vectors in registers: AVX-512 has 32, AVX2 16 (of 8 lanes).
 template <int R>
-constexpr int VECTORS = REGISTERS == 32 ? (R <= 3 ? 8 : (R <= 6 ? 4 : 2)) : (R == 1 ? 3 : (R == 2 ? 2 : 1));
+constexpr int VECTORS = REGISTERS == 32 ? (R <= 3 ? 8 : (R <= 6 ? 4 : (R <= 8 ? 2 : 1))) : (R == 1 ? 3 : (R == 2 ? 2 : 1));
 
 // The columns [c, c + n16) of s (R rows, stride ss) against keys p .. : n16 a multiple of 16; -inf in the
 // columns from n on (`ALL`: none). NV vectors at a time, then fewer for the rest.

@@ -1,0 +1,141 @@
+"""Every NSA kernel family's op against the reference family in fp32: the output and the gradient of every input.
+
+The cases are those the families must all meet: the M7C shape with the paper's sizes, a group of 1, a group of
+16 at head dim 128, T a multiple of no block size, documents, and context-parallel parts of the queries (each
+part's rows and the parts' summed gradients against the whole reference). The Triton family runs interpreted
+(TRITON_INTERPRET=1), in fresh processes (Triton decides at definition): this file run as a script, one case
+each, as many at a time as there are cores. A family that cannot run here says why, at startup
+(`choose_family`), and the tests check that too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from nsa_titan.config import ConfigError, Model  # noqa: E402
+from nsa_titan.models.attention import FAMILIES, Documents, NSASpec, choose_family  # noqa: E402
+from nsa_titan.models.attention import kernels as kernels_module  # noqa: E402
+from nsa_titan.models.attention.families import describe_attention, model_family  # noqa: E402
+
+PAPER = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+SMALL = NSASpec(l=16, d=8, l_sel=32, n=5, w=96)
+CASES = {  # name: (B, T, H, G, D, spec, documents, cuts of the queries into parts)
+    "m7c": (1, 1100, 12, 2, 64, PAPER, False, ()),
+    "group1": (2, 333, 2, 2, 64, SMALL, False, ()),
+    "group16": (1, 333, 16, 1, 128, SMALL, False, ()),
+    "documents": (2, 333, 12, 2, 64, SMALL, True, ()),
+    "parts": (2, 333, 12, 2, 64, SMALL, True, (64, 192)),
+}
+NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+CPU = torch.device("cpu")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def inputs(case: str) -> tuple[list[torch.Tensor], Documents | None]:
+    """fp32 inputs of a case: q, compressed k / v (with documents: their slots), sel and win k / v, gates."""
+    from test_nsa_reference import random_inputs
+
+    B, T, H, G, D, spec, with_docs, _ = CASES[case]
+    args = list(random_inputs(B, T, H, G, D, spec, dtype=torch.float32, seed=T + H))
+    docs = None
+    if with_docs:
+        ids = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.02, 1)
+        docs = Documents.of(ids, spec)
+        gen = torch.Generator().manual_seed(2)
+        args[1:3] = [torch.randn(B, T // spec.d, G, D, generator=gen) for _ in range(2)]
+    return args, docs
+
+
+def errors(family: str, case: str) -> dict[str, float]:
+    """Relative errors of `family` against the reference family on `case`: the output and every gradient,
+    for one random output gradient; with cuts, the family runs part by part (q0) over the whole keys."""
+    B, T, H, G, D, spec, _, cuts = CASES[case]
+    args, docs = inputs(case)
+    op, ref_op = choose_family(family, CPU, torch.float32, spec, H // G, D), FAMILIES["reference"]()
+    ref_leaves = [a.clone().requires_grad_(True) for a in args]
+    ref = ref_op(*ref_leaves, spec, docs=docs)
+    grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
+    leaves = [a.clone().requires_grad_(True) for a in args]
+    edges = [0, *cuts, T]
+    out = torch.cat([op(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], spec, docs=docs, q0=a)
+                     for a, b in zip(edges, edges[1:])], 1)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return {"out": rel(out.detach(), ref.detach()), **{n: rel(g, r) for n, g, r in zip(NAMES, grads, ref_grads)}}
+
+
+TOLERANCE = 1e-4
+"""fp32 against fp32: the families sum in other orders than the reference's dense products."""
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", ["torch", "cpp"])
+def test_family_equals_the_reference(family, case):
+    found = errors(family, case)
+    assert max(found.values()) < TOLERANCE, found
+
+
+@pytest.fixture(scope="module")
+def triton_errors() -> dict[str, dict[str, float]]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(case: str) -> dict[str, float]:
+        done = subprocess.run([sys.executable, __file__, "triton", case], env=env, capture_output=True, text=True,
+                              timeout=1800)
+        assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(CASES, pool.map(run, CASES)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
+    assert max(triton_errors[case].values()) < TOLERANCE, triton_errors[case]
+
+
+def test_a_family_that_cannot_run_here_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels_module, "flash_attn_func", None)
+    refusals = {"flash": "flash-attn is not installed", "cpp": "run on CPUs and this run is on meta",
+                "triton": "(run on CUDA devices and this run is on cpu|Triton is not installed)"}
+    for name, why in refusals.items():  # (tests/test_bad_input.py: the trainer refuses flash before writing)
+        device = torch.device("meta") if name == "cpp" else CPU
+        with pytest.raises(ConfigError, match=f"kernels = '{name}' cannot run: .*{why}.*use kernels = 'auto'"):
+            choose_family(name, device, torch.float32, PAPER, 6, 64)
+    with pytest.raises(ConfigError, match="C\\+\\+ kernels compute in float32, and the compute dtype is torch.float64"):
+        choose_family("cpp", CPU, torch.float64, PAPER, 6, 64)
+    assert choose_family("auto", CPU, torch.float64, PAPER, 6, 64).name == "torch"  # auto takes what runs
+
+
+def test_the_family_is_chosen_once_and_logged():
+    m = Model(n_heads=12, n_kv_groups=2, head_dim=64)
+    assert model_family(m, CPU, torch.float32, PAPER).name == "cpp"
+    assert describe_attention(m, model_family(m, CPU, torch.float32, PAPER)) == \
+        "NSA attention, cpp family (NSA's C++ kernels)"
+    ref = Model(attn_impl="reference")
+    assert describe_attention(ref, model_family(ref, CPU, torch.float32, PAPER)).startswith(
+        "NSA attention, reference family (reference: dense masks")
+
+
+if __name__ == "__main__":  # one interpreted case: python tests/test_families.py triton <case>
+    print(json.dumps(errors(sys.argv[1], sys.argv[2])))
