@@ -14,7 +14,7 @@ layer *module* on x (1, T, 768), projections included:
   peer       native_sparse_attention_pytorch.SparseAttention at the same configuration (if installed:
              `pip install native-sparse-attention-pytorch`)
   fast-core, reference-core, dense-core, flash-core
-             the attention function alone (nsa_fast / nsa_reference / causal SDPA / flash-attn's
+             the attention function alone (the kernel family `auto` takes / nsa_reference / causal SDPA / flash-attn's
              causal attention, GPUs only) on random q, k, v, compressed blocks and gates of those
              shapes: no projections
   fast-torch-core
@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import allocator_env  # noqa: E402
 from nsa_titan.models.attention import Kernels, NSASpec, cpu_attention, dense_causal, nsa_fast, nsa_reference  # noqa: E402
+from nsa_titan.models.attention.families import Auto  # noqa: E402
 from nsa_titan.models.rope import rope_tables  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention  # noqa: E402
 
@@ -95,7 +96,7 @@ def build_core(impl: str, T: int, device: torch.device) -> tuple[torch.nn.Module
     if impl == "fast-own":  # the C++ kernel's own backward for cmp however long its runs
         cpu_attention.FUSED_BACKWARD_KEYS = (1 << 30, 1 << 30)
         return inputs, lambda x: nsa_fast(*inputs, spec, kernels=Kernels("cpp", "cpp", "cpp"))
-    return inputs, lambda x: {"fast": nsa_fast, "reference": nsa_reference}[impl](*inputs, spec)
+    return inputs, lambda x: {"fast": Auto(), "reference": nsa_reference}[impl](*inputs, spec)
 
 
 def build(variant: str, T: int, device: torch.device) -> tuple[torch.nn.Module, object]:

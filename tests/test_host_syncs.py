@@ -1,9 +1,9 @@
 """No host syncs in NSA's step: on a GPU, a device-to-host read (`.item()`, `.tolist()`, `bool(t)`,
 `nonzero`, a boolean index) stalls the host until the device has finished all queued work, and so does
 a copy of host data in (`torch.tensor([...])`: a pageable copy that waits for the stream). The GPU
-paths (Triton kernels, PyTorch kernels) are checked here without a GPU: every op and tensor method the
-forward and backward call is watched for one that would read the device or copy host data in, the
-Triton kernels recorded and not run (`benchmarks/triton_work.py`). `tests/test_gpu.py` checks the same on CUDA with
+families (Triton, PyTorch) are checked here without a GPU: every op and tensor method the forward and
+backward call is watched for one that would read the device or copy host data in, the Triton kernels
+recorded and not run (`benchmarks/triton_work.py`, which also counts the Triton family's launches). `tests/test_gpu.py` checks the same on CUDA with
 `torch.cuda.set_sync_debug_mode("error")`."""
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nsa_titan
 from nsa_titan.config import load_config
 from nsa_titan.loss import cross_entropy_loss
-from nsa_titan.models.attention import FAMILIES, Family, Kernels, common, triton_sel
+from nsa_titan.models.attention import FAMILIES, Family, fast_shared, triton_nsa
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import triton_work  # noqa: E402  (records the Triton launches; the GPU's chunk sizes)
+import triton_work  # noqa: E402  (records the Triton launches)
 
-needs_triton = pytest.mark.skipif(not triton_sel.AVAILABLE, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(triton_nsa.triton is None, reason="triton is not installed")
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
 """Tensor methods that bring a value to the host."""
@@ -123,21 +123,49 @@ def test_each_kind_of_host_sync_is_seen():
     assert not seen, report(seen)
 
 
+@contextmanager
+def gpu_chunks() -> Iterator[None]:
+    """The PyTorch family's chunk sizes on a GPU, inside."""
+    sizes = fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN
+    try:
+        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = fast_shared.GPU_CHUNK_CMP, fast_shared.GPU_CHUNK_WIN
+        yield
+    finally:
+        fast_shared.CHUNK_CMP, fast_shared.CHUNK_WIN = sizes
+
+
 @needs_triton
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-def test_triton_path_forward_and_backward_have_no_host_sync(docs):
-    """`nsa_fast` on the Triton kernels (recorded), M7C shape at T = 2,048, the GPU's chunk sizes."""
+def test_triton_family_forward_and_backward_have_no_host_sync(docs):
+    """The Triton family (recorded), M7C shape at T = 2,048, bf16."""
     step = triton_work.attention_step(2048, docs)
-    with triton_work.as_on_a_gpu(), host_syncs() as seen:
+    with host_syncs() as seen:
         triton_work.recorded(step)
     assert not seen, report(seen)
 
 
+LAUNCHES = 16
+"""The most kernels one NSA attention forward + backward may launch on the Triton family (paper settings)."""
+
+
+@needs_triton
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-def test_pytorch_path_forward_and_backward_have_no_host_sync(docs):
-    """`nsa_fast` on the PyTorch kernels (what a GPU without Triton runs), run for real at T = 1,024."""
-    step = triton_work.attention_step(1024, docs, Kernels("torch", "torch", "torch"))
-    with triton_work.as_on_a_gpu(), host_syncs() as seen:
+def test_triton_family_launches_a_handful_of_kernels_at_any_t(docs):
+    """Triton kernels and the ATen ops that would launch a GPU kernel, counted as `benchmarks/triton_work.py`
+    counts them: the same few at T = 512 and at 65,536 (no chunk loop), at most 16."""
+    counts = {T: triton_work.launches(T, docs) for T in (512, 65536)}
+    (small, small_ops), (large, large_ops) = counts[512], counts[65536]
+    assert small == large and small_ops == large_ops
+    assert sum(small.values()) + len(small_ops) <= LAUNCHES, (small, small_ops)
+    assert dict(small) == {"_fwd_cmp": 1, "_fwd_sel_win": 1, "_bwd_q": 1, "_bwd_kv": 2}
+    assert sorted(small_ops) == ["_to_copy", "zeros"]  # the gradient buffer's fill, its cast to bf16
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_pytorch_family_forward_and_backward_have_no_host_sync(docs):
+    """The PyTorch family (what a GPU without Triton runs), run for real at T = 1,024, the GPU's chunk sizes."""
+    step = triton_work.attention_step(1024, docs, family="torch", dtype=torch.float32)
+    with gpu_chunks(), host_syncs() as seen:
         step()
     assert not seen, report(seen)
 
@@ -147,11 +175,10 @@ def test_pytorch_path_forward_and_backward_have_no_host_sync(docs):
                                      ["--model.nsa_branch", "sel"]], ids=["m7c", "score-gradient", "one-branch"])
 def test_model_step_has_no_host_sync(routing):
     """Two M7C layers (`m7c.toml`'s model), forward and backward with document masking (the documents'
-    geometry included), on the Triton kernels (recorded); also with the block scores' gradient, and with
-    one branch alone (the others' gates times 0). The sel blocks are chosen by PyTorch ops
-    (`common.choose_blocks`): the recorded `_choose` would leave them unset."""
+    geometry included), by the Triton family (recorded); also with the block scores' gradient, and with
+    one branch alone (the others' gates times 0)."""
     step = m7c_step(FAMILIES["triton"](), routing)
-    with triton_work.as_on_a_gpu(common.choose_blocks), host_syncs() as seen:
+    with host_syncs() as seen:
         triton_work.recorded(step)
     assert not seen, report(seen)
 

@@ -599,6 +599,7 @@ def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, start, cmp_start, first_slot)
     ctx.spec, ctx.q0, ctx.branches = spec, q0, branches
     ctx.mark_non_differentiable(ob, lse, idx, valid)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of the saved outputs
 
 
 def _grad(ctx, d_out, _d_ob, _d_lse, _d_idx, _d_valid):
