@@ -5,7 +5,7 @@
 At the M7C attention shape (B 1, H 12, G 2, D 64; NSA l 32, d 16, l' 64, n 16, w 512), bf16, the attention
 function alone on random inputs (no projections). In one process, at each T:
 
-  nsa            nsa_fast with the kernels `auto` picks on this GPU (Triton; flash-attn's window if installed)
+  nsa            the kernel family `auto` picks on this GPU (the Triton op where Triton is installed)
   nsa-docs-M     the same with packed documents of mean length M (log-normal, as benchmarks/document_masking.py)
   sdpa-flash     causal scaled_dot_product_attention, flash backend only
   sdpa-cudnn     the same, cuDNN backend only
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_speed import build_core  # noqa: E402
 from document_masking import document_ids  # noqa: E402
 
-from nsa_titan.models.attention import Documents, NSASpec, choose_family, nsa_fast  # noqa: E402
+from nsa_titan.models.attention import Documents, NSASpec, choose_family  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 DENSE = ("sdpa-flash", "sdpa-cudnn", "flash-attn")
@@ -60,12 +60,13 @@ def timed(fn: Callable[[], None], repeats: int, before: Callable[[], object] | N
 
 
 def nsa_case(T: int, mean: int | None) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]]:
-    """nsa_fast's leaf inputs at T (bf16, CUDA) and its forward, with documents of mean length `mean`."""
+    """The NSA attention's leaf inputs at T (bf16, CUDA) and its forward by the family `auto` takes, with
+    documents of mean length `mean`."""
     inputs, _ = build_core("fast", T, torch.device("cuda"))
     leaves = [p.detach().to(torch.bfloat16).requires_grad_(True) for p in inputs]
-    kernels = choose_family("auto", torch.device("cuda"), torch.bfloat16, SPEC, 6, 64).kernels
+    family = choose_family("auto", torch.device("cuda"), torch.bfloat16, SPEC, 6, 64)
     docs = None if mean is None else Documents.of(document_ids(T, mean), SPEC).to(torch.device("cuda"))
-    return leaves, lambda: nsa_fast(*leaves, SPEC, kernels=kernels, docs=docs)
+    return leaves, lambda: family(*leaves, SPEC, docs=docs)
 
 
 def dense_case(kind: str, T: int, mean: int | None) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]]:

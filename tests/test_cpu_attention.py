@@ -15,6 +15,7 @@ import torch
 
 from nsa_titan import hostcpu
 from nsa_titan.config import ConfigError
+from nsa_titan.models.attention.common import block_readers
 from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_family, cpu_attention, fast_sel, fast_shared, ops
 from nsa_titan.models.attention import fused_attention
 from nsa_titan.models.attention import nsa_fast, nsa_reference
@@ -446,3 +447,27 @@ def test_the_choice_takes_the_kernel_where_it_runs_and_says_why_not(monkeypatch)
         choose_family("cpp", CPU, torch.float32, M7C, 6, 64)
     with pytest.raises(ConfigError, match="run on CPUs and this run is on meta"):
         choose_family("cpp", torch.device("meta"), torch.float32, M7C, 6, 64)
+
+
+def test_sel_backward_reverse_index_lists_each_blocks_readers():
+    """The block-by-block sel backward's reverse index (plain tensor ops): for each
+    (batch x group, first key of a block), exactly the query rows that chose it, in row order; a
+    block starts at its query's document start + j * l'."""
+    B, G, Tq, N, L, Tk = 2, 3, 40, 4, 8, 50
+    gen = torch.Generator().manual_seed(0)
+    start = torch.stack([torch.arange(Tq) // 17 * 17, torch.zeros(Tq, dtype=torch.long)])  # (B, Tq)
+    idx = torch.stack([torch.randperm(5, generator=gen)[:N] for _ in range(B * G * Tq)]).view(B, G, Tq, N)
+    t = torch.arange(Tq)[None, None, :, None]
+    valid = (torch.rand(B, G, Tq, N, generator=gen) < 0.7) & (start[:, None, :, None] + idx * L <= t)  # causal
+    idx32, start32 = torch.where(valid, idx, -1).to(torch.int32), start.to(torch.int32)
+    offsets, readers = block_readers(idx32, start32, L, Tk)
+    expected: dict[tuple[int, int], list[int]] = {}
+    for b, g, row, i in torch.nonzero(valid).tolist():
+        expected.setdefault((b * G + g, int(start[b, row]) + int(idx[b, g, row, i]) * L), []).append(row)
+    got = {}
+    for key in range(B * G * Tk):
+        lo, hi = offsets[key].item(), offsets[key + 1].item()
+        if hi > lo:
+            got[divmod(key, Tk)] = readers[lo:hi].tolist()
+    assert got == expected
+    assert offsets[-1] == valid.sum()

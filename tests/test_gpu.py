@@ -1,5 +1,5 @@
-"""GPU-only checks (skipped without CUDA; `scripts/gpu_check.sh` runs them): the Triton kernels
-and the flash-attn window on a real device against the PyTorch paths, the kernel choice there,
+"""GPU-only checks (skipped without CUDA; `scripts/gpu_check.sh` runs them): the kernel families (Triton,
+PyTorch, flash-attn's window) on a real device against the reference, the family choice there,
 2-rank NCCL FSDP training, and bf16 + compile + activation checkpointing training."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from nsa_titan.models.attention import FAMILIES, Kernels, NSASpec, choose_family, nsa_fast, nsa_reference
+from nsa_titan.models.attention import FAMILIES, NSASpec, choose_family, nsa_reference, triton_nsa
 from nsa_titan.models.attention import kernels as kernel_choice
 
 from conftest import ROOT, TINY, torchrun
@@ -27,8 +27,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
 
 
-def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, float]:
-    """Relative errors of nsa_fast with `kernels` in `dtype` against the fp32 reference on CUDA, on
+def against_reference(family: str, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, float]:
+    """Relative errors of the kernel `family` in `dtype` against the fp32 reference on CUDA, on
     the same inputs (rounded to `dtype`: else the two pick other sel blocks where scores nearly tie)."""
     B, T, H, G, D = shape
     args = [a.to(dtype).float().cuda() for a in random_inputs(B, T, H, G, D, SPEC, dtype=torch.float32, seed=T)]
@@ -37,20 +37,20 @@ def against_reference(kernels: Kernels, dtype: torch.dtype, shape: tuple[int, ..
     grad_out = torch.randn_like(ref)
     ref_grads = torch.autograd.grad((ref * grad_out).sum(), full)
     low = [a.to(dtype).requires_grad_(True) for a in args]
-    out = nsa_fast(*low, SPEC, kernels=kernels)
+    out = FAMILIES[family]()(*low, SPEC)
     grads = torch.autograd.grad((out.float() * grad_out).sum(), low)
     names = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
     return {"out": rel(out, ref), **{n: rel(g, r) for n, g, r in zip(names, grads, ref_grads)}}
 
 
-@pytest.mark.parametrize("kernel", ["triton", "torch"])
+@pytest.mark.parametrize("family", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=["B{}-T{}-H{}-G{}-D{}".format(*s) for s in SHAPES])
-def test_gpu_kernels_equal_the_reference(kernel, dtype, shape):
-    """Every branch by the Triton kernels, or by chunks and tiles through the fused CUDA kernel."""
-    if kernel == "triton" and not kernel_choice.triton_sel.AVAILABLE:
+def test_gpu_families_equal_the_reference(family, dtype, shape):
+    """The Triton op, or the PyTorch family's chunks and tiles through the fused CUDA kernel."""
+    if family == "triton" and triton_nsa.triton is None:
         pytest.skip("triton is not installed")
-    errors = against_reference(Kernels(kernel, kernel, kernel), dtype, shape)
+    errors = against_reference(family, dtype, shape)
     assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
 
 
@@ -58,27 +58,26 @@ def test_gpu_kernels_equal_the_reference(kernel, dtype, shape):
 def test_fused_cuda_kernels_equal_the_reference_in_fp32(shape):
     """In fp32 (the PyTorch kernels: every chunk and tile through the fused CUDA kernel), as close
     to the fp32 reference as the CPU's fused kernels are (tests/test_nsa_fast.py)."""
-    errors = against_reference(Kernels(), torch.float32, shape)
+    errors = against_reference("torch", torch.float32, shape)
     assert max(errors.values()) < 2e-4, errors
 
 
 @pytest.mark.skipif(kernel_choice.flash_attn_func is None, reason="flash-attn is not installed")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_window_on_cuda_equals_the_reference(dtype):
-    errors = against_reference(Kernels(win="flash"), dtype, SHAPES[0])
+    errors = against_reference("flash", dtype, SHAPES[0])
     assert max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 5e-3), errors
 
 
 @pytest.mark.parametrize("win", ["flash", "triton", "torch"])
 def test_gpu_kernels_with_documents_equal_separate_runs(win):
-    """Document masking on CUDA in bf16 with the kernels `auto` takes (Triton cmp and sel; flash-attn varlen
-    window, the Triton window or the PyTorch window: the flash, triton and torch families): a packed batch against
-    its documents run one by one."""
+    """Document masking on CUDA in bf16 by the flash, triton and torch families: a packed batch against its
+    documents run one by one."""
     from test_documents import build, packed_and_separate
 
     if win == "flash" and kernel_choice.flash_attn_func is None:
         pytest.skip("flash-attn is not installed")
-    if win == "triton" and not kernel_choice.triton_sel.AVAILABLE:
+    if win == "triton" and triton_nsa.triton is None:
         pytest.skip("triton is not installed")
     model = build(torch.bfloat16, FAMILIES[win](), attn_impl="fast", head_dim=64,
                   cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_top_n=16, window_size=512).cuda()
@@ -105,8 +104,8 @@ def test_gpu_kernels_on_parts_of_the_queries_equal_the_whole(with_docs):
         ids = torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 2e-3, 1)
         docs = Documents.of(ids, SPEC).to(torch.device("cuda"))
         args[1:3] = [torch.randn(B, T // SPEC.d, G, D, device="cuda").half() for _ in range(2)]  # cmp slots
-    kernels = choose_family("auto", torch.device("cuda"), torch.float16, SPEC, 6, D).kernels
-    whole, parts, expected, got = whole_and_parts(args, docs, [640, 1536, 2304], kernels, SPEC)
+    family = choose_family("auto", torch.device("cuda"), torch.float16, SPEC, 6, D)
+    whole, parts, expected, got = whole_and_parts(args, docs, [640, 1536, 2304], family, SPEC)
     assert rel(parts, whole) < 5e-3
     for g, e in zip(got, expected):
         assert rel(g, e) < 5e-3
@@ -155,7 +154,7 @@ def test_model_step_makes_no_host_sync(docs):
 def test_auto_takes_the_gpu_kernels_that_are_installed():
     family = choose_family("auto", torch.device("cuda"), torch.bfloat16, SPEC, 6, 64)
     flash = "flash" if kernel_choice.flash_attn_func is not None else "torch"
-    assert family.name == ("triton" if kernel_choice.triton_sel.AVAILABLE else flash)
+    assert family.name == ("triton" if triton_nsa.triton is not None else flash)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

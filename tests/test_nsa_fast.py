@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import pytest
@@ -10,9 +11,9 @@ import torch
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, nsa_fast, nsa_reference
 from nsa_titan.config import ConfigError
-from nsa_titan.models.attention import FAMILIES, Kernels, choose_family
+from nsa_titan.models.attention import FAMILIES, Family, Kernels, choose_family
 from nsa_titan.models.attention import kernels as kernels_module
-from nsa_titan.models.attention import cpu_attention, ops
+from nsa_titan.models.attention import cpu_attention, ops, triton_nsa
 from nsa_titan.models.rope import rope_tables
 from nsa_titan.models.transformer import NSAAttention
 
@@ -276,7 +277,7 @@ def test_kernel_choice_is_explicit_and_says_why_a_kernel_cannot_run(monkeypatch)
     monkeypatch.setattr(kernels_module, "flash_attn_func", lambda *a, **k: None)  # "installed"
     with pytest.raises(ConfigError, match="flash-attn runs on CUDA devices and this run is on cpu"):
         choose_family("flash", CPU, torch.bfloat16, SPEC, 6, 64)
-    if kernels_module.triton_sel.AVAILABLE:
+    if triton_nsa.triton is not None:
         with pytest.raises(ConfigError, match="kernels = 'triton' cannot run: the Triton kernels run on CUDA"):
             choose_family("triton", CPU, torch.float32, SPEC, 6, 64)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -304,18 +305,20 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
     assert calls == [{"causal": True, "window_size": (23, 0)}]
 
 
-def whole_and_parts(args: list[torch.Tensor], docs: Documents | None, cuts: list[int], kernels: Kernels | None = None,
-                    spec: NSASpec = SPEC) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
-    """nsa_fast over all queries, and over the parts cut at `cuts` (multiples of l') against the
-    whole keys, concatenated; and the gradients of every input under one random output gradient.
-    (tests/test_gpu.py runs it on CUDA at the paper's sizes.)"""
+def whole_and_parts(args: list[torch.Tensor], docs: Documents | None, cuts: list[int],
+                    op: Kernels | Family | None = None, spec: NSASpec = SPEC
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+    """nsa_fast on the kernels `op` (or the family `op`) over all queries, and over the parts cut at `cuts`
+    (multiples of l') against the whole keys, concatenated; and the gradients of every input under one random
+    output gradient. (tests/test_gpu.py runs it on CUDA at the paper's sizes.)"""
     T = args[0].shape[1]
+    attention = op if isinstance(op, Family) else functools.partial(nsa_fast, kernels=op)
     leaves = [x.detach().clone().requires_grad_() for x in args]
-    whole = nsa_fast(*leaves[:8], spec, kernels, docs=docs)
+    whole = attention(*leaves[:8], spec, docs=docs)
     grad_out = torch.randn(whole.shape, generator=torch.Generator().manual_seed(3)).to(whole)
     expected = torch.autograd.grad(whole, leaves, grad_out)
     edges = [0, *cuts, T]
-    parts = torch.cat([nsa_fast(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], spec, kernels, docs=docs, q0=a)
+    parts = torch.cat([attention(leaves[0][:, a:b], *leaves[1:7], leaves[7][:, a:b], spec, docs=docs, q0=a)
                        for a, b in zip(edges, edges[1:])], 1)
     return whole, parts, expected, torch.autograd.grad(parts, leaves, grad_out)
 

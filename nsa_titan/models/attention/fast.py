@@ -10,9 +10,9 @@ chunk by chunk: memory is linear in T and no T x T tensor exists.
       block-centric tiles.
 The loops are over chunks, never over tokens, and inside the ops: under torch.compile each branch
 is one node, so the graph does not grow with T. `kernels` (`kernels.py`, fixed per run by the kernel
-family, `families/`) says where the branches run as Triton kernels instead (`triton_shared.py` for cmp
-and win, `triton_sel.py`), and win through flash-attn; where a branch runs in NSA's C++ kernel, the
-gated sum of the branches does too (`cpu_attention.mix`).
+family, `families/`) says where the branches run in NSA's C++ kernels instead (CPUs), and win through
+flash-attn (CUDA); where a branch runs in the C++ kernel, the gated sum of the branches does too
+(`cpu_attention.mix`). The Triton family is one op of its own (`triton_nsa.py`).
 """
 
 from __future__ import annotations
@@ -60,12 +60,9 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     if branches[0] or branches[1]:  # sel reads the cmp scores
         o_cmp, idx, valid = ops.shared(qs, grouped(k_cmp, low), grouped(v_cmp, low), "cmp", spec, T, q0, docs,
                                        kernels.cmp)
-    if branches[1] and kernels.sel == "triton":  # the Triton kernels take bf16 / fp16 as they are
-        o_sel = ops.selected_kernel(qs if low == q.dtype else heads(q.dtype), grouped(k_sel, q.dtype),
-                                    grouped(v_sel, q.dtype), idx, valid, spec, q0, docs, "triton")
-    elif branches[1] and kernels.sel == "cpp":
+    if branches[1] and kernels.sel == "cpp":
         o_sel = ops.selected_kernel(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx,
-                                    valid, spec, q0, docs, "cpp")
+                                    valid, spec, q0, docs)
     elif branches[1]:
         o_sel = ops.selected(qs if low == acc else heads(acc), grouped(k_sel, acc), grouped(v_sel, acc), idx, valid,
                              spec, q0, docs)

@@ -9,16 +9,15 @@ probabilities once. On CPUs and CUDA devices the win forward and both backwards 
 attention kernel per chunk (`fused_attention.py`: scores, softmax and products tile by tile in
 cache, one pass), with the chunk's mask as a 0 / -inf bias (the cmp backward without documents:
 only on the keys that not all of the chunk's queries see); elsewhere they are the same steps as
-separate ops. On CUDA the chunks come in bf16 / fp16 (the cmp scores are computed in fp32); there
-the branches can run as Triton kernels instead (`triton_shared.py`: win in one launch each way, the
-cmp forward two launches per chunk, for its chunk's scores and the sel blocks chosen from them).
+separate ops. On CUDA the chunks come in bf16 / fp16 (the cmp scores are computed in fp32). On CPUs
+the branches can run in NSA's C++ kernels instead (`cpu_attention.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cpu_attention, fused_attention, triton_shared
+from . import cpu_attention, fused_attention
 from .common import NSASpec, choose_blocks
 from .documents import ChunkBounds, Documents
 
@@ -126,26 +125,21 @@ def shared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     """cmp or win attention (`kind`). q (B, G, Tq, r, D): the queries at positions q0 .. q0 + Tq - 1
     of a sequence of T tokens (all of them unless context parallelism splits it); k, v (B, G, S, D)
     of the whole sequence; docs: the `Documents` of the whole sequence, or None; bounds: their host
-    bounds, or None; kernel: `triton` runs the branch through `triton_shared` (CUDA), `cpp` through
-    `cpu_attention` (CPUs). Returns out
+    bounds, or None; kernel: `cpp` runs the branch through `cpu_attention` (CPUs). Returns out
     (B, G, Tq, r, D), the logsumexp of each (query, head) (B, G, Tq, r), and, for cmp, the chosen
     sel blocks idx / valid (B, G, Tq, n') (see `choose_blocks`; None for win)."""
     B, G, Tq, r, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # the cmp scores' dtype (q: bf16 / fp16 on CUDA)
     out, lse, idx, valid = torch.zeros_like(q), q.new_zeros(B, G, Tq, r, dtype=acc), [], []
-    if kernel == "triton" and kind == "win":
-        triton_shared.forward(q, k, v, out, lse, kind, 0, Tq, q0, spec, docs)
-        return out, lse, None, None
     if kernel == "cpp" and kind == "win":  # on CPUs by NSA's C++ kernel
         out, lse = cpu_attention.window_forward(q, k, v, spec, None if docs is None else docs.start[:, q0:q0 + Tq], q0)
         return out, lse, None, None
     keys = cpu_attention.cmp_keys(k, v) if kernel == "cpp" else None
     for t0, t1, cut in _chunks(kind, spec, q0, Tq, bounds, q.device):
         a, b = t0 - q0, t1 - q0  # the chunk's rows of q
-        if kernel != "torch":  # the group's scores over every slot (B, G, C, S), no probabilities written
-            scores = (cpu_attention.cmp_forward(q, keys, out, lse, a, b, q0, spec, docs) if kernel == "cpp" else
-                      triton_shared.forward(q, k, v, out, lse, kind, a, b, q0, spec, docs))
-            chosen = (cpu_attention if kernel == "cpp" else triton_shared).choose_blocks(scores, spec, t0, T, docs)
+        if kernel == "cpp":  # the group's scores over every slot (B, G, C, S), no probabilities written
+            scores = cpu_attention.cmp_forward(q, keys, out, lse, a, b, q0, spec, docs)
+            chosen = cpu_attention.choose_blocks(scores, spec, t0, T, docs)
             idx.append(chosen[0])
             valid.append(chosen[1])
             continue
@@ -184,8 +178,6 @@ def shared_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                     lse: torch.Tensor, kind: str, spec: NSASpec, q0: int, docs: Documents | None,
                     bounds: ChunkBounds | None, kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) of `shared_forward`'s output `out` (with its logsumexp `lse`)."""
-    if kernel == "triton":
-        return triton_shared.backward(d_out, q, k, v, out, lse, kind, q0, spec, docs)
     if kernel == "cpp" and cpu_attention.own_backward(kind, k.shape[2], q.shape[3]):  # else the chunks below
         if kind == "cmp":
             return cpu_attention.cmp_backward(d_out, q, k, v, out, lse, spec, q0, docs)

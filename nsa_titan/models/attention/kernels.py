@@ -1,9 +1,8 @@
 """The kernel of each branch of the branch-by-branch path (`fast.nsa_fast`), and why each cannot run.
 
-  cmp  PyTorch chunks (`fast_shared.py`), Triton kernels (`triton_shared.py`), or NSA's C++ kernel
-       (`cpu_attention.py`)
-  sel  PyTorch block-centric tiles (`fast_sel.py`), Triton kernels (`triton_sel.py`), or NSA's C++ kernel
-  win  PyTorch chunks, Triton kernels, flash-attn's sliding window (`window_flash`), or NSA's C++ kernel
+  cmp  PyTorch chunks (`fast_shared.py`) or NSA's C++ kernel (`cpu_attention.py`)
+  sel  PyTorch block-centric tiles (`fast_sel.py`) or NSA's C++ kernel
+  win  PyTorch chunks, flash-attn's sliding window (`window_flash`), or NSA's C++ kernel
 On CPUs and CUDA devices the PyTorch kernels run their chunks and tiles through ATen's fused
 attention kernels (`fused_attention.py`): they are what SDPA runs there. The kernel families
 (`families/`) fix these per run; Triton runs on the CPU only under TRITON_INTERPRET=1 (for checks).
@@ -11,12 +10,10 @@ attention kernels (`fused_attention.py`): they are what SDPA runs there. The ker
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from . import triton_sel
 from .common import NSASpec
 from .documents import Documents, varlen_boundaries
 
@@ -25,12 +22,12 @@ try:
 except ImportError:  # optional GPU extra
     flash_attn_func = flash_attn_varlen_func = None
 
-NAMES = {"torch": "PyTorch", "triton": "Triton", "flash": "flash-attn", "cpp": "C++"}
+NAMES = {"torch": "PyTorch", "flash": "flash-attn", "cpp": "C++"}
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The kernel of each branch: `torch`, `triton`, `cpp` or (win) `flash`."""
+    """The kernel of each branch: `torch`, `cpp` or (win) `flash`."""
 
     cmp: str = "torch"
     sel: str = "torch"
@@ -38,21 +35,6 @@ class Kernels:
 
     def describe(self) -> str:
         return ", ".join(f"{b} {NAMES[getattr(self, b)]}" for b in ("cmp", "sel", "win"))
-
-
-def triton_problem(device: torch.device, head_dim: int, spec: NSASpec, dtype: torch.dtype) -> str | None:
-    """Why the Triton kernels (every branch) cannot run here, or None."""
-    if not triton_sel.AVAILABLE:
-        return "Triton is not installed (pip install triton)"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"the Triton kernels run on CUDA devices and this run is on {device.type} (TRITON_INTERPRET=1 "
-                f"runs them interpreted, for checks)")
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the Triton kernels take float32, float16 or bfloat16, and the compute dtype is {dtype}"
-    if not all(x >= 16 and x & (x - 1) == 0 for x in (head_dim, spec.l_sel)):
-        return (f"tl.dot needs head_dim and sel_block_size to be powers of two >= 16 (they are {head_dim} and "
-                f"{spec.l_sel})")
-    return None
 
 
 def flash_problem(device: torch.device, dtype: torch.dtype) -> str | None:

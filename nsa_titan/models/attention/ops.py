@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention, triton_sel
+from . import cpu_attention
 from .common import NSASpec
 from .documents import ChunkBounds, Documents
 from .fast_sel import selected_backward, selected_forward
@@ -129,45 +129,39 @@ def _selected_grad(ctx, d_out, _d_lse):
 _selected_op.register_autograd(_selected_grad, setup_context=_selected_setup)
 
 
-SEL_KERNELS = {"triton": triton_sel, "cpp": cpu_attention}
-"""The modules of the sel kernels that are not PyTorch tiles: `sel_forward`, `sel_backward` each."""
-
-
 @torch.library.custom_op("nsa_titan::selected_kernel", mutates_args=())
 def _selected_kernel_op(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: list[int], q0: int,
-                        start: OptTensor, kernel: str) -> tuple[Tensor, Tensor]:
-    return _contiguous(SEL_KERNELS[kernel].sel_forward(q, ks, vs, idx, valid, NSASpec(*spec), start, q0))
+                        start: OptTensor) -> tuple[Tensor, Tensor]:
+    return _contiguous(cpu_attention.sel_forward(q, ks, vs, idx, valid, NSASpec(*spec), start, q0))
 
 
 @_selected_kernel_op.register_fake
-def _(q, ks, vs, idx, valid, spec, q0, start, kernel):
+def _(q, ks, vs, idx, valid, spec, q0, start):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(q.shape[:4], dtype=torch.float32)
 
 
 @torch.library.custom_op("nsa_titan::selected_kernel_backward", mutates_args=())
 def _selected_kernel_backward_op(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor,
-                                 out: Tensor, lse: Tensor, spec: list[int], q0: int, start: OptTensor, kernel: str
+                                 out: Tensor, lse: Tensor, spec: list[int], q0: int, start: OptTensor
                                  ) -> tuple[Tensor, Tensor, Tensor]:
-    return _contiguous(SEL_KERNELS[kernel].sel_backward(d_out, q, ks, vs, idx, valid, out, lse, NSASpec(*spec), start,
-                                                        q0))
+    return _contiguous(cpu_attention.sel_backward(d_out, q, ks, vs, idx, valid, out, lse, NSASpec(*spec), start, q0))
 
 
 @_selected_kernel_backward_op.register_fake
-def _(d_out, q, ks, vs, idx, valid, out, lse, spec, q0, start, kernel):
+def _(d_out, q, ks, vs, idx, valid, out, lse, spec, q0, start):
     return _contiguous((torch.empty_like(q), torch.empty_like(ks), torch.empty_like(vs)))
 
 
 def _selected_kernel_setup(ctx, inputs, output) -> None:
-    q, ks, vs, idx, valid, spec, q0, start, kernel = inputs
+    q, ks, vs, idx, valid, spec, q0, start = inputs
     ctx.save_for_backward(q, ks, vs, idx, valid, *output, start)
-    ctx.spec, ctx.q0, ctx.kernel = spec, q0, kernel
+    ctx.spec, ctx.q0 = spec, q0
 
 
 def _selected_kernel_grad(ctx, d_out, _d_lse):
     q, ks, vs, idx, valid, out, lse, start = ctx.saved_tensors
-    dq, dks, dvs = _selected_kernel_backward_op(d_out, q, ks, vs, idx, valid, out, lse, ctx.spec, ctx.q0, start,
-                                                ctx.kernel)
-    return dq, dks, dvs, None, None, None, None, None, None
+    dq, dks, dvs = _selected_kernel_backward_op(d_out, q, ks, vs, idx, valid, out, lse, ctx.spec, ctx.q0, start)
+    return dq, dks, dvs, None, None, None, None, None
 
 
 _selected_kernel_op.register_autograd(_selected_kernel_grad, setup_context=_selected_kernel_setup)
@@ -258,7 +252,7 @@ def _query_starts(docs: Documents | None, q0: int, Tq: int) -> OptTensor:
 def shared(q: Tensor, k: Tensor, v: Tensor, kind: str, spec: NSASpec, T: int, q0: int, docs: Documents | None,
            kernel: str = "torch") -> tuple[Tensor, Tensor | None, Tensor | None]:
     """cmp or win attention (`fast_shared.shared_forward`), with the documents' host bounds when
-    they have them; `kernel` (torch, triton) runs the branch. idx and valid are None for win."""
+    they have them; `kernel` (torch, cpp) runs the branch. idx and valid are None for win."""
     fields = (None,) * 4 if docs is None else (docs.start, docs.end, docs.cmp_start, docs.first_slot)
     out, _, idx, valid = _shared_op(q, k, v, kind, _spec_list(spec), T, q0, *fields, _table(docs), kernel)
     return (out, idx, valid) if kind == "cmp" else (out, None, None)
@@ -273,11 +267,10 @@ def selected(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec
 
 
 def selected_kernel(q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, spec: NSASpec, q0: int,
-                    docs: Documents | None, kernel: str) -> Tensor:
-    """sel attention by the Triton kernels (`triton_sel`, CUDA) or the C++ kernel (`cpu_attention`, CPUs), as
-    one custom op; `kernel`: triton or cpp."""
+                    docs: Documents | None) -> Tensor:
+    """sel attention by NSA's C++ kernel (`cpu_attention`, CPUs), as one custom op."""
     start = _query_starts(docs, q0, q.shape[2])
-    return _selected_kernel_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start, kernel)[0]
+    return _selected_kernel_op(q, ks, vs, idx, valid, _spec_list(spec), q0, start)[0]
 
 
 def sel_weight_grad(d_out: Tensor, q: Tensor, ks: Tensor, vs: Tensor, idx: Tensor, valid: Tensor, n_read: int,
