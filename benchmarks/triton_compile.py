@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.models.attention import Documents, NSASpec, triton_nsa  # noqa: E402
+from nsa_titan.models.attention.families import triton as family  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 H, G, D = 12, 2, 64
@@ -58,8 +59,8 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
         keys = [torch.zeros(1, T // SPEC.d, G, D, dtype=dtype)] * 2 + [torch.zeros(1, T, G, D, dtype=dtype)] * 4
         gates = torch.zeros(1, T, H, 3)
         documents = Documents.of(torch.arange(T)[None] // 1000, SPEC) if docs else None
-        out, ob, lse, idx, valid = triton_nsa.forward(q, keys, gates, SPEC, documents, 0, (True, True, True))
-        triton_nsa.backward(q, q, keys, gates, ob, lse, idx, valid, SPEC, documents, 0, (True, True, True))
+        out, ob, lse, idx, valid = family.forward(q, keys, gates, SPEC, documents, 0, (True, True, True))
+        family.backward(q, q, keys, gates, ob, lse, idx, valid, SPEC, documents, 0, (True, True, True))
     finally:
         for name, fn in saved.items():
             setattr(triton_nsa, name, fn)

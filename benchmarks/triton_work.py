@@ -10,14 +10,16 @@ dispatched besides them that would launch a kernel on a GPU (views, allocations 
 ops not counted), without and with documents; then with the off-paper options (`sel_score_grad`,
 `sel_score_explore`), whose score gradient runs in PyTorch after the op. A launch count that does not
 grow with T, no host sync (`tests/test_host_syncs.py`) and no data-dependent shape: the op can be
-captured in a CUDA graph.
+captured in a CUDA graph. Last, the host time of one eager forward and backward (the kernels not run).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,6 +113,23 @@ def launches(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0) -> t
     return counts, ops
 
 
+def host_ms(T: int = 256, repeats: int = 50) -> float:
+    """The median host milliseconds of one eager forward and backward, the kernels recorded, one thread: what
+    the op's wrappers, dispatch and autograd cost a layer before any GPU work."""
+    step, times, threads = attention_step(T, False), [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def timed() -> None:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+        recorded(timed)
+    finally:
+        torch.set_num_threads(threads)
+    return 1e3 * statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--T", type=int, nargs="+", default=[512, 8192, 32768, 65536])
@@ -130,6 +149,7 @@ def main() -> None:
                 kinds = ", ".join(f"{n} {k}" for k, n in collections.Counter(ops).most_common())
                 print(f"| {T:,} | {docs} | {label} | {sum(counts.values())} | {len(ops)} | "
                       f"{sum(counts.values()) + len(ops)} | {kinds} |", flush=True)
+    print(f"\nHost time of one eager forward and backward at T = 256, the kernels not run: {host_ms():.2f} ms")
 
 
 if __name__ == "__main__":

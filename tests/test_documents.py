@@ -2,8 +2,8 @@
 
 Logits and every parameter gradient of a packed run equal those of the documents run one by one
 (positions from 0), for the reference, the fast path (also with many small chunks and tiles) and
-the dense baseline, in fp64 and fp32, with batch rows of different layouts. The Triton kernels are
-checked the same way in tests/test_nsa_triton.py.
+the dense baseline, in fp64 and fp32, with batch rows of different layouts. The Triton family is
+checked the same way in tests/test_families.py.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def half_precision() -> dict[str, float]:
 def opcheck() -> dict[str, str]:
     """The op as one custom op (one node under torch.compile): schema, fake implementation, registered
     backward, on a part of the queries with documents and on the whole without."""
-    from nsa_titan.models.attention import triton_nsa
+    from nsa_titan.models.attention.families import triton as family
 
     found = {}
     for case, q0 in (("group1", 0), ("parts", 64)):
@@ -113,7 +113,7 @@ def opcheck() -> dict[str, str]:
         leaves = [a[:, q0:].clone() if i in (0, 7) else a.clone() for i, a in enumerate(args)]
         fields = (None,) * 3 if docs is None else (docs.start, docs.cmp_start, docs.first_slot)
         try:
-            torch.library.opcheck(triton_nsa._op, (*[x.requires_grad_(True) for x in leaves],
+            torch.library.opcheck(family._op, (*[x.requires_grad_(True) for x in leaves],
                                                    [spec.l, spec.d, spec.l_sel, spec.n, spec.w], q0,
                                                    [True, True, True], *fields))
             found[case] = "ok"

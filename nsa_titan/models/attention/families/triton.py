@@ -1,14 +1,28 @@
-"""The Triton family: the whole NSA attention as one op of Triton kernels (`triton_nsa`): one launch forward,
-a zero fill, three kernels and a conversion backward, on CUDA, or on the CPU under TRITON_INTERPRET=1 (checks)."""
+"""The Triton family: the whole NSA attention as one custom op of Triton kernels (`triton_nsa.py`), on CUDA, or
+on the CPU under TRITON_INTERPRET=1 (checks): two launches forward; a zero fill, three kernels and a cast
+backward. This module is the host side: the launch geometry, the custom op (one node under torch.compile) and
+its registered backward."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import triton_nsa
+from .. import triton_nsa as kernels
 from ..common import NSASpec
 from ..documents import Documents
-from .base import Family, Tensor
+from .base import Family
+
+Tensor = torch.Tensor
+OptTensor = Tensor | None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    """The least power of two >= x."""
+    return 1 << (x - 1).bit_length()
 
 
 class Triton(Family):
@@ -17,9 +31,177 @@ class Triton(Family):
     @staticmethod
     def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_group: int, head_dim: int
                 ) -> str | None:
-        return triton_nsa.problem(device, dtype, spec, heads_per_group, head_dim)
+        return kernels.problem(device, dtype, spec, heads_per_group, head_dim)
 
     def attend(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
                v_win: Tensor, gates: Tensor, spec: NSASpec, docs: Documents | None, q0: int,
                branches: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor]:
-        return triton_nsa.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, spec, docs, q0, branches)
+        fields = (None,) * 3 if docs is None else (docs.start, docs.cmp_start, docs.first_slot)
+        out, _, _, idx, valid = _op(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+                                    [spec.l, spec.d, spec.l_sel, spec.n, spec.w], q0, list(branches), *fields)
+        return out, idx, valid
+
+
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """x (B, S, G, D) as the kernels read it: D and G packed (a view from the projections is)."""
+    return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
+
+
+def _geometry(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec: NSASpec,
+              docs: Documents | None, q0: int) -> tuple[dict, dict]:
+    """The pointers and the arguments every kernel shares: strides, sizes, block geometry."""
+    B, Tq, H, D = q.shape
+    kc, vc, ks, vs, kw, vw = keys
+    T, G = ks.shape[1], ks.shape[2]
+    r = H // G
+    bt = max(1, kernels.ROWS // r)
+    docs_args = (dict(CSTART=docs.cmp_start, START=docs.start, FIRST=docs.first_slot) if docs is not None
+                 else dict(CSTART=q, START=q, FIRST=q))  # unread without documents
+    ptrs = dict(Q=q, KC=kc, VC=vc, KS=ks, VS=vs, KW=kw, VW=vw, GATE=gates, **docs_args)
+    args = dict(sqb=q.stride(0), sqt=q.stride(1), skcb=kc.stride(0), skct=kc.stride(1), svcb=vc.stride(0),
+                svct=vc.stride(1), sksb=ks.stride(0), skst=ks.stride(1), svsb=vs.stride(0), svst=vs.stride(1),
+                skwb=kw.stride(0), skwt=kw.stride(1), svwb=vw.stride(0), svwt=vw.stride(1), sgb=gates.stride(0),
+                sgt=gates.stride(1), sdb=T if docs is not None else 0,
+                scb=docs.cmp_start.stride(0) if docs is not None else 0, Tq=Tq, T=T, Nc=kc.shape[1], q0=q0, G=G,
+                H=H, scale=D**-0.5, d=spec.d, l=spec.l, w=spec.w, ob_c=B * Tq * H * D, st_c=B * Tq * H,
+                R=r, BT=bt, M=_pow2(bt * r), D=D, DOCS=docs is not None)
+    return ptrs, args
+
+
+def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec: NSASpec, docs: Documents | None,
+            q0: int, branches: tuple[bool, bool, bool]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out (B, Tq, H, D), the branch outputs (3, B, Tq, H, D) and logsumexps (3, B, Tq, H) fp32, and the
+    chosen blocks idx (B, G, Tq, n') long, valid bool: two launches."""
+    B, Tq, H, D = q.shape
+    keys = [_keys(x) for x in keys]
+    T, G = keys[2].shape[1], keys[2].shape[2]
+    ptrs, args = _geometry(q, keys, gates, spec, docs, q0)
+    Ns = spec.num_sel_blocks(T)
+    n = min(spec.n, Ns)
+    out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
+    ob = torch.empty(3, B, Tq, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)
+    idx = torch.empty(B, G, Tq, n, dtype=torch.long, device=q.device)
+    valid = torch.empty(B, G, Tq, n, dtype=torch.bool, device=q.device)
+    bt, grid, flags = args["BT"], (_cdiv(Tq, args["BT"]), B * G), dict(num_warps=kernels.WARPS)
+    pick = lambda *names: {k: v for k, v in {**ptrs, **args}.items() if k in names}  # noqa: E731
+    shared = ("Q", "START", "FIRST", "sqb", "sqt", "sdb", "Tq", "T", "q0", "G", "H", "scale", "R", "BT", "M", "D",
+              "DOCS")
+    chosen = dict(IDX=idx, VALID=valid.view(torch.int8), L=spec.l_sel, N=n, NP=_pow2(n))
+    kernels._fwd_cmp[grid](
+        **pick(*shared, "KC", "VC", "CSTART", "skcb", "skct", "svcb", "svct", "scb", "Nc", "d", "l"), **chosen,
+        OB=ob, LSE=lse, Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.CHUNK, BN=kernels.BLOCK_N,
+        STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1, **flags)
+    kernels._fwd_sel_win[grid](
+        **pick(*shared, "KS", "VS", "KW", "VW", "GATE", "sksb", "skst", "svsb", "svst", "skwb", "skwt", "svwb",
+               "svwt", "sgb", "sgt", "w", "ob_c", "st_c"), **chosen,
+        O=out, OB=ob, LSE=lse, BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
+    return out, ob, lse, idx, valid
+
+
+def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, ob: torch.Tensor,
+             lse: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, docs: Documents | None,
+             q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+    """dq, the six key and value gradients in one flat buffer (`key_grads`) and d_gates of `forward`'s output:
+    a zero fill, three kernels and one conversion to the keys' dtype."""
+    B, Tq, H, D = q.shape
+    keys = [_keys(x) for x in keys]
+    T, G, Nc = keys[2].shape[1], keys[2].shape[2], keys[0].shape[1]
+    ptrs, args = _geometry(q, keys, gates, spec, docs, q0)
+    sizes = [B * Nc * G * D] * 2 + [B * T * G * D] * 4
+    at = [sum(sizes[:i]) for i in range(6)]
+    gk = torch.zeros(sum(sizes), dtype=torch.float32, device=q.device)
+    dq = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
+    dg = torch.empty(B, Tq, H, 3, dtype=torch.float32, device=q.device)
+    delta = torch.empty(2, B, Tq, H, dtype=torch.float32, device=q.device)
+    bt, n, flags = args["BT"], idx.shape[-1], dict(num_warps=kernels.WARPS)
+    grads = dict(DO=d_out, sdob=d_out.stride(0), sdot=d_out.stride(1), LSE=lse, DELTA=delta, GK=gk)
+    kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
+        **ptrs, **args, **grads, OB=ob, IDX=idx, VALID=valid.view(torch.int8), DQ=dq, DG=dg, gk_ks=at[2],
+        gk_vs=at[3], L=spec.l_sel, N=n, NP=_pow2(n), BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1],
+        WIN=branches[2], **flags)
+    key_args = ("sqb", "sqt", "sgb", "sgt", "sdb", "scb", "Tq", "T", "q0", "G", "H", "scale", "d", "l", "w", "R", "BT",
+                "M", "D", "DOCS")
+    common = dict(**{k: args[k] for k in key_args}, **grads, Q=q, GATE=gates, CSTART=ptrs["CSTART"],
+                  START=ptrs["START"], FIRST=ptrs["FIRST"], BN=kernels.KV_BLOCK, **flags)
+    for on, (k, v), S, lse_at, delta_at, gk_at, segs, win in (
+            (branches[0], keys[:2], Nc, 0, 0, at[:2], _cdiv(Tq, kernels.KV_SEGMENT), False),  # cmp: x query segments
+            (branches[2], keys[4:], T, 2 * B * Tq * H, B * Tq * H, at[4:], 1, True)):
+        if on:
+            kernels._bwd_kv[(_cdiv(S, kernels.KV_BLOCK) * segs, B * G)](
+                **common, K=k, V=v, skb=k.stride(0), skt=k.stride(1), svb=v.stride(0), svt=v.stride(1), S=S,
+                lse_at=lse_at, delta_at=delta_at, gk_k=gk_at[0], gk_v=gk_at[1], SEGS=segs,
+                SEG=Tq if win else kernels.KV_SEGMENT, WIN=win)
+    return [dq, gk if keys[0].dtype == torch.float32 else gk.to(keys[0].dtype), dg.to(gates.dtype)]
+
+
+def key_grads(flat: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor) -> list[torch.Tensor]:
+    """`backward`'s buffer of the six key and value gradients as views: (B, Nc, G, D) x 2, (B, T, G, D) x 4."""
+    B, Nc, G, D = kc.shape
+    T = ks.shape[1]
+    sizes, shapes = [B * Nc * G * D] * 2 + [B * T * G * D] * 4, [kc.shape] * 2 + [ks.shape] * 4
+    at = [sum(sizes[:i]) for i in range(6)]
+    return [flat[a:a + size].view(shape) for a, size, shape in zip(at, sizes, shapes)]
+
+
+
+def _docs(start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor) -> Documents | None:
+    """The geometry the kernels read (the end of each document is not: the rules need only starts)."""
+    return None if start is None else Documents(start, start, cmp_start, first_slot)
+
+
+def _spec(spec: list[int]) -> NSASpec:
+    return NSASpec(*spec)
+
+
+@torch.library.custom_op("nsa_titan::nsa_triton", mutates_args=())
+def _op(q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor, gates: Tensor,
+        spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return forward(q, [kc, vc, ks, vs, kw, vw], gates, _spec(spec), _docs(start, cmp_start, first_slot), q0,
+                   tuple(branches))
+
+
+@_op.register_fake
+def _(q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot):
+    B, Tq, H, D = q.shape
+    T, G = ks.shape[1], ks.shape[2]
+    n = min(spec[3], _spec(spec).num_sel_blocks(T))
+    return (q.new_empty(B, Tq, H, D), q.new_empty(3, B, Tq, H, D), q.new_empty(3, B, Tq, H, dtype=torch.float32),
+            q.new_empty(B, G, Tq, n, dtype=torch.long), q.new_empty(B, G, Tq, n, dtype=torch.bool))
+
+
+@torch.library.custom_op("nsa_titan::nsa_triton_backward", mutates_args=())
+def _backward_op(d_out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor,
+                 gates: Tensor, ob: Tensor, lse: Tensor, idx: Tensor, valid: Tensor, spec: list[int], q0: int,
+                 branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor) -> list[Tensor]:
+    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, idx, valid, _spec(spec),
+                    _docs(start, cmp_start, first_slot), q0, tuple(branches))
+
+
+@_backward_op.register_fake
+def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, spec, q0, branches, start, cmp_start, first_slot):
+    B, Nc, G, D = kc.shape
+    return [torch.empty_like(q, memory_format=torch.contiguous_format),
+            kc.new_empty(2 * B * Nc * G * D + 4 * ks.numel()),
+            torch.empty_like(gates, memory_format=torch.contiguous_format)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot = inputs
+    _, ob, lse, idx, valid = output
+    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, start, cmp_start, first_slot)
+    ctx.spec, ctx.q0, ctx.branches = spec, q0, branches
+    ctx.mark_non_differentiable(ob, lse, idx, valid)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of the saved outputs
+
+
+def _grad(ctx, d_out, _d_ob, _d_lse, _d_idx, _d_valid):
+    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, start, cmp_start, first_slot = ctx.saved_tensors
+    dq, flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, ctx.spec,
+                                ctx.q0, ctx.branches, start, cmp_start, first_slot)
+    return dq, *key_grads(flat, kc, ks), dg, None, None, None, None, None, None
+
+
+_op.register_autograd(_grad, setup_context=_setup)
