@@ -385,7 +385,7 @@ def test_long_runs_go_backward_through_atens_fused_attention(monkeypatch, with_d
 def test_the_ops_pass_opcheck():
     q, ks, vs, idx, valid, start = sel_inputs(1, 2, 90, 6, 16, SPEC, True, seed=0)
     spec = [SPEC.l, SPEC.d, SPEC.l_sel, SPEC.n, SPEC.w]
-    torch.library.opcheck(ops._selected_kernel_op, (q.requires_grad_(), ks, vs, idx, valid, spec, 0, start, "cpp"))
+    torch.library.opcheck(ops._selected_kernel_op, (q.requires_grad_(), ks, vs, idx, valid, spec, 0, start))
     d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     torch.library.opcheck(ops._sel_weight_grad_op, (d_out, q.detach(), ks, vs, idx, valid, 3, spec, 0, start))
 
