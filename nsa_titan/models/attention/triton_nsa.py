@@ -98,6 +98,22 @@ if triton is not None:
         return mm, i, live, hq, t, s, fs, q
 
     @triton.jit
+    def _tile(Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr,
+              D: tl.constexpr, DOCS: tl.constexpr):
+        """The program's tile (axis 0) of group bg = b G + g (axis 1): `_rows` of its BT queries, the offsets of
+        its rows in the (contiguous) outputs and per-row statistics, and its first and last positions."""
+        tile, bg = tl.program_id(0), tl.program_id(1)
+        b, g = bg // G, bg % G
+        mm, i, live, hq, t, s, fs, q = _rows(Q, START, FIRST, b, g * R, tile * BT, Tq, q0, sqb, sqt, sdb, R, BT, M,
+                                             D, DOCS)
+        dd = tl.arange(0, D)
+        o_off = (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :]
+        st_off = b * Tq * H + i * H + hq
+        t_first = q0 + tile * BT
+        t_last = tl.minimum(q0 + Tq, t_first + BT) - 1
+        return tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last
+
+    @triton.jit
     def _kv(K, V, b, g, j, ok, skb, skt, svb, svt, D: tl.constexpr):
         """Keys and values (len(j), D) at rows j of (B, S, G, D) tensors (0 where not ok)."""
         dd = tl.arange(0, D)
@@ -151,15 +167,8 @@ if triton is not None:
                  L: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
                  STRIDE: tl.constexpr, BEFORE: tl.constexpr, DOCS: tl.constexpr):
         """A tile's cmp attention (output, logsumexp) and its queries' top-n sel blocks."""
-        tile, bg = tl.program_id(0), tl.program_id(1)
-        b, g = bg // G, bg % G
-        mm, i, live, hq, t, s, fs, q = _rows(Q, START, FIRST, b, g * R, tile * BT, Tq, q0, sqb, sqt, sdb, R, BT, M,
-                                             D, DOCS)
-        dd = tl.arange(0, D)
-        o_off = (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :]  # out and the branch outputs: contiguous
-        st_off = b * Tq * H + i * H + hq
-        t_first = q0 + tile * BT
-        t_last = tl.minimum(q0 + Tq, t_first + BT) - 1
+        tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
+            Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
 
         # cmp: the visible slots of the tile's documents
         n_lo = tl.min(tl.where(live, fs, Nc), 0)
@@ -248,15 +257,8 @@ if triton is not None:
                      N: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr,
                      SEL: tl.constexpr, WIN: tl.constexpr):
         """A tile's sel attention over the union of its chosen blocks, win attention, and the gated sum."""
-        tile, bg = tl.program_id(0), tl.program_id(1)
-        b, g = bg // G, bg % G
-        mm, i, live, hq, t, s, fs, q = _rows(Q, START, FIRST, b, g * R, tile * BT, Tq, q0, sqb, sqt, sdb, R, BT, M,
-                                             D, DOCS)
-        dd = tl.arange(0, D)
-        o_off = (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :]  # out and the branch outputs: contiguous
-        st_off = b * Tq * H + i * H + hq
-        t_first = q0 + tile * BT
-        t_last = tl.minimum(q0 + Tq, t_first + BT) - 1
+        tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
+            Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
 
         if SEL:  # the union of the tile's chosen blocks, each loaded once
             chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
@@ -327,17 +329,10 @@ if triton is not None:
                SEL: tl.constexpr, WIN: tl.constexpr):
         """A tile's gate gradients, dQ of every branch, and sel's dK, dV (atomic adds, each chosen block of the
         tile once); the rows' delta (gate * dO . o) of cmp and win for `_bwd_kv`."""
-        tile, bg = tl.program_id(0), tl.program_id(1)
-        b, g = bg // G, bg % G
-        mm, i, live, hq, t, s, fs, q = _rows(Q, START, FIRST, b, g * R, tile * BT, Tq, q0, sqb, sqt, sdb, R, BT, M,
-                                             D, DOCS)
-        dd = tl.arange(0, D)
-        o_off = (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :]
-        st_off = b * Tq * H + i * H + hq
+        tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
+            Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
         do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
         g_off = b * sgb + i * sgt + hq * 3
-        t_first = q0 + tile * BT
-        t_last = tl.minimum(q0 + Tq, t_first + BT) - 1
         dq = tl.zeros([M, D], tl.float32)
         dof = do.to(tl.float32)  # the gate gradients dO . o of the branches summed, 0 for the others
         zero = tl.zeros([M], tl.float32)
