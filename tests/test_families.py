@@ -221,6 +221,16 @@ def test_a_family_that_cannot_run_here_is_refused_with_the_reason(monkeypatch):
     assert choose_family("auto", CPU, torch.float64, PAPER, 6, 64).name == "torch"  # auto takes what runs
 
 
+def test_the_triton_family_refuses_a_call_too_large_for_32_bit_offsets(monkeypatch):
+    """The kernels index with 32-bit offsets: a call whose buffers would overflow them is refused, not run."""
+    from nsa_titan.models.attention.families import triton as family
+
+    args, _ = inputs("group1")
+    monkeypatch.setattr(family, "OFFSETS", 3 * args[0].numel())  # this call's branch outputs just reach it
+    with pytest.raises(ValueError, match="32-bit offsets.*a smaller local_batch_size"):
+        FAMILIES["triton"]()(*args, CASES["group1"][5])
+
+
 def test_the_family_is_chosen_once_and_logged():
     m = Model(n_heads=12, n_kv_groups=2, head_dim=64)
     assert model_family(m, CPU, torch.float32, PAPER).name == "cpp"

@@ -16,6 +16,11 @@ Tensor = torch.Tensor
 OptTensor = Tensor | None
 
 
+OFFSETS = 2**31
+"""The kernels' offsets are 32-bit: the largest buffer a call indexes (3 branch outputs of q's size, the fp32
+key gradients) must stay below."""
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -53,6 +58,10 @@ def _geometry(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, sp
     B, Tq, H, D = q.shape
     kc, vc, ks, vs, kw, vw = keys
     T, G = ks.shape[1], ks.shape[2]
+    largest = max(3 * q.numel(), (2 * kc.shape[1] + 4 * T) * B * G * D, *(x.stride(0) * B for x in (q, *keys)))
+    if largest >= OFFSETS:
+        raise ValueError(f"the Triton kernels index with 32-bit offsets, and this call needs {largest:,} (at most "
+                         f"{OFFSETS - 1:,}): run fewer sequences per call (a smaller local_batch_size)")
     r = H // G
     bt = max(1, kernels.ROWS // r)
     docs_args = (dict(CSTART=docs.cmp_start, START=docs.start, FIRST=docs.first_slot) if docs is not None
