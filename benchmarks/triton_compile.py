@@ -25,12 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.models.attention import Documents, NSASpec, triton_nsa  # noqa: E402
+from nsa_titan.models.attention import Documents, NSASpec, triton_nsa, triton_nsa_backward  # noqa: E402
 from nsa_titan.models.attention.families import triton as family  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 H, G, D = 12, 2, 64
-KERNELS = ("_fwd_cmp", "_fwd_sel_win", "_bwd_q", "_bwd_kv")
+KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_sel_win"), triton_nsa_backward: ("_bwd_q", "_bwd_sel_kv", "_bwd_kv")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.int32: "i32",
          torch.int64: "i64", torch.bool: "i1"}
@@ -51,19 +51,19 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
                 calls.append((self.fn, {**dict(zip(self.fn.arg_names, args)), **kwargs}))
             return launch
 
-    saved = {name: getattr(triton_nsa, name) for name in KERNELS}
+    saved = {(module, name): getattr(module, name) for module, names in KERNELS.items() for name in names}
     try:
-        for name, fn in saved.items():
-            setattr(triton_nsa, name, Recorder(fn))
+        for (module, name), fn in saved.items():
+            setattr(module, name, Recorder(fn))
         q = torch.zeros(1, T, H, D, dtype=dtype)
         keys = [torch.zeros(1, T // SPEC.d, G, D, dtype=dtype)] * 2 + [torch.zeros(1, T, G, D, dtype=dtype)] * 4
         gates = torch.zeros(1, T, H, 3)
         documents = Documents.of(torch.arange(T)[None] // 1000, SPEC) if docs else None
-        out, ob, lse, idx, valid = family.forward(q, keys, gates, SPEC, documents, 0, (True, True, True))
-        family.backward(q, q, keys, gates, ob, lse, idx, valid, SPEC, documents, 0, (True, True, True))
+        out, ob, lse, idx, valid, offsets, readers = family.forward(q, keys, gates, SPEC, documents, 0, (True, True, True))
+        family.backward(q, q, keys, gates, ob, lse, idx, valid, offsets, readers, SPEC, documents, 0, (True, True, True))
     finally:
-        for name, fn in saved.items():
-            setattr(triton_nsa, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
     return calls
 
 
@@ -121,8 +121,8 @@ def report(dtypes: list[str], arch: int, T: int) -> list[dict]:
                 ptx = kernel.asm["ptx"]
                 use = ptxas_use(ptx, arch)
                 warps = bound.get("num_warps", 4)
-                rows.append({"kernel": fn.__name__ + (" (win)" if bound.get("WIN") is True and fn.__name__ == "_bwd_kv"
-                                                       else " (cmp)" if fn.__name__ == "_bwd_kv" else ""),
+                kind = (" (win)" if bound["WIN"] else " (cmp)") if fn.__name__ == "_bwd_kv" else ""
+                rows.append({"kernel": fn.__name__ + kind,
                              "docs": docs, "dtype": name, "warps": warps, **use, "shared": kernel.metadata.shared,
                              "blocks_per_sm": blocks_per_sm(use["registers"], kernel.metadata.shared, warps),
                              "atomics": len(re.findall(r"\b(?:atom|red)\.", ptx)),

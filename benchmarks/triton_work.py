@@ -30,12 +30,12 @@ from torch.profiler import profile  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.models.attention import Documents, NSASpec, triton_nsa  # noqa: E402
+from nsa_titan.models.attention import Documents, NSASpec, triton_nsa, triton_nsa_backward  # noqa: E402
 from nsa_titan.models.attention.families import FAMILIES  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D = 2, 6, 64  # M7C: 12 heads in 2 KV groups, head dim 64
-KERNELS = ("_fwd_cmp", "_fwd_sel_win", "_bwd_q", "_bwd_kv")
+KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_sel_win"), triton_nsa_backward: ("_bwd_q", "_bwd_sel_kv", "_bwd_kv")}
 METADATA = {"detach", "view", "transpose", "slice", "expand", "_unsafe_view", "select", "unsqueeze", "squeeze", "t",
             "as_strided", "permute", "alias", "unbind", "split", "lift_fresh", "empty", "empty_strided", "reshape",
             "result_type", "to", "contiguous", "new_empty", "new_empty_strided", "empty_like", "flatten", "view_as",
@@ -61,14 +61,14 @@ def recorded(call: Callable[[], object]) -> collections.Counter:
                     kwargs["VALID"].numpy()[:] = 0
             return launch
 
-    saved = {name: getattr(triton_nsa, name) for name in KERNELS}
+    saved = {(module, name): getattr(module, name) for module, names in KERNELS.items() for name in names}
     try:
-        for name, fn in saved.items():
-            setattr(triton_nsa, name, Recorder(fn))
+        for (module, name), fn in saved.items():
+            setattr(module, name, Recorder(fn))
         call()
     finally:
-        for name, fn in saved.items():
-            setattr(triton_nsa, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
     return counts
 
 

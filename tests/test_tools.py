@@ -51,7 +51,7 @@ def test_attention_interleave_takes_each_ratio_within_a_round():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_work_prints_the_launches_of_each_setting():
-    """The script's table: the same 5 Triton launches and 2 ATen ops at 512 and 2,048, with and without
+    """The script's table: the same 6 Triton launches and 4 ATen ops at 512 and 2,048, with and without
     documents; with the off-paper options the PyTorch score gradient's ops come on top."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_work.py"), "--T", "512", "2048"],
                           capture_output=True, text=True, timeout=600)
@@ -59,6 +59,22 @@ def test_triton_work_prints_the_launches_of_each_setting():
     rows = [[c.strip() for c in line.split("|")[1:7]] for line in proc.stdout.splitlines() if line.startswith("| 5")
             or line.startswith("| 2,048")]
     paper = [r for r in rows if r[2] == "paper"]
-    assert len(paper) == 4 and {tuple(r[3:6]) for r in paper} == {("5", "2", "7")}
+    assert len(paper) == 4 and {tuple(r[3:6]) for r in paper} == {("6", "4", "10")}
     options = [r for r in rows if r[2] != "paper"]
     assert options and all(int(r[4]) > 2 for r in options)
+
+
+def test_gpu_prediction_calibrates_then_predicts_every_kernel():
+    """`benchmarks/gpu_prediction.py`: the calibration on the H100 profile, each old kernel predicted back, and
+    the new family's kernels and total at the T asked for, against the measured dense time."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_prediction.py"), "--T", "8192"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "Calibration on the H100 profile at T 32,768" in out
+    back = [line for line in out.splitlines() if line.startswith("| _") and ("GFLOP |" in line or "MB |" in line)]
+    assert len(back) == 7  # the branch-wise kernels, predicted back
+    kernels = {line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 8,192 | _")}
+    assert kernels == {"_fwd_cmp", "_fwd_sel_win", "_bwd_q", "_bwd_sel_kv", "_bwd_kv (cmp)", "_bwd_kv (win)"}
+    (total,) = [line for line in out.splitlines() if line.startswith("| 8,192 |") and "x |" in line]
+    assert float(total.split("|")[2]) > 0 and total.split("|")[6].strip() in ("yes", "no")

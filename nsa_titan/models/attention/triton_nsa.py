@@ -1,4 +1,4 @@
-"""The Triton kernels of the whole NSA attention: two launches forward, then (after a fill) three backward.
+"""The Triton kernels of the whole NSA attention, forward (the backward ones: `triton_nsa_backward.py`).
 
 Every kernel takes the tensors as the layer has them (q, out (B, Tq, H, D); keys and values (B, S, G, D);
 gates (B, Tq, H, 3)), by their strides: no copies, no transposes. A program owns a tile of BT consecutive
@@ -7,14 +7,14 @@ queries of one KV group, all r heads of each as rows of one tensor-core tile (BT
   `_fwd_cmp` per tile: cmp attention (online softmax over the visible slots) -> its output and
       logsumexp; then the sel block scores again from that logsumexp, q . k_cmp summed over the group's
       heads (a one-hot product) and over each block's cmp members, the forced blocks, and the top n
-      kept in registers while the blocks stream past, 16 at a time: no T x T/d tensor, no sort.
+      kept in registers while the blocks stream past, 16 at a time: no T x T/d tensor, no sort. Each
+      chosen block's readers are counted (the inverse index's sizes).
   `_fwd_sel_win` per tile: sel attention over the union of the tile's chosen blocks (each block loaded
-      once for the tile, each row reading its own), win attention, and the gated sum.
-  backward, after one zero fill of an fp32 buffer for the six key and value gradients:
-      `_bwd_q` per tile: the gate gradients, dQ of all three branches, and sel's dK, dV by fp32
-      atomic adds from the tile's union of blocks (each block once per tile);
-      `_bwd_kv` per tile of cmp slots (in segments of queries, added atomically), then per tile of win
-      keys: dK, dV; then one cast of the buffer to the keys' dtype (none in fp32).
+      once for the tile, each row reading its own), win attention, and the gated sum; each query enters
+      itself in its blocks' reader lists (offsets: a cumulative sum of the counts between the two).
+  backward (`triton_nsa_backward.py`): `_bwd_q` per tile: the gate gradients and dQ of all three
+      branches; `_bwd_sel_kv` per key block over its readers: sel's dK, dV; `_bwd_kv` per tile of cmp
+      slots (in segments of queries) and of win keys: dK, dV; all into one fp32 buffer.
 The host side, the custom op and its backward are `families/triton.py`. Shapes depend only on T, loops
 run inside the kernels, and no value is read back to the host: the op can be captured in a CUDA graph.
 Rules of the kernels: l and l' multiples of d (sel block j's cmp members are the l/d + l'/d - 1 slots from
@@ -161,12 +161,13 @@ if triton is not None:
         return tl.where(valid & ok, s[:, None] + j * L, -1)  # int32: fewer registers
 
     @triton.jit
-    def _fwd_cmp(Q, KC, VC, CSTART, START, FIRST, OB, LSE, IDX, VALID, sqb, sqt, skcb, skct, svcb, svct, sdb, scb,
+    def _fwd_cmp(Q, KC, VC, CSTART, START, FIRST, OB, LSE, IDX, VALID, COUNT, sqb, sqt, skcb, skct, svcb, svct, sdb, scb,
                  Tq, T, Nc, Ns, q0, G, H, scale, d, l,
                  R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, BTP: tl.constexpr, D: tl.constexpr,
                  L: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
                  STRIDE: tl.constexpr, BEFORE: tl.constexpr, DOCS: tl.constexpr):
-        """A tile's cmp attention (output, logsumexp) and its queries' top-n sel blocks."""
+        """A tile's cmp attention (output, logsumexp) and its queries' top-n sel blocks, each counted in COUNT
+        (B G x T: the readers of the block starting at each key position)."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
 
@@ -247,21 +248,30 @@ if triton is not None:
             real = best > float("-inf")
             tl.store(IDX + out_at + n, tl.where(real, at, n).to(tl.int64), mask=qlive)  # none: block n, invalid
             tl.store(VALID + out_at + n, real.to(tl.int8), mask=qlive)
+            tl.atomic_add(COUNT + bg * T + sq + at * L, 1, mask=qlive & real)
             vals = tl.where((ids == at[:, None]) & real[:, None], float("-inf"), vals)
             ids = tl.where((ids == at[:, None]) & real[:, None], 1 << 20, ids)
 
     @triton.jit
-    def _fwd_sel_win(Q, KS, VS, KW, VW, GATE, START, FIRST, O, OB, LSE, IDX, VALID, sqb, sqt, sksb, skst, svsb,
+    def _fwd_sel_win(Q, KS, VS, KW, VW, GATE, START, FIRST, O, OB, LSE, IDX, VALID, OFFSETS, FILL, READERS, sqb, sqt,
+                     sksb, skst, svsb,
                      svst, skwb, skwt, svwb, svwt, sgb, sgt, sdb, Tq, T, q0, G, H, scale, w, ob_c, st_c,
                      R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
                      N: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr,
                      SEL: tl.constexpr, WIN: tl.constexpr):
-        """A tile's sel attention over the union of its chosen blocks, win attention, and the gated sum."""
+        """A tile's sel attention over the union of its chosen blocks, win attention, and the gated sum; each
+        query also enters itself in the reader lists of its blocks (READERS[OFFSETS[key] ..], key = b G T + g T +
+        first key of the block, in the order the atomic adds of FILL give)."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
 
         if SEL:  # the union of the tile's chosen blocks, each loaded once
             chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
+            key = bg * T + chosen
+            listed = (live & (mm % R == 0))[:, None] & (chosen >= 0)  # a query once (its first head's row)
+            slot = tl.atomic_add(FILL + key, 1, mask=listed)
+            tl.store(READERS + tl.load(OFFSETS + key, mask=listed, other=0) + slot, i[:, None] + chosen * 0,
+                     mask=listed)
             m = tl.full([M], float("-inf"), tl.float32)
             total = tl.zeros([M], tl.float32)
             acc = tl.zeros([M, D], tl.float32)
@@ -305,134 +315,3 @@ if triton is not None:
         if WIN:
             out += tl.load(GATE + g_off + 2, mask=live, other=0.0)[:, None] * o_w
         tl.store(O + o_off, out.to(O.dtype.element_ty), mask=live[:, None])
-
-    @triton.jit
-    def _grads(q, do, k, v, seen, lse, gate, delta, scale, PRECISION: tl.constexpr):
-        """A tile's probabilities again from the rows' logsumexp and the gradient of its scores, for the
-        branch's output gradient gate * do: p, ds (rows, keys), 0 where not seen."""
-        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        p = tl.where(seen, tl.exp(sc - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32) * gate[:, None]
-        return p, p * (dp - delta[:, None]) * scale
-
-    @triton.jit
-    def _add(GK, at, x, ok):
-        """x (keys, D) added into the fp32 gradient buffer at `at` (keys, D)."""
-        tl.atomic_add(GK + at, x, mask=ok[:, None])
-
-    @triton.jit
-    def _bwd_q(Q, KC, VC, KS, VS, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, IDX, VALID, DQ, DG, DELTA, GK,
-               sqb, sqt, skcb, skct, svcb, svct, sksb, skst, svsb, svst, skwb, skwt, svwb, svwt, sgb, sgt, sdb, scb,
-               sdob, sdot, Tq, T, Nc, q0, G, H, scale, d, l, w, ob_c, st_c, gk_ks, gk_vs,
-               R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-               N: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr,
-               SEL: tl.constexpr, WIN: tl.constexpr):
-        """A tile's gate gradients, dQ of every branch, and sel's dK, dV (atomic adds, each chosen block of the
-        tile once); the rows' delta (gate * dO . o) of cmp and win for `_bwd_kv`."""
-        tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
-            Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
-        do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-        g_off = b * sgb + i * sgt + hq * 3
-        dq = tl.zeros([M, D], tl.float32)
-        dof = do.to(tl.float32)  # the gate gradients dO . o of the branches summed, 0 for the others
-        zero = tl.zeros([M], tl.float32)
-        dg_c = tl.sum(dof * tl.load(OB + o_off, mask=live[:, None], other=0.0).to(tl.float32), 1) if CMP else zero
-        dg_s = tl.sum(dof * tl.load(OB + ob_c + o_off, mask=live[:, None], other=0.0).to(tl.float32), 1) if SEL \
-            else zero
-        dg_w = tl.sum(dof * tl.load(OB + 2 * ob_c + o_off, mask=live[:, None], other=0.0).to(tl.float32), 1) if WIN \
-            else zero
-        tl.store(DG + st_off * 3, dg_c, mask=live)
-        tl.store(DG + st_off * 3 + 1, dg_s, mask=live)
-        tl.store(DG + st_off * 3 + 2, dg_w, mask=live)
-        if CMP:
-            gate = tl.load(GATE + g_off, mask=live, other=0.0)
-            lse = tl.load(LSE + st_off, mask=live, other=0.0)
-            delta = gate * dg_c
-            tl.store(DELTA + st_off, delta, mask=live)
-            n_lo = tl.min(tl.where(live, fs, Nc), 0)
-            for n0 in range(n_lo, tl.minimum(Nc, (t_last + 1) // d), BN):
-                j = n0 + tl.arange(0, BN)
-                ok = j < Nc
-                k, v = _kv(KC, VC, b, g, j, ok, skcb, skct, svcb, svct, D)
-                seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
-                _, ds = _grads(q, do, k, v, seen, lse, gate, delta, scale, "ieee")
-                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        if SEL:
-            gate = tl.load(GATE + g_off + 1, mask=live, other=0.0)
-            lse = tl.load(LSE + st_c + st_off, mask=live, other=0.0)
-            delta = gate * dg_s
-            chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
-            p0 = _next_block(chosen, -1)
-            while p0 < (1 << 30):
-                pos = p0 + tl.arange(0, L)
-                ok = pos < T
-                k, v = _kv(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D)
-                reads = (tl.sum((chosen == p0).to(tl.int32), 1) > 0)[:, None] & (pos[None, :] <= t[:, None])
-                p, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
-                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-                at = (b * T + pos)[:, None] * (G * D) + g * D + dd[None, :]
-                _add(GK + gk_ks, at, tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32), ok)
-                _add(GK + gk_vs, at, tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32), ok)
-                p0 = _next_block(chosen, p0)
-        if WIN:
-            gate = tl.load(GATE + g_off + 2, mask=live, other=0.0)
-            lse = tl.load(LSE + 2 * st_c + st_off, mask=live, other=0.0)
-            delta = gate * dg_w
-            tl.store(DELTA + st_c + st_off, delta, mask=live)
-            k_lo = tl.maximum(tl.maximum(t_first - w + 1, 0), tl.min(tl.where(live, s, 1 << 30), 0))
-            for n0 in range(k_lo, t_last + 1, BN):
-                j = n0 + tl.arange(0, BN)
-                k, v = _kv(KW, VW, b, g, j, j <= t_last, skwb, skwt, svwb, svwt, D)
-                seen = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - w) & (j[None, :] >= s[:, None])
-                _, ds = _grads(q, do, k, v, seen & live[:, None], lse, gate, delta, scale, None)
-                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        tl.store(DQ + o_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
-
-    @triton.jit
-    def _bwd_kv(Q, K, V, GATE, CSTART, START, FIRST, DO, LSE, DELTA, GK,
-                sqb, sqt, skb, skt, svb, svt, sgb, sgt, sdb, scb, sdob, sdot,
-                Tq, T, S, q0, G, H, scale, d, l, w, lse_at, delta_at, gk_k, gk_v, SEGS, SEG,
-                R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                DOCS: tl.constexpr, WIN: tl.constexpr):
-        """dK, dV of a tile of BN cmp slots over one segment of SEG query rows, or (WIN) of BN win keys over
-        the queries whose window holds them; all r heads as rows; added into the fp32 buffer."""
-        bg = tl.program_id(1)
-        b, g = bg // G, bg % G
-        dd = tl.arange(0, D)
-        if WIN:
-            n0 = tl.program_id(0) * BN
-            r_lo = tl.maximum(n0 - q0, 0)
-            r_hi = tl.minimum(Tq, n0 + BN + w - 1 - q0)
-        else:
-            n0 = (tl.program_id(0) // SEGS) * BN
-            seg = tl.program_id(0) % SEGS
-            if DOCS:
-                t_lo = tl.load(CSTART + b * scb + n0).to(tl.int32) + l - 1
-            else:
-                t_lo = n0 * d + l - 1
-            r_lo = tl.maximum(tl.maximum(t_lo - q0, 0), seg * SEG)
-            r_hi = tl.minimum(Tq, seg * SEG + SEG)
-        j = n0 + tl.arange(0, BN)
-        ok = j < S
-        k, v = _kv(K, V, b, g, j, ok, skb, skt, svb, svt, D)
-        dk = tl.zeros([BN, D], tl.float32)
-        dv = tl.zeros([BN, D], tl.float32)
-        for first in range(r_lo, r_hi, BT):
-            mm, i, live, hq, t, s, fs, q = _rows(Q, START, FIRST, b, g * R, first, r_hi, q0, sqb, sqt, sdb, R, BT,
-                                                 M, D, DOCS)
-            st_off = b * Tq * H + i * H + hq
-            do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-            gate = tl.load(GATE + b * sgb + i * sgt + hq * 3 + 2 * WIN, mask=live, other=0.0)
-            lse = tl.load(LSE + lse_at + st_off, mask=live, other=0.0)
-            delta = tl.load(DELTA + delta_at + st_off, mask=live, other=0.0)
-            if WIN:
-                seen = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - w) & (j[None, :] >= s[:, None])
-                p, ds = _grads(q, do, k, v, seen & live[:, None] & ok[None, :], lse, gate, delta, scale, None)
-            else:
-                seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
-                p, ds = _grads(q, do, k, v, seen, lse, gate, delta, scale, "ieee")
-            dv += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
-        at = (b * S + j)[:, None] * (G * D) + g * D + dd[None, :]
-        _add(GK + gk_k, at, dk, ok)
-        _add(GK + gk_v, at, dv, ok)

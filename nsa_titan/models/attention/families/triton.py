@@ -1,13 +1,15 @@
-"""The Triton family: the whole NSA attention as one custom op of Triton kernels (`triton_nsa.py`), on CUDA, or
-on the CPU under TRITON_INTERPRET=1 (checks): two launches forward; a zero fill, three kernels and a cast
-backward. This module is the host side: the launch geometry, the custom op (one node under torch.compile) and
-its registered backward."""
+"""The Triton family: the whole NSA attention as one custom op of Triton kernels (`triton_nsa.py`,
+`triton_nsa_backward.py`), on CUDA, or on the CPU under TRITON_INTERPRET=1 (checks): forward a zero fill, two
+kernels and a cumulative sum (the inverse index of the chosen blocks); backward a zero fill, four kernels and
+a cast: 10 launches at any T. This module is the host side: the launch geometry, the custom op (one node under
+torch.compile) and its registered backward."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import triton_nsa as kernels
+from .. import triton_nsa_backward as backward_kernels
 from ..common import NSASpec
 from ..documents import Documents
 from .base import Family
@@ -42,7 +44,7 @@ class Triton(Family):
                v_win: Tensor, gates: Tensor, spec: NSASpec, docs: Documents | None, q0: int,
                branches: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor]:
         fields = (None,) * 3 if docs is None else (docs.start, docs.cmp_start, docs.first_slot)
-        out, _, _, idx, valid = _op(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+        out, _, _, idx, valid, _, _ = _op(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
                                     [spec.l, spec.d, spec.l_sel, spec.n, spec.w], q0, list(branches), *fields)
         return out, idx, valid
 
@@ -79,9 +81,10 @@ def _geometry(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, sp
 
 def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec: NSASpec, docs: Documents | None,
             q0: int, branches: tuple[bool, bool, bool]
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out (B, Tq, H, D), the branch outputs (3, B, Tq, H, D) and logsumexps (3, B, Tq, H) fp32, and the
-    chosen blocks idx (B, G, Tq, n') long, valid bool: two launches."""
+            ) -> tuple[torch.Tensor, ...]:
+    """out (B, Tq, H, D), the branch outputs (3, B, Tq, H, D) and logsumexps (3, B, Tq, H) fp32, the chosen
+    blocks idx (B, G, Tq, n') long, valid bool, and their inverse index (offsets (B G T + 1), readers (B G Tq n'),
+    int32: `triton_nsa._bwd_sel_kv`): a zero fill, two kernels and a cumulative sum."""
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G = keys[2].shape[1], keys[2].shape[2]
@@ -93,6 +96,9 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     lse = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)
     idx = torch.empty(B, G, Tq, n, dtype=torch.long, device=q.device)
     valid = torch.empty(B, G, Tq, n, dtype=torch.bool, device=q.device)
+    # one fill: the reader lists (zero past the last reader), 0, the readers of each block, those entered so far
+    index = torch.zeros(B * G * Tq * n + 2 * B * G * T + 1, dtype=torch.int32, device=q.device)
+    readers, counts = index[:B * G * Tq * n], index[B * G * Tq * n:]
     bt, grid, flags = args["BT"], (_cdiv(Tq, args["BT"]), B * G), dict(num_warps=kernels.WARPS)
     pick = lambda *names: {k: v for k, v in {**ptrs, **args}.items() if k in names}  # noqa: E731
     shared = ("Q", "START", "FIRST", "sqb", "sqt", "sdb", "Tq", "T", "q0", "G", "H", "scale", "R", "BT", "M", "D",
@@ -100,20 +106,22 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     chosen = dict(IDX=idx, VALID=valid.view(torch.int8), L=spec.l_sel, N=n, NP=_pow2(n))
     kernels._fwd_cmp[grid](
         **pick(*shared, "KC", "VC", "CSTART", "skcb", "skct", "svcb", "svct", "scb", "Nc", "d", "l"), **chosen,
-        OB=ob, LSE=lse, Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.CHUNK, BN=kernels.BLOCK_N,
+        OB=ob, LSE=lse, COUNT=counts[1:], Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.CHUNK, BN=kernels.BLOCK_N,
         STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1, **flags)
+    offsets = torch.cumsum(counts[:B * G * T + 1], 0, dtype=torch.int32)
     kernels._fwd_sel_win[grid](
         **pick(*shared, "KS", "VS", "KW", "VW", "GATE", "sksb", "skst", "svsb", "svst", "skwb", "skwt", "svwb",
                "svwt", "sgb", "sgt", "w", "ob_c", "st_c"), **chosen,
-        O=out, OB=ob, LSE=lse, BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
-    return out, ob, lse, idx, valid
+        O=out, OB=ob, LSE=lse, OFFSETS=offsets, FILL=counts[B * G * T + 1:], READERS=readers, BN=kernels.BLOCK_N,
+        CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
+    return out, ob, lse, idx, valid, offsets, readers
 
 
 def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, ob: torch.Tensor,
-             lse: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, spec: NSASpec, docs: Documents | None,
-             q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+             lse: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, offsets: torch.Tensor, readers: torch.Tensor,
+             spec: NSASpec, docs: Documents | None, q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
     """dq, the six key and value gradients in one flat buffer (`key_grads`) and d_gates of `forward`'s output:
-    a zero fill, three kernels and one conversion to the keys' dtype."""
+    a zero fill, four kernels and one conversion to the keys' dtype."""
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G, Nc = keys[2].shape[1], keys[2].shape[2], keys[0].shape[1]
@@ -123,13 +131,19 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gat
     gk = torch.zeros(sum(sizes), dtype=torch.float32, device=q.device)
     dq = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
     dg = torch.empty(B, Tq, H, 3, dtype=torch.float32, device=q.device)
-    delta = torch.empty(2, B, Tq, H, dtype=torch.float32, device=q.device)
+    delta = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)  # cmp, win, sel
     bt, n, flags = args["BT"], idx.shape[-1], dict(num_warps=kernels.WARPS)
     grads = dict(DO=d_out, sdob=d_out.stride(0), sdot=d_out.stride(1), LSE=lse, DELTA=delta, GK=gk)
-    kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
-        **ptrs, **args, **grads, OB=ob, IDX=idx, VALID=valid.view(torch.int8), DQ=dq, DG=dg, gk_ks=at[2],
-        gk_vs=at[3], L=spec.l_sel, N=n, NP=_pow2(n), BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1],
-        WIN=branches[2], **flags)
+    backward_kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
+        **ptrs, **args, **grads, OB=ob, IDX=idx, VALID=valid.view(torch.int8), DQ=dq, DG=dg, L=spec.l_sel, N=n,
+        NP=_pow2(n), BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
+    if branches[1]:  # sel's dK, dV: one program per l' key positions, over the readers of the blocks starting there
+        ks, vs = keys[2:4]
+        backward_kernels._bwd_sel_kv[(_cdiv(T, spec.l_sel), B * G)](
+            Q=q, KS=ks, VS=vs, GATE=gates, **grads, OFFSETS=offsets, READERS=readers,
+            **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "sgb", "sgt", "Tq", "T", "q0", "G",
+                                    "H", "scale", "st_c", "R", "BT", "M", "D")},
+            gk_ks=at[2], gk_vs=at[3], L=spec.l_sel, **flags)
     key_args = ("sqb", "sqt", "sgb", "sgt", "sdb", "scb", "Tq", "T", "q0", "G", "H", "scale", "d", "l", "w", "R", "BT",
                 "M", "D", "DOCS")
     common = dict(**{k: args[k] for k in key_args}, **grads, Q=q, GATE=gates, CSTART=ptrs["CSTART"],
@@ -138,7 +152,7 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gat
             (branches[0], keys[:2], Nc, 0, 0, at[:2], _cdiv(Tq, kernels.KV_SEGMENT), False),  # cmp: x query segments
             (branches[2], keys[4:], T, 2 * B * Tq * H, B * Tq * H, at[4:], 1, True)):
         if on:
-            kernels._bwd_kv[(_cdiv(S, kernels.KV_BLOCK) * segs, B * G)](
+            backward_kernels._bwd_kv[(_cdiv(S, kernels.KV_BLOCK) * segs, B * G)](
                 **common, K=k, V=v, skb=k.stride(0), skt=k.stride(1), svb=v.stride(0), svt=v.stride(1), S=S,
                 lse_at=lse_at, delta_at=delta_at, gk_k=gk_at[0], gk_v=gk_at[1], SEGS=segs,
                 SEG=Tq if win else kernels.KV_SEGMENT, WIN=win)
@@ -167,7 +181,7 @@ def _spec(spec: list[int]) -> NSASpec:
 @torch.library.custom_op("nsa_titan::nsa_triton", mutates_args=())
 def _op(q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor, gates: Tensor,
         spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor
-        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return forward(q, [kc, vc, ks, vs, kw, vw], gates, _spec(spec), _docs(start, cmp_start, first_slot), q0,
                    tuple(branches))
 
@@ -178,19 +192,22 @@ def _(q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, fi
     T, G = ks.shape[1], ks.shape[2]
     n = min(spec[3], _spec(spec).num_sel_blocks(T))
     return (q.new_empty(B, Tq, H, D), q.new_empty(3, B, Tq, H, D), q.new_empty(3, B, Tq, H, dtype=torch.float32),
-            q.new_empty(B, G, Tq, n, dtype=torch.long), q.new_empty(B, G, Tq, n, dtype=torch.bool))
+            q.new_empty(B, G, Tq, n, dtype=torch.long), q.new_empty(B, G, Tq, n, dtype=torch.bool),
+            q.new_empty(B * G * T + 1, dtype=torch.int32), q.new_empty(B * G * Tq * n, dtype=torch.int32))
 
 
 @torch.library.custom_op("nsa_titan::nsa_triton_backward", mutates_args=())
 def _backward_op(d_out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor,
-                 gates: Tensor, ob: Tensor, lse: Tensor, idx: Tensor, valid: Tensor, spec: list[int], q0: int,
-                 branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor) -> list[Tensor]:
-    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, idx, valid, _spec(spec),
+                 gates: Tensor, ob: Tensor, lse: Tensor, idx: Tensor, valid: Tensor, offsets: Tensor, readers: Tensor,
+                 spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor,
+                 first_slot: OptTensor) -> list[Tensor]:
+    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, idx, valid, offsets, readers, _spec(spec),
                     _docs(start, cmp_start, first_slot), q0, tuple(branches))
 
 
 @_backward_op.register_fake
-def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, spec, q0, branches, start, cmp_start, first_slot):
+def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets, readers, spec, q0, branches, start,
+      cmp_start, first_slot):
     B, Nc, G, D = kc.shape
     return [torch.empty_like(q, memory_format=torch.contiguous_format),
             kc.new_empty(2 * B * Nc * G * D + 4 * ks.numel()),
@@ -199,17 +216,19 @@ def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, spec, q0, br
 
 def _setup(ctx, inputs, output) -> None:
     q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot = inputs
-    _, ob, lse, idx, valid = output
-    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, start, cmp_start, first_slot)
+    _, ob, lse, idx, valid, offsets, readers = output
+    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets, readers, start, cmp_start,
+                          first_slot)
     ctx.spec, ctx.q0, ctx.branches = spec, q0, branches
-    ctx.mark_non_differentiable(ob, lse, idx, valid)
+    ctx.mark_non_differentiable(ob, lse, idx, valid, offsets, readers)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of the saved outputs
 
 
-def _grad(ctx, d_out, _d_ob, _d_lse, _d_idx, _d_valid):
-    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, start, cmp_start, first_slot = ctx.saved_tensors
-    dq, flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, ctx.spec,
-                                ctx.q0, ctx.branches, start, cmp_start, first_slot)
+def _grad(ctx, d_out, *_saved_outputs):
+    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets, readers, start, cmp_start, first_slot = \
+        ctx.saved_tensors
+    dq, flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets,
+                                readers, ctx.spec, ctx.q0, ctx.branches, start, cmp_start, first_slot)
     return dq, *key_grads(flat, kc, ks), dg, None, None, None, None, None, None
 
 

@@ -1,0 +1,191 @@
+"""The backward kernels of the Triton family's NSA op (the forward ones and the helpers they share:
+`triton_nsa.py`): gate gradients and dQ per tile of queries, sel's dK, dV per key block over its readers (the
+inverse index the forward writes), cmp's and the window's dK, dV per tile of keys. Each key gradient is added
+once a program into one fp32 buffer (atomic adds: blocks of two documents, and the cmp branch's segments of
+queries, may share keys)."""
+
+from __future__ import annotations
+
+from .triton_nsa import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .triton_nsa import _cmp_seen, _chosen, _kv, _next_block, _rows, _tile
+
+    @triton.jit
+    def _key_tile(K, V, b, g, j, ok, skb, skt, svb, svt, D: tl.constexpr, N: tl.constexpr):
+        """The N keys and values at rows j (0 where not ok), and fp32 accumulators for their gradients."""
+        k, v = _kv(K, V, b, g, j, ok, skb, skt, svb, svt, D)
+        return k, v, tl.zeros([N, D], tl.float32), tl.zeros([N, D], tl.float32)
+
+    @triton.jit
+    def _grads(q, do, k, v, seen, lse, gate, delta, scale, PRECISION: tl.constexpr):
+        """A tile's probabilities again from the rows' logsumexp and the gradient of its scores, for the
+        branch's output gradient gate * do: p, ds (rows, keys), 0 where not seen."""
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        p = tl.where(seen, tl.exp(sc - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32) * gate[:, None]
+        return p, p * (dp - delta[:, None]) * scale
+
+    @triton.jit
+    def _add(GK, at, x, ok):
+        """x (keys, D) added into the fp32 gradient buffer at `at` (keys, D)."""
+        tl.atomic_add(GK + at, x, mask=ok[:, None])
+
+    @triton.jit
+    def _bwd_q(Q, KC, VC, KS, VS, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, IDX, VALID, DQ, DG, DELTA, GK,
+               sqb, sqt, skcb, skct, svcb, svct, sksb, skst, svsb, svst, skwb, skwt, svwb, svwt, sgb, sgt, sdb, scb,
+               sdob, sdot, Tq, T, Nc, q0, G, H, scale, d, l, w, ob_c, st_c,
+               R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+               N: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr,
+               SEL: tl.constexpr, WIN: tl.constexpr):
+        """A tile's gate gradients and dQ of every branch; the rows' delta (gate * dO . o) of cmp, win and sel for
+        `_bwd_kv` and `_bwd_sel_kv`."""
+        tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
+            Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
+        do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+        g_off = b * sgb + i * sgt + hq * 3
+        dq = tl.zeros([M, D], tl.float32)
+        dof = do.to(tl.float32)  # the gate gradients dO . o of the branches summed, 0 for the others
+        zero = tl.zeros([M], tl.float32)
+        dg_c = tl.sum(dof * tl.load(OB + o_off, mask=live[:, None], other=0.0).to(tl.float32), 1) if CMP else zero
+        dg_s = tl.sum(dof * tl.load(OB + ob_c + o_off, mask=live[:, None], other=0.0).to(tl.float32), 1) if SEL \
+            else zero
+        dg_w = tl.sum(dof * tl.load(OB + 2 * ob_c + o_off, mask=live[:, None], other=0.0).to(tl.float32), 1) if WIN \
+            else zero
+        tl.store(DG + st_off * 3, dg_c, mask=live)
+        tl.store(DG + st_off * 3 + 1, dg_s, mask=live)
+        tl.store(DG + st_off * 3 + 2, dg_w, mask=live)
+        if CMP:
+            gate = tl.load(GATE + g_off, mask=live, other=0.0)
+            lse = tl.load(LSE + st_off, mask=live, other=0.0)
+            delta = gate * dg_c
+            tl.store(DELTA + st_off, delta, mask=live)
+            n_lo = tl.min(tl.where(live, fs, Nc), 0)
+            for n0 in range(n_lo, tl.minimum(Nc, (t_last + 1) // d), BN):
+                j = n0 + tl.arange(0, BN)
+                ok = j < Nc
+                k, v = _kv(KC, VC, b, g, j, ok, skcb, skct, svcb, svct, D)
+                seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
+                _, ds = _grads(q, do, k, v, seen, lse, gate, delta, scale, "ieee")
+                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
+        if SEL:
+            gate = tl.load(GATE + g_off + 1, mask=live, other=0.0)
+            lse = tl.load(LSE + st_c + st_off, mask=live, other=0.0)
+            delta = gate * dg_s
+            tl.store(DELTA + 2 * st_c + st_off, delta, mask=live)
+            chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
+            p0 = _next_block(chosen, -1)
+            while p0 < (1 << 30):
+                pos = p0 + tl.arange(0, L)
+                ok = pos < T
+                k, v = _kv(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D)
+                reads = (tl.sum((chosen == p0).to(tl.int32), 1) > 0)[:, None] & (pos[None, :] <= t[:, None])
+                _, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
+                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
+                p0 = _next_block(chosen, p0)
+        if WIN:
+            gate = tl.load(GATE + g_off + 2, mask=live, other=0.0)
+            lse = tl.load(LSE + 2 * st_c + st_off, mask=live, other=0.0)
+            delta = gate * dg_w
+            tl.store(DELTA + st_c + st_off, delta, mask=live)
+            k_lo = tl.maximum(tl.maximum(t_first - w + 1, 0), tl.min(tl.where(live, s, 1 << 30), 0))
+            for n0 in range(k_lo, t_last + 1, BN):
+                j = n0 + tl.arange(0, BN)
+                k, v = _kv(KW, VW, b, g, j, j <= t_last, skwb, skwt, svwb, svwt, D)
+                seen = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - w) & (j[None, :] >= s[:, None])
+                _, ds = _grads(q, do, k, v, seen & live[:, None], lse, gate, delta, scale, None)
+                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
+        tl.store(DQ + o_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _bwd_sel_kv(Q, KS, VS, GATE, DO, LSE, DELTA, GK, OFFSETS, READERS, sqb, sqt, sksb, skst, svsb, svst, sgb, sgt,
+                    sdob, sdot, Tq, T, q0, G, H, scale, st_c, gk_ks, gk_vs, R: tl.constexpr, BT: tl.constexpr,
+                    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
+        """sel's dK, dV of the blocks starting at key positions c0 .. c0 + L - 1 (one without documents): for each,
+        its readers (the inverse index) BT at a time, all r heads of each as rows, the block's keys loaded once;
+        added once into the fp32 buffer (blocks of two documents may share keys)."""
+        bg = tl.program_id(1)
+        b, g = bg // G, bg % G
+        dd = tl.arange(0, D)
+        mm = tl.arange(0, M)
+        starts = tl.program_id(0) * L + tl.arange(0, L)
+        firsts = tl.load(OFFSETS + bg * T + starts, mask=starts < T, other=0)
+        lasts = tl.load(OFFSETS + bg * T + starts + 1, mask=starts < T, other=0)
+        chosen = lasts > firsts
+        rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
+        for r in range(tl.sum(chosen.to(tl.int32), 0)):  # the chosen blocks starting here, in order
+            this = chosen & (rank == r)
+            p0 = tl.sum(tl.where(this, starts, 0), 0)
+            first = tl.sum(tl.where(this, firsts, 0), 0)
+            last = tl.sum(tl.where(this, lasts, 0), 0)
+            pos = p0 + tl.arange(0, L)
+            ok = pos < T
+            k, v, dk, dv = _key_tile(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D, L)
+            for e0 in range(first, last, BT):
+                e = e0 + mm // R
+                live = (mm < BT * R) & (e < last)
+                i = tl.load(READERS + e, mask=live, other=0)
+                hq = g * R + mm % R
+                q = tl.load(Q + (b * sqb + i * sqt + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+                do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None],
+                             other=0.0)
+                st_off = b * Tq * H + i * H + hq
+                gate = tl.load(GATE + b * sgb + i * sgt + hq * 3 + 1, mask=live, other=0.0)
+                lse = tl.load(LSE + st_c + st_off, mask=live, other=0.0)
+                delta = tl.load(DELTA + 2 * st_c + st_off, mask=live, other=0.0)
+                reads = live[:, None] & (pos[None, :] <= q0 + i[:, None])
+                p, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
+                dv += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+            at = (b * T + pos)[:, None] * (G * D) + g * D + dd[None, :]
+            _add(GK + gk_ks, at, dk, ok)
+            _add(GK + gk_vs, at, dv, ok)
+
+    @triton.jit
+    def _bwd_kv(Q, K, V, GATE, CSTART, START, FIRST, DO, LSE, DELTA, GK,
+                sqb, sqt, skb, skt, svb, svt, sgb, sgt, sdb, scb, sdob, sdot,
+                Tq, T, S, q0, G, H, scale, d, l, w, lse_at, delta_at, gk_k, gk_v, SEGS, SEG,
+                R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                DOCS: tl.constexpr, WIN: tl.constexpr):
+        """dK, dV of a tile of BN cmp slots over one segment of SEG query rows, or (WIN) of BN win keys over
+        the queries whose window holds them; all r heads as rows; added into the fp32 buffer."""
+        bg = tl.program_id(1)
+        b, g = bg // G, bg % G
+        dd = tl.arange(0, D)
+        if WIN:
+            n0 = tl.program_id(0) * BN
+            r_lo = tl.maximum(n0 - q0, 0)
+            r_hi = tl.minimum(Tq, n0 + BN + w - 1 - q0)
+        else:
+            n0 = (tl.program_id(0) // SEGS) * BN
+            seg = tl.program_id(0) % SEGS
+            if DOCS:
+                t_lo = tl.load(CSTART + b * scb + n0).to(tl.int32) + l - 1
+            else:
+                t_lo = n0 * d + l - 1
+            r_lo = tl.maximum(tl.maximum(t_lo - q0, 0), seg * SEG)
+            r_hi = tl.minimum(Tq, seg * SEG + SEG)
+        j = n0 + tl.arange(0, BN)
+        ok = j < S
+        k, v, dk, dv = _key_tile(K, V, b, g, j, ok, skb, skt, svb, svt, D, BN)
+        for first in range(r_lo, r_hi, BT):
+            mm, i, live, hq, t, s, fs, q = _rows(Q, START, FIRST, b, g * R, first, r_hi, q0, sqb, sqt, sdb, R, BT,
+                                                 M, D, DOCS)
+            st_off = b * Tq * H + i * H + hq
+            do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+            gate = tl.load(GATE + b * sgb + i * sgt + hq * 3 + 2 * WIN, mask=live, other=0.0)
+            lse = tl.load(LSE + lse_at + st_off, mask=live, other=0.0)
+            delta = tl.load(DELTA + delta_at + st_off, mask=live, other=0.0)
+            if WIN:
+                seen = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - w) & (j[None, :] >= s[:, None])
+                p, ds = _grads(q, do, k, v, seen & live[:, None] & ok[None, :], lse, gate, delta, scale, None)
+            else:
+                seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
+                p, ds = _grads(q, do, k, v, seen, lse, gate, delta, scale, "ieee")
+            dv += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+        at = (b * S + j)[:, None] * (G * D) + g * D + dd[None, :]
+        _add(GK + gk_k, at, dk, ok)
+        _add(GK + gk_v, at, dv, ok)
