@@ -2,19 +2,26 @@
 
     python benchmarks/gpu_prediction.py [--T 8192 32768 65536]
 
-Each kernel's tensor-core work is counted from its structure (programs, steps, the products of each step)
-on the sel blocks a real selection chooses: the inputs of `benchmarks/gpu_attention.py` (the M7C attention,
-random, seeded), their blocks chosen by the C++ family. One rate, the effective FLOP/s of a tensor-core step
-of these kernels, is fitted on the 2026-11-28 H100 profile of the branch-wise kernels this family replaced
-(their work counted the same way, from their structure at d678f0f; `gpu_reports/2026-11-28-h100.md`), and
-each of those kernels is then predicted back against its measured time. The sel choice there was bound by
-bytes, not products: its rate is bytes per second. The new family's kernels are predicted with that rate,
-and the prediction is put against cuDNN's measured dense time at each T.
+A step model. Every kernel of the family is a grid of programs, each a loop of steps over tiles (a 64-row tile
+of queries x heads against a tile of keys: load, two to four products, the online softmax); the H100 profile of
+2026-11-28 (`gpu_reports/2026-11-28-h100.md`) shows such kernels bound by their steps, not by their products:
+the branch-wise sel forward and dQ ran the same steps with two and three products in the same 2.66 ms, and
+steps of 32 rows cost what steps of 64 did. So a kernel's time is
 
-What the model leaves out: occupancy (every new kernel holds one block of 8 warps per SM at ~250
-registers, `benchmarks/triton_compile.py`), the atomic adds of the key gradients (counted apart, as bytes
-at the sel choice's rate), L2 behaviour and the tail of the last wave. It says where the time would go and whether
-the targets are within reach, not what a GPU will measure.
+    max(all its programs' steps x c / 132 SMs,  its longest program's steps x lat)
+
+with c the cost of a step while the GPU is full, and lat the latency of a step of a program that runs alone
+(the tail: the branch-wise sel dK, dV walked the first block, which every query reads, in one program of
+Tq / 32 steps). Both are fitted (least squares of the log ratios) on the six tile kernels of that profile, their
+programs and steps counted from their code at d678f0f; each is then predicted back. Steps are counted on the sel
+blocks a real selection chooses: the inputs of `benchmarks/gpu_attention.py` (the M7C attention, random,
+seeded), their blocks chosen by the C++ family. The prediction is put against cuDNN's measured dense time.
+
+The new kernels' atomic adds (sel's dQ rows every step, each program's key gradients once) had no counterpart in
+that profile: their bytes are added at ATOMIC_RATE, an assumption. Left out: occupancy differences (the new
+kernels hold one block of 8 warps per SM, `triton_compile.py`), L2 behaviour, the profile's `_choose` (bytes, not
+tiles; the new op has no such kernel: its top-n is steps of `_fwd_cmp`). It says where the time would go and whether the
+targets are within reach, not what a GPU will measure.
 """
 
 from __future__ import annotations
@@ -33,21 +40,25 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_speed import build_core  # noqa: E402  (the H100 run's inputs)
 
 from nsa_titan.models.attention import NSASpec  # noqa: E402
+from nsa_titan.models.attention import triton_nsa  # noqa: E402
 from nsa_titan.models.attention.families import FAMILIES  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
-G, R, D = 2, 6, 64
+G, R, SMS = 2, 6, 132
 MEASURED_32K = {  # ms of GPU time per kernel name, forward + backward at T 32,768 (gpu_reports/2026-11-28-h100.md)
     "_sel_fwd": 2.659, "_sel_bwd_dq": 2.665, "_sel_bwd_dkv": 3.496, "_fwd (cmp + win)": 1.799,
-    "_bwd_dq (cmp + win)": 1.090, "_bwd_dkv (cmp + win)": 2.411, "_choose": 0.621}
+    "_bwd_dq (cmp + win)": 1.090, "_bwd_dkv (cmp + win)": 2.411}
 DENSE = {8192: 1.030, 32768: 13.309, 65536: 53.300}
 """cuDNN's causal attention fwd + bwd (ms) on that H100, the fastest dense kernel there."""
 TARGETS = {8192: 1.0, 32768: 2.5, 65536: 4.0}
+ATOMIC_RATE = 1.0e12
+"""Bytes a second of fp32 atomic adds in L2, assumed (not measured): about a third of an H100's HBM bandwidth."""
+Steps = list[torch.Tensor]
+"""A kernel's launches, each the steps of its programs."""
 
 
-def mma(m: int, n: int, k: int) -> int:
-    """FLOPs of one (m x k) @ (k x n) tensor-core product."""
-    return 2 * m * n * k
+def _cdiv(a, b):
+    return -(-a // b)
 
 
 def selection(T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,99 +69,129 @@ def selection(T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[0], valid[0]
 
 
-def unions(idx: torch.Tensor, valid: torch.Tensor, bt: int) -> int:
-    """Distinct blocks chosen by each tile of bt consecutive queries, summed over tiles and groups."""
+def unions(idx: torch.Tensor, valid: torch.Tensor, bt: int) -> torch.Tensor:
+    """Distinct blocks chosen by each tile of bt consecutive queries (G x tiles)."""
     Gn, T, n = idx.shape
     blocks = torch.where(valid, idx, -1)
-    pad = -T % bt
-    tiles = torch.nn.functional.pad(blocks, (0, 0, 0, pad), value=-1).view(Gn, -1, bt * n)
+    tiles = torch.nn.functional.pad(blocks, (0, 0, 0, -T % bt), value=-1).view(Gn, -1, bt * n)
     ordered = tiles.sort(-1).values
     distinct = (ordered[..., 1:] != ordered[..., :-1]) & (ordered[..., 1:] >= 0)
-    return int(distinct.sum() + (ordered[..., 0] >= 0).sum())
+    return (distinct.sum(-1) + (ordered[..., 0] >= 0)).flatten()
 
 
-def reader_steps(idx: torch.Tensor, valid: torch.Tensor, rows: int) -> int:
-    """Steps of `rows` readers over each chosen block's readers, summed over blocks and groups."""
-    Ns = SPEC.num_sel_blocks(idx.shape[1])
-    counts = torch.zeros(idx.shape[0], Ns, dtype=torch.long)
-    counts.scatter_add_(1, torch.where(valid, idx, 0).flatten(1), valid.flatten(1).long())
-    return int((-(-counts // rows)).sum())
+def readers(idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The queries that chose each sel block (G x blocks)."""
+    counts = torch.zeros(idx.shape[0], SPEC.num_sel_blocks(idx.shape[1]), dtype=torch.long)
+    return counts.scatter_add_(1, torch.where(valid, idx, 0).flatten(1), valid.flatten(1).long()).flatten()
 
 
-def cmp_steps(T: int, bt: int, bn: int) -> int:
-    """Slot tiles of bn the tiles of bt queries walk in the cmp branch, summed over tiles (one group)."""
-    Nc = SPEC.num_cmp_blocks(T)
-    return sum(-(-min(Nc, (min(T, a + bt)) // SPEC.d) // bn) for a in range(0, T, bt))
+def query_tiles(T: int, bt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tile of bt queries (both groups): steps over the cmp slots it sees, over its window, and the top-n's
+    steps of 16 sel blocks."""
+    first = torch.arange(0, T, bt)
+    last = torch.clamp(first + bt, max=T) - 1
+    cmp = _cdiv(torch.clamp((last + 1) // SPEC.d, max=SPEC.num_cmp_blocks(T)), 64)
+    win = _cdiv(last + 1 - torch.clamp(first - SPEC.w + 1, min=0), 64)
+    topn = _cdiv((last + 1) // SPEC.l_sel + 1, triton_nsa.CHUNK)
+    return cmp.repeat(G), win.repeat(G), topn.repeat(G)
 
 
-def old_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
-    """FLOPs of the branch-wise kernels (d678f0f) at T, by the names the profile gives; `_choose` in bytes."""
-    u10 = unions(idx, valid, 10)  # the sel tiles: 10 queries x 6 heads in 64 rows
-    tile = mma(64, 64, 64)
-    cmp8 = cmp_steps(T, 8, 64) * G  # cmp / win tiles: 8 queries x 8 (padded) heads
-    win8 = -(-T // 8) * -(-(8 + SPEC.w - 1) // 64) * G
-    Nc = SPEC.num_cmp_blocks(T)
-    cmp_dkv = sum(-(-(T - (j * SPEC.d + SPEC.l - 1)) // 32) for j in range(0, Nc, 64)) * R * G  # a head a program
-    win_dkv = -(-T // 64) * -(-(64 + SPEC.w - 1) // 4) * G  # 4 queries x 8 rows a step
-    return {"_sel_fwd": u10 * 2 * tile, "_sel_bwd_dq": u10 * 3 * tile,
-            "_sel_bwd_dkv": reader_steps(idx, valid, 32) * R * 4 * mma(32, 64, 64),
-            "_fwd (cmp + win)": cmp8 * 3 * tile + win8 * 2 * tile, "_bwd_dq (cmp + win)": (cmp8 + win8) * 3 * tile,
-            "_bwd_dkv (cmp + win)": (cmp_dkv + win_dkv) * 4 * mma(32, 64, 64),
-            "_choose": T * SPEC.num_sel_blocks(T) * 5 * 4 * G}
+def key_tiles(T: int, rows: int, key_block: int, segment: int, heads: int) -> torch.Tensor:
+    """Steps of `rows` queries of each program of the cmp dK, dV: a tile of key_block slots x a segment of
+    queries (x heads programs of one head each, or one of all)."""
+    steps = []
+    for j in range(0, SPEC.num_cmp_blocks(T), key_block):
+        seen_from = j * SPEC.d + SPEC.l - 1
+        steps += [max(0, _cdiv(min(T, s + segment) - max(seen_from, s), rows)) for s in range(0, T, segment)]
+    return torch.tensor(steps).repeat(heads * G)
 
 
-def new_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, tuple[float, float]]:
-    """(FLOPs, atomic bytes) of the Triton family's kernels at T."""
-    bt, tile = 64 // R, mma(64, 64, 64)
-    u = unions(idx, valid, bt)
-    cmp = cmp_steps(T, bt, 64) * G
-    win = -(-T // bt) * -(-(bt + SPEC.w - 1) // 64) * G
-    chunks = sum(-(-((a + bt) // SPEC.l_sel + 1) // 16) for a in range(0, T, bt)) * G  # top-n: 16 blocks a step
-    topn = chunks * 5 * (mma(64, 16, 64) + mma(16, 16, 64))
-    Nc = SPEC.num_cmp_blocks(T)
-    segs = -(-T // 512)
-    cmp_kv = sum(-(-max(0, min(T, (s + 1) * 512) - max(j * SPEC.d + SPEC.l - 1, s * 512)) // bt)
-                 for j in range(0, Nc, 32) for s in range(segs)) * G
-    win_kv = -(-T // 32) * -(-(32 + SPEC.w - 1) // bt) * G
-    key_tile = mma(64, 32, 64)
-    Ns = SPEC.num_sel_blocks(T)
-    blocks = int(torch.zeros(G, Ns).scatter_(1, torch.where(valid, idx, 0).flatten(1), valid.flatten(1).float()
-                                             ).count_nonzero())  # blocks with readers: a program's one add each
-    return {"_fwd_cmp": (cmp * 2 * tile + topn, 0), "_fwd_sel_win": ((u + win) * 2 * tile, 0),
-            "_bwd_q": ((cmp + win + u) * 3 * tile, 0),
-            "_bwd_sel_kv": (reader_steps(idx, valid, bt) * 4 * tile, blocks * 2 * SPEC.l_sel * D * 4),
-            "_bwd_kv (cmp)": (cmp_kv * 4 * key_tile, -(-Nc // 32) * segs * G * 2 * 32 * D * 4),
-            "_bwd_kv (win)": (win_kv * 4 * key_tile, -(-T // 32) * G * 2 * 32 * D * 4)}
+def old_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, Steps]:
+    """The branch-wise kernels (d678f0f) by the profile's names: sel tiles of 10 queries x 6 heads, its dK, dV
+    one program per block and head over 32 readers a step; cmp / win tiles of 8 queries x 8 (padded) heads, the
+    cmp forward twice over its slots (the second pass for the group's scores); the cmp dK, dV one head a program
+    over 32 queries a step in 3 segments (1,024 programs wanted), the win dK, dV 4 queries x 8 heads a step."""
+    u = unions(idx, valid, 10)
+    cmp, win, _ = query_tiles(T, 8)
+    segment = _cdiv(_cdiv(T, 3), 32) * 32
+    win_kv = torch.full((_cdiv(T, 64) * G,), _cdiv(64 + SPEC.w - 1, 4))
+    return {"_sel_fwd": [u], "_sel_bwd_dq": [u], "_sel_bwd_dkv": [_cdiv(readers(idx, valid), 32).repeat(R)],
+            "_fwd (cmp + win)": [2 * cmp, win], "_bwd_dq (cmp + win)": [cmp, win],
+            "_bwd_dkv (cmp + win)": [key_tiles(T, 32, 64, segment, R), win_kv]}
+
+
+def spans(counts: torch.Tensor, bt: int) -> torch.Tensor:
+    """Steps of each `_bwd_sel_kv` program: READER_STEPS * bt entries of the blocks' readers end to end, bt a step,
+    and a step for each block it reaches (its keys loaded, its sums added)."""
+    span = triton_nsa.READER_STEPS * bt
+    ends = counts.cumsum(0)
+    steps = torch.zeros(_cdiv(int(ends[-1]), span), dtype=torch.long)
+    for first, last in zip((ends - counts).tolist(), ends.tolist()):
+        for p in range(first // span, _cdiv(last, span)):
+            steps[p] += _cdiv(min(last, (p + 1) * span) - max(first, p * span), bt) + 1
+    return steps
+
+
+def new_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, tuple[Steps, int]]:
+    """The Triton family's kernels (steps, bytes of atomic adds): tiles of bt = 10 queries x 6 heads; sel's dK, dV
+    and dQ over spans of readers; the cmp dK, dV 32 slots x 512 queries a program, the win dK, dV 32 keys a
+    program, bt queries a step."""
+    bt, D, kv = triton_nsa.ROWS // R, 64, triton_nsa.KV_BLOCK
+    cmp, win, topn = query_tiles(T, bt)
+    counts = readers(idx, valid)
+    sel_kv = spans(counts, bt)
+    cmp_kv = key_tiles(T, bt, kv, triton_nsa.KV_SEGMENT, 1)
+    visits = int(sel_kv.sum()) - int(_cdiv(counts, bt).sum())  # (block, program) pairs: a key-gradient add each
+    return {"_fwd_cmp": ([cmp + topn], 0), "_fwd_sel_win": ([unions(idx, valid, bt) + win], 0),
+            "_bwd_q": ([cmp + win], 0),
+            "_bwd_sel_kv": ([sel_kv], int(counts.sum()) * R * D * 4 + visits * 2 * SPEC.l_sel * D * 4),
+            "_bwd_kv (cmp)": ([cmp_kv], len(cmp_kv) * 2 * kv * D * 4),
+            "_bwd_kv (win)": ([torch.full((_cdiv(T, kv) * G,), _cdiv(kv + SPEC.w - 1, bt))], _cdiv(T, kv) * G * 2 * kv * D * 4)}
+
+
+def predict(launches: Steps, c: float, lat: float) -> float:
+    """Seconds: each launch the larger of its steps shared by the SMs and its longest program's."""
+    return sum(max(float(s.sum()) * c / SMS, float(s.max()) * lat) for s in launches)
+
+
+def fit(kernels: dict[str, Steps]) -> tuple[float, float]:
+    """(c, lat) minimising the squared log ratios of predicted to measured times (a grid, then finer)."""
+    def loss(c: float, lat: float) -> float:
+        return sum(math.log(predict(kernels[k], c, lat) * 1e3 / ms) ** 2 for k, ms in MEASURED_32K.items())
+    best, width = (math.log(1e-6), math.log(1e-6)), 4.0
+    for _ in range(6):
+        grid = [(best[0] + width * i / 10, best[1] + width * j / 10) for i in range(-10, 11) for j in range(-10, 11)]
+        best = min(grid, key=lambda x: loss(math.exp(x[0]), math.exp(x[1])))
+        width /= 5
+    return math.exp(best[0]), math.exp(best[1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 65536])
     a = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     old = old_kernels(32768, *selection(32768))
-    products = [k for k in old if k != "_choose"]
-    rate = math.exp(sum(math.log(old[k] / (MEASURED_32K[k] * 1e-3)) for k in products) / len(products))
-    bandwidth = old["_choose"] / (MEASURED_32K["_choose"] * 1e-3)
-    print(f"Calibration on the H100 profile at T 32,768: {rate / 1e12:.1f} TFLOP/s a tensor-core step "
-          f"(geometric mean of {len(products)} kernels), the sel choice at {bandwidth / 1e9:.0f} GB/s")
-    print("| branch-wise kernel | work | measured (ms) | predicted (ms) | predicted / measured | within 30% |")
-    print("|---|---|---|---|---|---|")
-    for k, work in old.items():
-        predicted = 1e3 * work / (bandwidth if k == "_choose" else rate)
-        ratio = predicted / MEASURED_32K[k]
-        print(f"| {k} | {work / (1e6 if k == '_choose' else 1e9):,.1f} {'MB' if k == '_choose' else 'GFLOP'} | "
-              f"{MEASURED_32K[k]:.3f} | {predicted:.3f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.3 else 'no'} |")
-    print("\n| T | kernel | GFLOP | atomic adds (MB) | predicted (ms) |")
-    print("|---|---|---|---|---|")
+    c, lat = fit(old)
+    print(f"Calibration on the H100 profile at T 32,768: a step costs {c * 1e6:.3f} us of one SM while the GPU is "
+          f"full, {lat * 1e6:.2f} us alone (least squares over {len(old)} kernels)")
+    print("| branch-wise kernel | steps | longest program (steps) | measured (ms) | predicted (ms) | "
+          "predicted / measured | within 30% |")
+    print("|---|---|---|---|---|---|---|")
+    for k, launches in old.items():
+        ms = 1e3 * predict(launches, c, lat)
+        ratio = ms / MEASURED_32K[k]
+        print(f"| {k} | {sum(int(s.sum()) for s in launches):,} | {max(int(s.max()) for s in launches):,} | "
+              f"{MEASURED_32K[k]:.3f} | {ms:.3f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.3 else 'no'} |")
+    print("\n| T | kernel | programs | steps | longest program (steps) | atomic adds (MB) | predicted (ms) |")
+    print("|---|---|---|---|---|---|---|")
     summary = []
     for T in a.T:
-        new = new_kernels(T, *selection(T))
         total = 0.0
-        for k, (flops, atomic) in new.items():
-            ms = 1e3 * (flops / rate + atomic / bandwidth)
+        for k, (launches, atomic) in new_kernels(T, *selection(T)).items():
+            ms = 1e3 * (predict(launches, c, lat) + atomic / ATOMIC_RATE)
             total += ms
-            print(f"| {T:,} | {k} | {flops / 1e9:,.1f} | {atomic / 1e6:,.1f} | {ms:.3f} |", flush=True)
+            print(f"| {T:,} | {k} | {sum(len(s) for s in launches):,} | {sum(int(s.sum()) for s in launches):,} | "
+                  f"{max(int(s.max()) for s in launches):,} | {atomic / 1e6:,.1f} | {ms:.3f} |", flush=True)
         summary.append((T, total))
     print("\n| T | predicted NSA fwd+bwd (ms) | dense cuDNN measured (ms) | dense / NSA | target | met by the prediction |")
     print("|---|---|---|---|---|---|")

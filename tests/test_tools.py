@@ -72,8 +72,9 @@ def test_gpu_prediction_calibrates_then_predicts_every_kernel():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "Calibration on the H100 profile at T 32,768" in out
-    back = [line for line in out.splitlines() if line.startswith("| _") and ("GFLOP |" in line or "MB |" in line)]
-    assert len(back) == 7  # the branch-wise kernels, predicted back
+    back = [line.split("|") for line in out.splitlines() if line.startswith("| _") and line.endswith(("yes |", "no |"))]
+    assert len(back) == 6  # the branch-wise kernels, predicted back, each within 30% of its measured time
+    assert all(row[7].strip() == "yes" and 0.7 <= float(row[6]) <= 1.3 for row in back), back
     kernels = {line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 8,192 | _")}
     assert kernels == {"_fwd_cmp", "_fwd_sel_win", "_bwd_q", "_bwd_sel_kv", "_bwd_kv (cmp)", "_bwd_kv (win)"}
     (total,) = [line for line in out.splitlines() if line.startswith("| 8,192 |") and "x |" in line]

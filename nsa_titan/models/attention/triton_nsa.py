@@ -49,6 +49,10 @@ KV_BLOCK = 32
 KV_SEGMENT = 512
 """Queries per program of the cmp dK, dV kernel: a slot is seen by every later query, so the queries are
 cut into segments whose parts are added atomically (the slot tiles alone would be too few programs)."""
+READER_STEPS = 32
+"""Steps of a sel dK, dV, dQ program (`_bwd_sel_kv`): its span of the inverse index is READER_STEPS tiles of
+readers, so the first block, which every query reads, is shared among Tq / span programs (64: 0.68 ms predicted
+at 8k, 32: 0.56, 16: 0.57; `benchmarks/gpu_prediction.py`)."""
 BIG = 1 << 30
 
 

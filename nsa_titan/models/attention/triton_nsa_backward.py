@@ -1,6 +1,6 @@
 """The backward kernels of the Triton family's NSA op (the forward ones and the helpers they share:
-`triton_nsa.py`): gate gradients and dQ per tile of queries, sel's dK, dV per key block over its readers (the
-inverse index the forward writes), cmp's and the window's dK, dV per tile of keys. Each key gradient is added
+`triton_nsa.py`): gate gradients and dQ per tile of queries, sel's dK, dV over equal spans of the chosen blocks' readers
+(the inverse index the forward writes), cmp's and the window's dK, dV per tile of keys. Each key gradient is added
 once a program into one fp32 buffer (atomic adds: blocks of two documents, and the cmp branch's segments of
 queries, may share keys)."""
 
@@ -11,7 +11,7 @@ from .triton_nsa import triton
 if triton is not None:
     import triton.language as tl
 
-    from .triton_nsa import _cmp_seen, _chosen, _kv, _next_block, _rows, _tile
+    from .triton_nsa import _cmp_seen, _kv, _rows, _tile
 
     @triton.jit
     def _key_tile(K, V, b, g, j, ok, skb, skt, svb, svt, D: tl.constexpr, N: tl.constexpr):
@@ -34,14 +34,13 @@ if triton is not None:
         tl.atomic_add(GK + at, x, mask=ok[:, None])
 
     @triton.jit
-    def _bwd_q(Q, KC, VC, KS, VS, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, IDX, VALID, DQ, DG, DELTA, GK,
-               sqb, sqt, skcb, skct, svcb, svct, sksb, skst, svsb, svst, skwb, skwt, svwb, svwt, sgb, sgt, sdb, scb,
+    def _bwd_q(Q, KC, VC, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, DQ, DG, DELTA, GK,
+               sqb, sqt, skcb, skct, svcb, svct, skwb, skwt, svwb, svwt, sgb, sgt, sdb, scb,
                sdob, sdot, Tq, T, Nc, q0, G, H, scale, d, l, w, ob_c, st_c,
-               R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-               N: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr,
-               SEL: tl.constexpr, WIN: tl.constexpr):
-        """A tile's gate gradients and dQ of every branch; the rows' delta (gate * dO . o) of cmp, win and sel for
-        `_bwd_kv` and `_bwd_sel_kv`."""
+               R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+               DOCS: tl.constexpr, CMP: tl.constexpr, SEL: tl.constexpr, WIN: tl.constexpr):
+        """A tile's gate gradients and its dQ of cmp and win, stored into the fp32 buffer that `_bwd_sel_kv` then adds
+        sel's to; the rows' delta (gate * dO . o) of cmp, win and sel for `_bwd_kv` and `_bwd_sel_kv`."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
         do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
@@ -70,21 +69,8 @@ if triton is not None:
                 seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
                 _, ds = _grads(q, do, k, v, seen, lse, gate, delta, scale, "ieee")
                 dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        if SEL:
-            gate = tl.load(GATE + g_off + 1, mask=live, other=0.0)
-            lse = tl.load(LSE + st_c + st_off, mask=live, other=0.0)
-            delta = gate * dg_s
-            tl.store(DELTA + 2 * st_c + st_off, delta, mask=live)
-            chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
-            p0 = _next_block(chosen, -1)
-            while p0 < (1 << 30):
-                pos = p0 + tl.arange(0, L)
-                ok = pos < T
-                k, v = _kv(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D)
-                reads = (tl.sum((chosen == p0).to(tl.int32), 1) > 0)[:, None] & (pos[None, :] <= t[:, None])
-                _, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
-                dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-                p0 = _next_block(chosen, p0)
+        if SEL:  # its dQ: added by `_bwd_sel_kv`, block by block
+            tl.store(DELTA + 2 * st_c + st_off, tl.load(GATE + g_off + 1, mask=live, other=0.0) * dg_s, mask=live)
         if WIN:
             gate = tl.load(GATE + g_off + 2, mask=live, other=0.0)
             lse = tl.load(LSE + 2 * st_c + st_off, mask=live, other=0.0)
@@ -100,31 +86,41 @@ if triton is not None:
         tl.store(DQ + o_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
+    def _block_at(OFFSETS, e, blocks, STEPS: tl.constexpr):
+        """The block x (b * G + g) * T + its first key position) whose readers hold entry e of the inverse index:
+        the last x with OFFSETS[x] <= e (the offsets of the `blocks` positions, then the total, ascending)."""
+        lo = e * 0
+        hi = lo + blocks
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            go = tl.load(OFFSETS + mid) <= e
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        return lo
+
+    @triton.jit
     def _bwd_sel_kv(Q, KS, VS, GATE, DO, LSE, DELTA, GK, OFFSETS, READERS, sqb, sqt, sksb, skst, svsb, svst, sgb, sgt,
-                    sdob, sdot, Tq, T, q0, G, H, scale, st_c, gk_ks, gk_vs, R: tl.constexpr, BT: tl.constexpr,
-                    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr):
-        """sel's dK, dV of the blocks starting at key positions c0 .. c0 + L - 1 (one without documents): for each,
-        its readers (the inverse index) BT at a time, all r heads of each as rows, the block's keys loaded once;
-        added once into the fp32 buffer (blocks of two documents may share keys)."""
-        bg = tl.program_id(1)
-        b, g = bg // G, bg % G
+                    sdob, sdot, Tq, T, q0, G, H, scale, st_c, gk_q, gk_ks, gk_vs, blocks, SPAN, R: tl.constexpr,
+                    BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, STEPS: tl.constexpr):
+        """sel's dK, dV and dQ over entries p * SPAN .. (p + 1) * SPAN - 1 of the inverse index (all blocks' readers
+        end to end): for each block they reach, its readers there BT at a time, all r heads of each as rows, the
+        block's keys loaded once; each step's dQ rows added into the fp32 buffer, the block's dK, dV sums once. Equal
+        spans: a block every query reads (the
+        first, forced) is shared among Tq / SPAN programs instead of walked by one."""
+        e0 = tl.program_id(0) * SPAN
+        e_end = tl.minimum(e0 + SPAN, tl.load(OFFSETS + blocks))
         dd = tl.arange(0, D)
         mm = tl.arange(0, M)
-        starts = tl.program_id(0) * L + tl.arange(0, L)
-        firsts = tl.load(OFFSETS + bg * T + starts, mask=starts < T, other=0)
-        lasts = tl.load(OFFSETS + bg * T + starts + 1, mask=starts < T, other=0)
-        chosen = lasts > firsts
-        rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
-        for r in range(tl.sum(chosen.to(tl.int32), 0)):  # the chosen blocks starting here, in order
-            this = chosen & (rank == r)
-            p0 = tl.sum(tl.where(this, starts, 0), 0)
-            first = tl.sum(tl.where(this, firsts, 0), 0)
-            last = tl.sum(tl.where(this, lasts, 0), 0)
+        while e0 < e_end:
+            x = _block_at(OFFSETS, e0, blocks, STEPS)
+            last = tl.minimum(tl.load(OFFSETS + x + 1), e_end)
+            bg, p0 = x // T, x % T
+            b, g = bg // G, bg % G
             pos = p0 + tl.arange(0, L)
             ok = pos < T
             k, v, dk, dv = _key_tile(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D, L)
-            for e0 in range(first, last, BT):
-                e = e0 + mm // R
+            for e1 in range(e0, last, BT):
+                e = e1 + mm // R
                 live = (mm < BT * R) & (e < last)
                 i = tl.load(READERS + e, mask=live, other=0)
                 hq = g * R + mm % R
@@ -139,9 +135,12 @@ if triton is not None:
                 p, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
                 dv += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
+                dq = tl.dot(ds.to(k.dtype), k).to(tl.float32)
+                tl.atomic_add(GK + gk_q + (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :], dq, mask=live[:, None])
             at = (b * T + pos)[:, None] * (G * D) + g * D + dd[None, :]
             _add(GK + gk_ks, at, dk, ok)
             _add(GK + gk_vs, at, dv, ok)
+            e0 = last
 
     @triton.jit
     def _bwd_kv(Q, K, V, GATE, CSTART, START, FIRST, DO, LSE, DELTA, GK,

@@ -118,53 +118,58 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
 
 
 def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, ob: torch.Tensor,
-             lse: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, offsets: torch.Tensor, readers: torch.Tensor,
-             spec: NSASpec, docs: Documents | None, q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
-    """dq, the six key and value gradients in one flat buffer (`key_grads`) and d_gates of `forward`'s output:
-    a zero fill, four kernels and one conversion to the keys' dtype."""
+             lse: torch.Tensor, offsets: torch.Tensor, readers: torch.Tensor, spec: NSASpec, docs: Documents | None,
+             q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+    """dq and the six key and value gradients in one flat buffer (`grads`), and d_gates, of `forward`'s output:
+    a zero fill, four kernels and one conversion to q's dtype."""
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G, Nc = keys[2].shape[1], keys[2].shape[2], keys[0].shape[1]
     ptrs, args = _geometry(q, keys, gates, spec, docs, q0)
-    sizes = [B * Nc * G * D] * 2 + [B * T * G * D] * 4
-    at = [sum(sizes[:i]) for i in range(6)]
+    sizes = _grad_sizes(q, keys[0], keys[2])
+    at = [sum(sizes[:i]) for i in range(7)]
     gk = torch.zeros(sum(sizes), dtype=torch.float32, device=q.device)
-    dq = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
     dg = torch.empty(B, Tq, H, 3, dtype=torch.float32, device=q.device)
     delta = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)  # cmp, win, sel
-    bt, n, flags = args["BT"], idx.shape[-1], dict(num_warps=kernels.WARPS)
+    bt, flags = args["BT"], dict(num_warps=kernels.WARPS)
     grads = dict(DO=d_out, sdob=d_out.stride(0), sdot=d_out.stride(1), LSE=lse, DELTA=delta, GK=gk)
+    sel_keys = ("KS", "VS", "sksb", "skst", "svsb", "svst")
     backward_kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
-        **ptrs, **args, **grads, OB=ob, IDX=idx, VALID=valid.view(torch.int8), DQ=dq, DG=dg, L=spec.l_sel, N=n,
-        NP=_pow2(n), BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
-    if branches[1]:  # sel's dK, dV: one program per l' key positions, over the readers of the blocks starting there
+        **{k: x for k, x in {**ptrs, **args}.items() if k not in sel_keys}, **grads, OB=ob, DQ=gk[:at[1]], DG=dg,
+        BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
+    if branches[1]:  # sel's dK, dV: equal spans of the readers of all chosen blocks (the inverse index)
         ks, vs = keys[2:4]
-        backward_kernels._bwd_sel_kv[(_cdiv(T, spec.l_sel), B * G)](
+        span, blocks = kernels.READER_STEPS * bt, offsets.numel() - 1
+        backward_kernels._bwd_sel_kv[(_cdiv(readers.numel(), span),)](
             Q=q, KS=ks, VS=vs, GATE=gates, **grads, OFFSETS=offsets, READERS=readers,
             **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "sgb", "sgt", "Tq", "T", "q0", "G",
                                     "H", "scale", "st_c", "R", "BT", "M", "D")},
-            gk_ks=at[2], gk_vs=at[3], L=spec.l_sel, **flags)
+            gk_q=0, gk_ks=at[3], gk_vs=at[4], blocks=blocks, SPAN=span, L=spec.l_sel, STEPS=blocks.bit_length(), **flags)
     key_args = ("sqb", "sqt", "sgb", "sgt", "sdb", "scb", "Tq", "T", "q0", "G", "H", "scale", "d", "l", "w", "R", "BT",
                 "M", "D", "DOCS")
     common = dict(**{k: args[k] for k in key_args}, **grads, Q=q, GATE=gates, CSTART=ptrs["CSTART"],
                   START=ptrs["START"], FIRST=ptrs["FIRST"], BN=kernels.KV_BLOCK, **flags)
     for on, (k, v), S, lse_at, delta_at, gk_at, segs, win in (
-            (branches[0], keys[:2], Nc, 0, 0, at[:2], _cdiv(Tq, kernels.KV_SEGMENT), False),  # cmp: x query segments
-            (branches[2], keys[4:], T, 2 * B * Tq * H, B * Tq * H, at[4:], 1, True)):
+            (branches[0], keys[:2], Nc, 0, 0, at[1:3], _cdiv(Tq, kernels.KV_SEGMENT), False),  # cmp: x query segments
+            (branches[2], keys[4:], T, 2 * B * Tq * H, B * Tq * H, at[5:], 1, True)):
         if on:
             backward_kernels._bwd_kv[(_cdiv(S, kernels.KV_BLOCK) * segs, B * G)](
                 **common, K=k, V=v, skb=k.stride(0), skt=k.stride(1), svb=v.stride(0), svt=v.stride(1), S=S,
                 lse_at=lse_at, delta_at=delta_at, gk_k=gk_at[0], gk_v=gk_at[1], SEGS=segs,
                 SEG=Tq if win else kernels.KV_SEGMENT, WIN=win)
-    return [dq, gk if keys[0].dtype == torch.float32 else gk.to(keys[0].dtype), dg.to(gates.dtype)]
+    return [gk if q.dtype == torch.float32 else gk.to(q.dtype), dg.to(gates.dtype)]
 
 
-def key_grads(flat: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor) -> list[torch.Tensor]:
-    """`backward`'s buffer of the six key and value gradients as views: (B, Nc, G, D) x 2, (B, T, G, D) x 4."""
-    B, Nc, G, D = kc.shape
-    T = ks.shape[1]
-    sizes, shapes = [B * Nc * G * D] * 2 + [B * T * G * D] * 4, [kc.shape] * 2 + [ks.shape] * 4
-    at = [sum(sizes[:i]) for i in range(6)]
+def _grad_sizes(q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor) -> list[int]:
+    """Elements of dq, then of the six key and value gradients, in `backward`'s one buffer."""
+    return [q.numel()] + [kc.numel()] * 2 + [ks.numel()] * 4
+
+
+def grads(flat: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor) -> list[torch.Tensor]:
+    """`backward`'s buffer as views: dq (B, Tq, H, D), the key and value gradients (B, Nc, G, D) x 2, (B, T, G, D)
+    x 4."""
+    sizes, shapes = _grad_sizes(q, kc, ks), [q.shape] + [kc.shape] * 2 + [ks.shape] * 4
+    at = [sum(sizes[:i]) for i in range(7)]
     return [flat[a:a + size].view(shape) for a, size, shape in zip(at, sizes, shapes)]
 
 
@@ -198,38 +203,32 @@ def _(q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, fi
 
 @torch.library.custom_op("nsa_titan::nsa_triton_backward", mutates_args=())
 def _backward_op(d_out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor,
-                 gates: Tensor, ob: Tensor, lse: Tensor, idx: Tensor, valid: Tensor, offsets: Tensor, readers: Tensor,
-                 spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor,
-                 first_slot: OptTensor) -> list[Tensor]:
-    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, idx, valid, offsets, readers, _spec(spec),
+                 gates: Tensor, ob: Tensor, lse: Tensor, offsets: Tensor, readers: Tensor, spec: list[int], q0: int,
+                 branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor) -> list[Tensor]:
+    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, offsets, readers, _spec(spec),
                     _docs(start, cmp_start, first_slot), q0, tuple(branches))
 
 
 @_backward_op.register_fake
-def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets, readers, spec, q0, branches, start,
-      cmp_start, first_slot):
-    B, Nc, G, D = kc.shape
-    return [torch.empty_like(q, memory_format=torch.contiguous_format),
-            kc.new_empty(2 * B * Nc * G * D + 4 * ks.numel()),
-            torch.empty_like(gates, memory_format=torch.contiguous_format)]
+def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, spec, q0, branches, start, cmp_start,
+      first_slot):
+    return [q.new_empty(sum(_grad_sizes(q, kc, ks))), torch.empty_like(gates, memory_format=torch.contiguous_format)]
 
 
 def _setup(ctx, inputs, output) -> None:
     q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot = inputs
     _, ob, lse, idx, valid, offsets, readers = output
-    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets, readers, start, cmp_start,
-                          first_slot)
+    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, start, cmp_start, first_slot)
     ctx.spec, ctx.q0, ctx.branches = spec, q0, branches
     ctx.mark_non_differentiable(ob, lse, idx, valid, offsets, readers)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of the saved outputs
 
 
 def _grad(ctx, d_out, *_saved_outputs):
-    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets, readers, start, cmp_start, first_slot = \
-        ctx.saved_tensors
-    dq, flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, idx, valid, offsets,
-                                readers, ctx.spec, ctx.q0, ctx.branches, start, cmp_start, first_slot)
-    return dq, *key_grads(flat, kc, ks), dg, None, None, None, None, None, None
+    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, start, cmp_start, first_slot = ctx.saved_tensors
+    flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, ctx.spec,
+                            ctx.q0, ctx.branches, start, cmp_start, first_slot)
+    return *grads(flat, q, kc, ks), dg, None, None, None, None, None, None
 
 
 _op.register_autograd(_grad, setup_context=_setup)
