@@ -17,8 +17,9 @@ programs and steps counted from their code at d678f0f; each is then predicted ba
 blocks a real selection chooses: the inputs of `benchmarks/gpu_attention.py` (the M7C attention, random,
 seeded), their blocks chosen by the C++ family. The prediction is put against cuDNN's measured dense time.
 
-The new kernels' atomic adds (sel's dQ rows every step, each program's key gradients once) had no counterpart in
-that profile: their bytes are added at ATOMIC_RATE, an assumption. Left out: occupancy differences (the new
+Two costs of the new kernels had no counterpart in that profile: sel's per-block outputs, written by `_fwd_sel`
+and read by `_fwd_mix` (a kernel takes at least their bytes at HBM_RATE), and the atomic adds (sel's dQ rows every
+step, each program's key gradients once; their bytes added at ATOMIC_RATE, an assumption). Left out: occupancy differences (the new
 kernels hold one block of 8 warps per SM, `triton_compile.py`), L2 behaviour, the profile's `_choose` (bytes, not
 tiles; the new op has no such kernel: its top-n is steps of `_fwd_cmp`). It says where the time would go and whether the
 targets are within reach, not what a GPU will measure.
@@ -51,6 +52,8 @@ MEASURED_32K = {  # ms of GPU time per kernel name, forward + backward at T 32,7
 DENSE = {8192: 1.030, 32768: 13.309, 65536: 53.300}
 """cuDNN's causal attention fwd + bwd (ms) on that H100, the fastest dense kernel there."""
 TARGETS = {8192: 1.0, 32768: 2.5, 65536: 4.0}
+HBM_RATE = 3.35e12
+"""Bytes a second an H100 SXM's HBM3 moves (its data sheet)."""
 ATOMIC_RATE = 1.0e12
 """Bytes a second of fp32 atomic adds in L2, assumed (not measured): about a third of an H100's HBM bandwidth."""
 Steps = list[torch.Tensor]
@@ -121,8 +124,8 @@ def old_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, Ste
 
 
 def spans(counts: torch.Tensor, bt: int) -> torch.Tensor:
-    """Steps of each `_bwd_sel_kv` program: READER_STEPS * bt entries of the blocks' readers end to end, bt a step,
-    and a step for each block it reaches (its keys loaded, its sums added)."""
+    """Steps of each program over the inverse index (`triton_nsa_sel`): READER_STEPS * bt entries of the blocks'
+    readers end to end, bt a step, and a step for each block it reaches (its keys loaded, for dK, dV its sums added)."""
     span = triton_nsa.READER_STEPS * bt
     ends = counts.cumsum(0)
     steps = torch.zeros(_cdiv(int(ends[-1]), span), dtype=torch.long)
@@ -132,21 +135,26 @@ def spans(counts: torch.Tensor, bt: int) -> torch.Tensor:
     return steps
 
 
-def new_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, tuple[Steps, int]]:
-    """The Triton family's kernels (steps, bytes of atomic adds): tiles of bt = 10 queries x 6 heads; sel's dK, dV
-    and dQ over spans of readers; the cmp dK, dV 32 slots x 512 queries a program, the win dK, dV 32 keys a
-    program, bt queries a step."""
-    bt, D, kv = triton_nsa.ROWS // R, 64, triton_nsa.KV_BLOCK
+def new_kernels(T: int, idx: torch.Tensor, valid: torch.Tensor) -> dict[str, tuple[Steps, int, int]]:
+    """The Triton family's kernels (steps, bytes to or from HBM that bound it, bytes of atomic adds): tiles of
+    bt = 10 queries x 6 heads; sel forward over spans of readers (an fp32 output and logsumexp per entry and head,
+    merged by `_fwd_mix`, n steps a tile), its dK, dV and dQ over spans of SEL_KV_ROWS // 6 readers a step; the cmp
+    dK, dV 32 slots x 512 queries a program, the win dK, dV 32 keys a program, bt queries a step."""
+    bt, bt_kv, D, kv = triton_nsa.ROWS // R, triton_nsa.SEL_KV_ROWS // R, 64, triton_nsa.KV_BLOCK
     cmp, win, topn = query_tiles(T, bt)
     counts = readers(idx, valid)
-    sel_kv = spans(counts, bt)
+    entries = int(counts.sum())
+    partial = entries * R * (D + 1) * 4  # sel's per-block outputs and logsumexps
+    sel_kv = spans(counts, bt_kv)
     cmp_kv = key_tiles(T, bt, kv, triton_nsa.KV_SEGMENT, 1)
-    visits = int(sel_kv.sum()) - int(_cdiv(counts, bt).sum())  # (block, program) pairs: a key-gradient add each
-    return {"_fwd_cmp": ([cmp + topn], 0), "_fwd_sel_win": ([unions(idx, valid, bt) + win], 0),
-            "_bwd_q": ([cmp + win], 0),
-            "_bwd_sel_kv": ([sel_kv], int(counts.sum()) * R * D * 4 + visits * 2 * SPEC.l_sel * D * 4),
-            "_bwd_kv (cmp)": ([cmp_kv], len(cmp_kv) * 2 * kv * D * 4),
-            "_bwd_kv (win)": ([torch.full((_cdiv(T, kv) * G,), _cdiv(kv + SPEC.w - 1, bt))], _cdiv(T, kv) * G * 2 * kv * D * 4)}
+    visits = int(sel_kv.sum()) - int(_cdiv(counts, bt_kv).sum())  # (block, program) pairs: a key-gradient add each
+    win_kv = torch.full((_cdiv(T, kv) * G,), _cdiv(kv + SPEC.w - 1, bt))
+    return {"_fwd_cmp": ([cmp + topn], 0, 0), "_fwd_win": ([win], 0, 0), "_fwd_sel": ([spans(counts, bt)], partial, 0),
+            "_fwd_mix": ([torch.full_like(win, min(SPEC.n, SPEC.num_sel_blocks(T)))], partial, 0),
+            "_bwd_q": ([cmp + win], 0, 0),
+            "_bwd_sel_kv": ([sel_kv], 0, entries * R * D * 4 + visits * 2 * SPEC.l_sel * D * 4),
+            "_bwd_kv (cmp)": ([cmp_kv], 0, len(cmp_kv) * 2 * kv * D * 4),
+            "_bwd_kv (win)": ([win_kv], 0, len(win_kv) * 2 * kv * D * 4)}
 
 
 def predict(launches: Steps, c: float, lat: float) -> float:
@@ -182,16 +190,17 @@ def main() -> None:
         ratio = ms / MEASURED_32K[k]
         print(f"| {k} | {sum(int(s.sum()) for s in launches):,} | {max(int(s.max()) for s in launches):,} | "
               f"{MEASURED_32K[k]:.3f} | {ms:.3f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.3 else 'no'} |")
-    print("\n| T | kernel | programs | steps | longest program (steps) | atomic adds (MB) | predicted (ms) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| T | kernel | programs | steps | longest program (steps) | HBM (MB) | atomic adds (MB) | predicted (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
     summary = []
     for T in a.T:
         total = 0.0
-        for k, (launches, atomic) in new_kernels(T, *selection(T)).items():
-            ms = 1e3 * (predict(launches, c, lat) + atomic / ATOMIC_RATE)
+        for k, (launches, hbm, atomic) in new_kernels(T, *selection(T)).items():
+            ms = 1e3 * (max(predict(launches, c, lat), hbm / HBM_RATE) + atomic / ATOMIC_RATE)
             total += ms
             print(f"| {T:,} | {k} | {sum(len(s) for s in launches):,} | {sum(int(s.sum()) for s in launches):,} | "
-                  f"{max(int(s.max()) for s in launches):,} | {atomic / 1e6:,.1f} | {ms:.3f} |", flush=True)
+                  f"{max(int(s.max()) for s in launches):,} | {hbm / 1e6:,.1f} | {atomic / 1e6:,.1f} | {ms:.3f} |",
+                  flush=True)
         summary.append((T, total))
     print("\n| T | predicted NSA fwd+bwd (ms) | dense cuDNN measured (ms) | dense / NSA | target | met by the prediction |")
     print("|---|---|---|---|---|---|")

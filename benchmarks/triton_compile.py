@@ -25,12 +25,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nsa_titan.models.attention import Documents, NSASpec, triton_nsa, triton_nsa_backward  # noqa: E402
+from nsa_titan.models.attention import Documents, NSASpec  # noqa: E402
+from nsa_titan.models.attention import triton_nsa, triton_nsa_backward, triton_nsa_sel  # noqa: E402
 from nsa_titan.models.attention.families import triton as family  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 H, G, D = 12, 2, 64
-KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_sel_win"), triton_nsa_backward: ("_bwd_q", "_bwd_sel_kv", "_bwd_kv")}
+KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_win", "_fwd_mix"), triton_nsa_sel: ("_fwd_sel", "_bwd_sel_kv"),
+           triton_nsa_backward: ("_bwd_q", "_bwd_kv")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.int32: "i32",
          torch.int64: "i64", torch.bool: "i1"}
@@ -60,7 +62,7 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
         gates = torch.zeros(1, T, H, 3)
         documents = Documents.of(torch.arange(T)[None] // 1000, SPEC) if docs else None
         out, ob, lse, idx, valid, offsets, readers = family.forward(q, keys, gates, SPEC, documents, 0, (True, True, True))
-        family.backward(q, q, keys, gates, ob, lse, idx, valid, offsets, readers, SPEC, documents, 0, (True, True, True))
+        family.backward(q, q, keys, gates, ob, lse, offsets, readers, SPEC, documents, 0, (True, True, True))
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)

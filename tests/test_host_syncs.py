@@ -157,7 +157,8 @@ def test_triton_family_launches_a_handful_of_kernels_at_any_t(docs):
     (small, small_ops), (large, large_ops) = counts[512], counts[65536]
     assert small == large and small_ops == large_ops
     assert sum(small.values()) + len(small_ops) <= LAUNCHES, (small, small_ops)
-    assert dict(small) == {"_fwd_cmp": 1, "_fwd_sel_win": 1, "_bwd_q": 1, "_bwd_sel_kv": 1, "_bwd_kv": 2}
+    assert dict(small) == {"_fwd_cmp": 1, "_fwd_win": 1, "_fwd_sel": 1, "_fwd_mix": 1, "_bwd_q": 1, "_bwd_sel_kv": 1,
+                           "_bwd_kv": 2}
     # the inverse index's counts (a fill, their cumulative sum), the key gradients' buffer (a fill, a cast to bf16)
     assert sorted(small_ops) == ["_to_copy", "cumsum", "zeros", "zeros"]
 

@@ -76,6 +76,7 @@ def test_gpu_prediction_calibrates_then_predicts_every_kernel():
     assert len(back) == 6  # the branch-wise kernels, predicted back, each within 30% of its measured time
     assert all(row[7].strip() == "yes" and 0.7 <= float(row[6]) <= 1.3 for row in back), back
     kernels = {line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| 8,192 | _")}
-    assert kernels == {"_fwd_cmp", "_fwd_sel_win", "_bwd_q", "_bwd_sel_kv", "_bwd_kv (cmp)", "_bwd_kv (win)"}
+    assert kernels == {"_fwd_cmp", "_fwd_win", "_fwd_sel", "_fwd_mix", "_bwd_q", "_bwd_sel_kv", "_bwd_kv (cmp)",
+                       "_bwd_kv (win)"}
     (total,) = [line for line in out.splitlines() if line.startswith("| 8,192 |") and "x |" in line]
     assert float(total.split("|")[2]) > 0 and total.split("|")[6].strip() in ("yes", "no")

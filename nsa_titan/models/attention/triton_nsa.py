@@ -9,12 +9,14 @@ queries of one KV group, all r heads of each as rows of one tensor-core tile (BT
       heads (a one-hot product) and over each block's cmp members, the forced blocks, and the top n
       kept in registers while the blocks stream past, 16 at a time: no T x T/d tensor, no sort. Each
       chosen block's readers are counted (the inverse index's sizes).
-  `_fwd_sel_win` per tile: sel attention over the union of the tile's chosen blocks (each block loaded
-      once for the tile, each row reading its own), win attention, and the gated sum; each query enters
-      itself in its blocks' reader lists (offsets: a cumulative sum of the counts between the two).
-  backward (`triton_nsa_backward.py`): `_bwd_q` per tile: the gate gradients and dQ of all three
-      branches; `_bwd_sel_kv` per key block over its readers: sel's dK, dV; `_bwd_kv` per tile of cmp
-      slots (in segments of queries) and of win keys: dK, dV; all into one fp32 buffer.
+  `_fwd_win` per tile: win attention; each query enters itself in its blocks' reader lists (offsets: a
+      cumulative sum of the counts between the two), noting where.
+  `triton_nsa_sel._fwd_sel` over equal spans of the reader lists: each chosen block's keys loaded once,
+      its readers' sel output and logsumexp over it, per entry.
+  `_fwd_mix` per tile: a query's n block outputs merged by their logsumexps, and the gated sum.
+  backward (`triton_nsa_backward.py`): `_bwd_q` per tile: the gate gradients and the dQ of cmp and win;
+      `triton_nsa_sel._bwd_sel_kv` over the spans: sel's dK, dV and dQ; `_bwd_kv` per tile of cmp slots (in
+      segments of queries) and of win keys: dK, dV; all into one fp32 buffer.
 The host side, the custom op and its backward are `families/triton.py`. Shapes depend only on T, loops
 run inside the kernels, and no value is read back to the host: the op can be captured in a CUDA graph.
 Rules of the kernels: l and l' multiples of d (sel block j's cmp members are the l/d + l'/d - 1 slots from
@@ -49,8 +51,11 @@ KV_BLOCK = 32
 KV_SEGMENT = 512
 """Queries per program of the cmp dK, dV kernel: a slot is seen by every later query, so the queries are
 cut into segments whose parts are added atomically (the slot tiles alone would be too few programs)."""
+SEL_KV_ROWS = 32
+"""Rows (queries x heads) of a step of `triton_nsa_sel._bwd_sel_kv`: with 64, its dQ rows' atomic add spilled 48
+bytes on sm_90."""
 READER_STEPS = 32
-"""Steps of a sel dK, dV, dQ program (`_bwd_sel_kv`): its span of the inverse index is READER_STEPS tiles of
+"""Steps of a program over the inverse index (`triton_nsa_sel`): its span is READER_STEPS tiles of
 readers, so the first block, which every query reads, is shared among Tq / span programs (64: 0.68 ms predicted
 at 8k, 32: 0.56, 16: 0.57; `benchmarks/gpu_prediction.py`)."""
 BIG = 1 << 30
@@ -148,11 +153,6 @@ if triton is not None:
         has = total > 0  # a row that sees no key: output 0, logsumexp 0
         lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), 0.0)
         return acc / tl.where(has, total, 1.0)[:, None], lse
-
-    @triton.jit
-    def _next_block(chosen, cur):
-        """The smallest first key of a chosen block above cur (BIG: none)."""
-        return tl.min(tl.min(tl.where(chosen > cur, chosen, 1 << 30), 1), 0)
 
     @triton.jit
     def _chosen(IDX, VALID, bg, i, live, s, Tq, L: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
@@ -257,41 +257,22 @@ if triton is not None:
             ids = tl.where((ids == at[:, None]) & real[:, None], 1 << 20, ids)
 
     @triton.jit
-    def _fwd_sel_win(Q, KS, VS, KW, VW, GATE, START, FIRST, O, OB, LSE, IDX, VALID, OFFSETS, FILL, READERS, sqb, sqt,
-                     sksb, skst, svsb,
-                     svst, skwb, skwt, svwb, svwt, sgb, sgt, sdb, Tq, T, q0, G, H, scale, w, ob_c, st_c,
-                     R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-                     N: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr,
-                     SEL: tl.constexpr, WIN: tl.constexpr):
-        """A tile's sel attention over the union of its chosen blocks, win attention, and the gated sum; each
-        query also enters itself in the reader lists of its blocks (READERS[OFFSETS[key] ..], key = b G T + g T +
-        first key of the block, in the order the atomic adds of FILL give)."""
+    def _fwd_win(Q, KW, VW, START, FIRST, OB, LSE, IDX, VALID, OFFSETS, FILL, READERS, ENTRY, sqb, sqt, skwb, skwt,
+                 svwb, svwt, sdb, Tq, T, q0, G, H, scale, w, ob_c, st_c, R: tl.constexpr, BT: tl.constexpr,
+                 M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                 BN: tl.constexpr, DOCS: tl.constexpr, SEL: tl.constexpr, WIN: tl.constexpr):
+        """A tile's win attention; and each of its queries enters itself in the reader lists of its chosen blocks
+        (READERS[OFFSETS[key] ..], key = (b G + g) T + first key of the block, in the order the atomic adds of
+        FILL give), noting each entry's place (ENTRY (B G Tq n), for `_fwd_mix`)."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
-
-        if SEL:  # the union of the tile's chosen blocks, each loaded once
+        if SEL:
             chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
             key = bg * T + chosen
             listed = (live & (mm % R == 0))[:, None] & (chosen >= 0)  # a query once (its first head's row)
-            slot = tl.atomic_add(FILL + key, 1, mask=listed)
-            tl.store(READERS + tl.load(OFFSETS + key, mask=listed, other=0) + slot, i[:, None] + chosen * 0,
-                     mask=listed)
-            m = tl.full([M], float("-inf"), tl.float32)
-            total = tl.zeros([M], tl.float32)
-            acc = tl.zeros([M, D], tl.float32)
-            p0 = _next_block(chosen, -1)
-            while p0 < (1 << 30):
-                pos = p0 + tl.arange(0, L)
-                k, v = _kv(KS, VS, b, g, pos, pos < T, sksb, skst, svsb, svst, D)
-                reads = (tl.sum((chosen == p0).to(tl.int32), 1) > 0)[:, None] & (pos[None, :] <= t[:, None])
-                sc = tl.where(reads, tl.dot(q, tl.trans(k)).to(tl.float32) * scale, float("-inf"))
-                m, total, acc = _online(m, total, acc, sc, v)
-                p0 = _next_block(chosen, p0)
-            o_s, lse_s = _finish(m, total, acc)
-            tl.store(OB + ob_c + o_off, o_s.to(OB.dtype.element_ty), mask=live[:, None])
-            tl.store(LSE + st_c + st_off, lse_s, mask=live)
-
-        o_w = tl.zeros([M, D], tl.float32)
+            e = tl.load(OFFSETS + key, mask=listed, other=0) + tl.atomic_add(FILL + key, 1, mask=listed)
+            tl.store(READERS + e, i[:, None] + chosen * 0, mask=listed)
+            tl.store(ENTRY + (bg * Tq + i)[:, None] * N + tl.arange(0, NP)[None, :], e, mask=listed)
         if WIN:
             k_lo = tl.maximum(tl.maximum(t_first - w + 1, 0), tl.min(tl.where(live, s, 1 << 30), 0))
             m = tl.full([M], float("-inf"), tl.float32)
@@ -307,15 +288,44 @@ if triton is not None:
             tl.store(OB + 2 * ob_c + o_off, o_w.to(OB.dtype.element_ty), mask=live[:, None])
             tl.store(LSE + 2 * st_c + st_off, lse_w, mask=live)
 
-        tl.debug_barrier()  # the gated sum reads the sel output back from other threads (not kept in registers)
+    @triton.jit
+    def _fwd_mix(GATE, O, OB, LSE, VALID, ENTRY, PART, PLSE, sgb, sgt, Tq, G, H, ob_c, st_c, R: tl.constexpr,
+                 BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, N: tl.constexpr, CMP: tl.constexpr,
+                 SEL: tl.constexpr, WIN: tl.constexpr):
+        """A tile's sel output and logsumexp from its queries' n block outputs (`triton_nsa_sel._fwd_sel`), merged
+        by their logsumexps, and the gated sum of the three branches."""
+        tile, bg = tl.program_id(0), tl.program_id(1)
+        b, g = bg // G, bg % G
+        mm = tl.arange(0, M)
+        dd = tl.arange(0, D)
+        i = tile * BT + mm // R
+        live = (mm < BT * R) & (i < Tq)
+        hq = g * R + mm % R
+        o_off = (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :]
         g_off = b * sgb + i * sgt + hq * 3
         out = tl.zeros([M, D], tl.float32)
         if CMP:
             o_c = tl.load(OB + o_off, mask=live[:, None], other=0.0).to(tl.float32)
             out += tl.load(GATE + g_off, mask=live, other=0.0)[:, None] * o_c
         if SEL:
-            o_s = tl.load(OB + ob_c + o_off, mask=live[:, None], other=0.0).to(tl.float32)
+            m = tl.full([M], float("-inf"), tl.float32)
+            total = tl.zeros([M], tl.float32)
+            acc = tl.zeros([M, D], tl.float32)
+            for n in range(N):
+                at = (bg * Tq + i) * N + n
+                ok = live & (tl.load(VALID + at, mask=live, other=0) != 0)
+                row = tl.load(ENTRY + at, mask=ok, other=0) * R + mm % R
+                lse_e = tl.load(PLSE + row, mask=ok, other=float("-inf"))
+                m_new = tl.maximum(m, lse_e)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha, beta = tl.exp(m - m_safe), tl.exp(lse_e - m_safe)
+                o_e = tl.load(PART + row[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+                m, total, acc = m_new, total * alpha + beta, acc * alpha[:, None] + beta[:, None] * o_e
+            o_s, lse_s = _finish(m, total, acc)
+            tl.store(OB + ob_c + o_off, o_s.to(OB.dtype.element_ty), mask=live[:, None])
+            tl.store(LSE + st_c + b * Tq * H + i * H + hq, lse_s, mask=live)
             out += tl.load(GATE + g_off + 1, mask=live, other=0.0)[:, None] * o_s
         if WIN:
+            o_w = tl.load(OB + 2 * ob_c + o_off, mask=live[:, None], other=0.0).to(tl.float32)
             out += tl.load(GATE + g_off + 2, mask=live, other=0.0)[:, None] * o_w
         tl.store(O + o_off, out.to(O.dtype.element_ty), mask=live[:, None])

@@ -1,8 +1,8 @@
-"""The backward kernels of the Triton family's NSA op (the forward ones and the helpers they share:
-`triton_nsa.py`): gate gradients and dQ per tile of queries, sel's dK, dV over equal spans of the chosen blocks' readers
-(the inverse index the forward writes), cmp's and the window's dK, dV per tile of keys. Each key gradient is added
-once a program into one fp32 buffer (atomic adds: blocks of two documents, and the cmp branch's segments of
-queries, may share keys)."""
+"""The tile backward kernels of the Triton family's NSA op (the forward ones and the helpers they share:
+`triton_nsa.py`; sel's dK, dV, dQ over the inverse index: `triton_nsa_sel.py`): gate gradients and the cmp and
+win dQ per tile of queries, cmp's and the window's dK, dV per tile of keys. Each key gradient is added once a
+program into one fp32 buffer (atomic adds: blocks of two documents, and the cmp branch's segments of queries,
+may share keys)."""
 
 from __future__ import annotations
 
@@ -84,63 +84,6 @@ if triton is not None:
                 _, ds = _grads(q, do, k, v, seen & live[:, None], lse, gate, delta, scale, None)
                 dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
         tl.store(DQ + o_off, dq.to(DQ.dtype.element_ty), mask=live[:, None])
-
-    @triton.jit
-    def _block_at(OFFSETS, e, blocks, STEPS: tl.constexpr):
-        """The block x (b * G + g) * T + its first key position) whose readers hold entry e of the inverse index:
-        the last x with OFFSETS[x] <= e (the offsets of the `blocks` positions, then the total, ascending)."""
-        lo = e * 0
-        hi = lo + blocks
-        for _ in tl.static_range(STEPS):
-            mid = (lo + hi) // 2
-            go = tl.load(OFFSETS + mid) <= e
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid)
-        return lo
-
-    @triton.jit
-    def _bwd_sel_kv(Q, KS, VS, GATE, DO, LSE, DELTA, GK, OFFSETS, READERS, sqb, sqt, sksb, skst, svsb, svst, sgb, sgt,
-                    sdob, sdot, Tq, T, q0, G, H, scale, st_c, gk_q, gk_ks, gk_vs, blocks, SPAN, R: tl.constexpr,
-                    BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, STEPS: tl.constexpr):
-        """sel's dK, dV and dQ over entries p * SPAN .. (p + 1) * SPAN - 1 of the inverse index (all blocks' readers
-        end to end): for each block they reach, its readers there BT at a time, all r heads of each as rows, the
-        block's keys loaded once; each step's dQ rows added into the fp32 buffer, the block's dK, dV sums once. Equal
-        spans: a block every query reads (the
-        first, forced) is shared among Tq / SPAN programs instead of walked by one."""
-        e0 = tl.program_id(0) * SPAN
-        e_end = tl.minimum(e0 + SPAN, tl.load(OFFSETS + blocks))
-        dd = tl.arange(0, D)
-        mm = tl.arange(0, M)
-        while e0 < e_end:
-            x = _block_at(OFFSETS, e0, blocks, STEPS)
-            last = tl.minimum(tl.load(OFFSETS + x + 1), e_end)
-            bg, p0 = x // T, x % T
-            b, g = bg // G, bg % G
-            pos = p0 + tl.arange(0, L)
-            ok = pos < T
-            k, v, dk, dv = _key_tile(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D, L)
-            for e1 in range(e0, last, BT):
-                e = e1 + mm // R
-                live = (mm < BT * R) & (e < last)
-                i = tl.load(READERS + e, mask=live, other=0)
-                hq = g * R + mm % R
-                q = tl.load(Q + (b * sqb + i * sqt + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-                do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None],
-                             other=0.0)
-                st_off = b * Tq * H + i * H + hq
-                gate = tl.load(GATE + b * sgb + i * sgt + hq * 3 + 1, mask=live, other=0.0)
-                lse = tl.load(LSE + st_c + st_off, mask=live, other=0.0)
-                delta = tl.load(DELTA + 2 * st_c + st_off, mask=live, other=0.0)
-                reads = live[:, None] & (pos[None, :] <= q0 + i[:, None])
-                p, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
-                dv += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32)
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
-                dq = tl.dot(ds.to(k.dtype), k).to(tl.float32)
-                tl.atomic_add(GK + gk_q + (b * Tq * H + i * H + hq)[:, None] * D + dd[None, :], dq, mask=live[:, None])
-            at = (b * T + pos)[:, None] * (G * D) + g * D + dd[None, :]
-            _add(GK + gk_ks, at, dk, ok)
-            _add(GK + gk_vs, at, dv, ok)
-            e0 = last
 
     @triton.jit
     def _bwd_kv(Q, K, V, GATE, CSTART, START, FIRST, DO, LSE, DELTA, GK,

@@ -10,6 +10,7 @@ import torch
 
 from .. import triton_nsa as kernels
 from .. import triton_nsa_backward as backward_kernels
+from .. import triton_nsa_sel as sel_kernels
 from ..common import NSASpec
 from ..documents import Documents
 from .base import Family
@@ -19,8 +20,8 @@ OptTensor = Tensor | None
 
 
 OFFSETS = 2**31
-"""The kernels' offsets are 32-bit: the largest buffer a call indexes (3 branch outputs of q's size, the fp32
-key gradients) must stay below."""
+"""The kernels' offsets are 32-bit: the largest buffer a call indexes (3 branch outputs of q's size, sel's n block
+outputs a query, the fp32 key gradients) must stay below."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -60,7 +61,7 @@ def _geometry(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, sp
     B, Tq, H, D = q.shape
     kc, vc, ks, vs, kw, vw = keys
     T, G = ks.shape[1], ks.shape[2]
-    largest = max(3 * q.numel(), (2 * kc.shape[1] + 4 * T) * B * G * D, *(x.stride(0) * B for x in (q, *keys)))
+    largest = max(3 * q.numel(), spec.n * q.numel(), (2 * kc.shape[1] + 4 * T) * B * G * D, *(x.stride(0) * B for x in (q, *keys)))
     if largest >= OFFSETS:
         raise ValueError(f"the Triton kernels index with 32-bit offsets, and this call needs {largest:,} (at most "
                          f"{OFFSETS - 1:,}): run fewer sequences per call (a smaller local_batch_size)")
@@ -79,12 +80,18 @@ def _geometry(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, sp
     return ptrs, args
 
 
+def _spans(offsets: torch.Tensor, entries: int, bt: int) -> tuple[tuple[int], dict]:
+    """The grid and the arguments of a kernel over equal spans of the inverse index (`triton_nsa_sel`)."""
+    span, blocks = kernels.READER_STEPS * bt, offsets.numel() - 1
+    return (_cdiv(entries, span),), dict(OFFSETS=offsets, blocks=blocks, SPAN=span, STEPS=blocks.bit_length())
+
+
 def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec: NSASpec, docs: Documents | None,
             q0: int, branches: tuple[bool, bool, bool]
             ) -> tuple[torch.Tensor, ...]:
     """out (B, Tq, H, D), the branch outputs (3, B, Tq, H, D) and logsumexps (3, B, Tq, H) fp32, the chosen
     blocks idx (B, G, Tq, n') long, valid bool, and their inverse index (offsets (B G T + 1), readers (B G Tq n'),
-    int32: `triton_nsa._bwd_sel_kv`): a zero fill, two kernels and a cumulative sum."""
+    int32: `triton_nsa_sel`): a zero fill, four kernels and a cumulative sum."""
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G = keys[2].shape[1], keys[2].shape[2]
@@ -96,23 +103,38 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     lse = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)
     idx = torch.empty(B, G, Tq, n, dtype=torch.long, device=q.device)
     valid = torch.empty(B, G, Tq, n, dtype=torch.bool, device=q.device)
-    # one fill: the reader lists (zero past the last reader), 0, the readers of each block, those entered so far
-    index = torch.zeros(B * G * Tq * n + 2 * B * G * T + 1, dtype=torch.int32, device=q.device)
-    readers, counts = index[:B * G * Tq * n], index[B * G * Tq * n:]
+    entries = B * G * Tq * n
+    # one fill: the reader lists (zero past the last reader), each entry's place, 0, the readers of each block,
+    # those entered so far
+    index = torch.zeros(2 * entries + 2 * B * G * T + 1, dtype=torch.int32, device=q.device)
+    readers, entry, counts = index[:entries], index[entries:2 * entries], index[2 * entries:]
     bt, grid, flags = args["BT"], (_cdiv(Tq, args["BT"]), B * G), dict(num_warps=kernels.WARPS)
-    pick = lambda *names: {k: v for k, v in {**ptrs, **args}.items() if k in names}  # noqa: E731
-    shared = ("Q", "START", "FIRST", "sqb", "sqt", "sdb", "Tq", "T", "q0", "G", "H", "scale", "R", "BT", "M", "D",
-              "DOCS")
+    tile = {k: args[k] for k in ("sqb", "sqt", "sdb", "Tq", "T", "q0", "G", "H", "scale", "R", "BT", "M", "D", "DOCS")}
+    docs_ptrs = dict(Q=q, START=ptrs["START"], FIRST=ptrs["FIRST"])
     chosen = dict(IDX=idx, VALID=valid.view(torch.int8), L=spec.l_sel, N=n, NP=_pow2(n))
     kernels._fwd_cmp[grid](
-        **pick(*shared, "KC", "VC", "CSTART", "skcb", "skct", "svcb", "svct", "scb", "Nc", "d", "l"), **chosen,
-        OB=ob, LSE=lse, COUNT=counts[1:], Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.CHUNK, BN=kernels.BLOCK_N,
+        **tile, **docs_ptrs, **chosen, KC=keys[0], VC=keys[1], CSTART=ptrs["CSTART"],
+        **{k: args[k] for k in ("skcb", "skct", "svcb", "svct", "scb", "Nc", "d", "l")}, OB=ob, LSE=lse,
+        COUNT=counts[1:], Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.CHUNK, BN=kernels.BLOCK_N,
         STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1, **flags)
     offsets = torch.cumsum(counts[:B * G * T + 1], 0, dtype=torch.int32)
-    kernels._fwd_sel_win[grid](
-        **pick(*shared, "KS", "VS", "KW", "VW", "GATE", "sksb", "skst", "svsb", "svst", "skwb", "skwt", "svwb",
-               "svwt", "sgb", "sgt", "w", "ob_c", "st_c"), **chosen,
-        O=out, OB=ob, LSE=lse, OFFSETS=offsets, FILL=counts[B * G * T + 1:], READERS=readers, BN=kernels.BLOCK_N,
+    kernels._fwd_win[grid](
+        **tile, **docs_ptrs, **chosen, KW=keys[4], VW=keys[5], **{k: args[k] for k in ("skwb", "skwt", "svwb", "svwt",
+                                                                                         "w", "ob_c", "st_c")},
+        OB=ob, LSE=lse, OFFSETS=offsets, FILL=counts[B * G * T + 1:], READERS=readers, ENTRY=entry,
+        BN=kernels.BLOCK_N, SEL=branches[1], WIN=branches[2], **flags)
+    part = plse = lse  # unread without sel
+    if branches[1]:  # each entry's output and logsumexp over its block
+        part = torch.empty(entries * args["R"] * D, dtype=torch.float32, device=q.device)
+        plse = torch.empty(entries * args["R"], dtype=torch.float32, device=q.device)
+        span_grid, span_args = _spans(offsets, entries, bt)
+        sel_kernels._fwd_sel[span_grid](
+            Q=q, KS=keys[2], VS=keys[3], READERS=readers, PART=part, PLSE=plse, **span_args,
+            **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "T", "q0", "G", "scale", "R", "BT",
+                                    "M", "D")}, L=spec.l_sel, **flags)
+    kernels._fwd_mix[grid](
+        GATE=gates, O=out, OB=ob, LSE=lse, VALID=chosen["VALID"], ENTRY=entry, PART=part, PLSE=plse,
+        **{k: args[k] for k in ("sgb", "sgt", "Tq", "G", "H", "ob_c", "st_c", "R", "BT", "M", "D")}, N=n,
         CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
     return out, ob, lse, idx, valid, offsets, readers
 
@@ -137,14 +159,15 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gat
     backward_kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
         **{k: x for k, x in {**ptrs, **args}.items() if k not in sel_keys}, **grads, OB=ob, DQ=gk[:at[1]], DG=dg,
         BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
-    if branches[1]:  # sel's dK, dV: equal spans of the readers of all chosen blocks (the inverse index)
-        ks, vs = keys[2:4]
-        span, blocks = kernels.READER_STEPS * bt, offsets.numel() - 1
-        backward_kernels._bwd_sel_kv[(_cdiv(readers.numel(), span),)](
-            Q=q, KS=ks, VS=vs, GATE=gates, **grads, OFFSETS=offsets, READERS=readers,
-            **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "sgb", "sgt", "Tq", "T", "q0", "G",
-                                    "H", "scale", "st_c", "R", "BT", "M", "D")},
-            gk_q=0, gk_ks=at[3], gk_vs=at[4], blocks=blocks, SPAN=span, L=spec.l_sel, STEPS=blocks.bit_length(), **flags)
+    if branches[1]:  # sel's dK, dV and dQ: equal spans of the readers of all chosen blocks (the inverse index)
+        bt_kv = max(1, kernels.SEL_KV_ROWS // args["R"])
+        span_grid, span_args = _spans(offsets, readers.numel(), bt_kv)
+        sel_kernels._bwd_sel_kv[span_grid](
+            Q=q, KS=keys[2], VS=keys[3], GATE=gates, **grads, READERS=readers, **span_args, BT=bt_kv,
+            M=_pow2(bt_kv * args["R"]), **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "sgb",
+                                                                "sgt", "Tq", "T", "q0", "G", "H", "scale", "st_c",
+                                                                "R", "D")},
+            gk_q=0, gk_ks=at[3], gk_vs=at[4], L=spec.l_sel, **flags)
     key_args = ("sqb", "sqt", "sgb", "sgt", "sdb", "scb", "Tq", "T", "q0", "G", "H", "scale", "d", "l", "w", "R", "BT",
                 "M", "D", "DOCS")
     common = dict(**{k: args[k] for k in key_args}, **grads, Q=q, GATE=gates, CSTART=ptrs["CSTART"],
