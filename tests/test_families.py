@@ -183,6 +183,12 @@ def triton_errors() -> dict[str, dict]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
+    """Outputs and all 8 gradients. At the M7C case the first block's 1,100 readers span several programs of the
+    sel kernels over the inverse index (forward and backward), and most programs reach several blocks."""
+    from nsa_titan.models.attention import triton_nsa
+
+    if case == "m7c":
+        assert CASES[case][1] > triton_nsa.READER_STEPS * triton_nsa.ROWS // 6
     assert max(triton_errors[case].values()) < TOLERANCE, triton_errors[case]
 
 

@@ -59,7 +59,7 @@ def test_triton_work_prints_the_launches_of_each_setting():
     rows = [[c.strip() for c in line.split("|")[1:7]] for line in proc.stdout.splitlines() if line.startswith("| 5")
             or line.startswith("| 2,048")]
     paper = [r for r in rows if r[2] == "paper"]
-    assert len(paper) == 4 and {tuple(r[3:6]) for r in paper} == {("6", "4", "10")}
+    assert len(paper) == 4 and {tuple(r[3:6]) for r in paper} == {("8", "4", "12")}
     options = [r for r in rows if r[2] != "paper"]
     assert options and all(int(r[4]) > 2 for r in options)
 

@@ -20,9 +20,10 @@ if triton is not None:
     from .triton_nsa_backward import _add, _grads, _key_tile
 
     @triton.jit
-    def _block_at(OFFSETS, e, blocks, STEPS: tl.constexpr):
-        """The block x ((b G + g) T + its first key position) whose readers hold entry e of the inverse index: the
-        last x with OFFSETS[x] <= e (the offsets of the `blocks` positions, then the total, ascending)."""
+    def _block_at(OFFSETS, e, e_end, blocks, T, G, L: tl.constexpr, STEPS: tl.constexpr):
+        """The block whose readers hold entry e of the inverse index, found by a binary search for the last x
+        ((b G + g) T + the block's first key) with OFFSETS[x] <= e (the `blocks` offsets, then the total): the
+        end of its entries in the span (<= e_end), b, g and its key positions (L)."""
         lo = e * 0
         hi = lo + blocks
         for _ in tl.static_range(STEPS):
@@ -30,7 +31,7 @@ if triton is not None:
             go = tl.load(OFFSETS + mid) <= e
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid)
-        return lo
+        return tl.minimum(tl.load(OFFSETS + lo + 1), e_end), lo // T // G, lo // T % G, lo % T + tl.arange(0, L)
 
     @triton.jit
     def _span(OFFSETS, blocks, SPAN):
@@ -61,9 +62,7 @@ if triton is not None:
         e0, e_end = _span(OFFSETS, blocks, SPAN)
         dd = tl.arange(0, D)
         while e0 < e_end:
-            x = _block_at(OFFSETS, e0, blocks, STEPS)
-            last = tl.minimum(tl.load(OFFSETS + x + 1), e_end)
-            b, g, pos = x // T // G, x // T % G, x % T + tl.arange(0, L)
+            last, b, g, pos = _block_at(OFFSETS, e0, e_end, blocks, T, G, L, STEPS)
             k, v = _kv(KS, VS, b, g, pos, pos < T, sksb, skst, svsb, svst, D)
             for e1 in range(e0, last, BT):
                 mm, e, i, hq, live, q, reads = _readers(Q, READERS, e1, last, b, g, pos, q0, sqb, sqt, R, BT, M, D)
@@ -86,9 +85,7 @@ if triton is not None:
         e0, e_end = _span(OFFSETS, blocks, SPAN)
         dd = tl.arange(0, D)
         while e0 < e_end:
-            x = _block_at(OFFSETS, e0, blocks, STEPS)
-            last = tl.minimum(tl.load(OFFSETS + x + 1), e_end)
-            b, g, pos = x // T // G, x // T % G, x % T + tl.arange(0, L)
+            last, b, g, pos = _block_at(OFFSETS, e0, e_end, blocks, T, G, L, STEPS)
             ok = pos < T
             k, v, dk, dv = _key_tile(KS, VS, b, g, pos, ok, sksb, skst, svsb, svst, D, L)
             for e1 in range(e0, last, BT):
