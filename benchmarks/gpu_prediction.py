@@ -17,12 +17,13 @@ programs and steps counted from their code at d678f0f; each is then predicted ba
 blocks a real selection chooses: the inputs of `benchmarks/gpu_attention.py` (the M7C attention, random,
 seeded), their blocks chosen by the C++ family. The prediction is put against cuDNN's measured dense time.
 
-Two costs of the new kernels had no counterpart in that profile: sel's per-block outputs, written by `_fwd_sel`
-and read by `_fwd_mix` (a kernel takes at least their bytes at HBM_RATE), and the atomic adds (sel's dQ rows every
-step, each program's key gradients once; their bytes added at ATOMIC_RATE, an assumption). Left out: occupancy differences (the new
-kernels hold one block of 8 warps per SM, `triton_compile.py`), L2 behaviour, the profile's `_choose` (bytes, not
-tiles; the new op has no such kernel: its top-n is steps of `_fwd_cmp`). It says where the time would go and whether the
-targets are within reach, not what a GPU will measure.
+Two costs of the new kernels had no counterpart in that profile: sel's per-block outputs, written by
+`_fwd_sel` and read by `_fwd_mix` (a kernel takes at least their bytes at HBM_RATE), and the atomic adds
+(sel's dQ rows every step, each program's key gradients once; their bytes added at ATOMIC_RATE, an
+assumption). Left out: occupancy differences (the new kernels hold one block of 8 warps per SM,
+`triton_compile.py`), L2 behaviour, and the profile's `_choose` (0.62 ms: not a tile kernel, and not bound
+by its bytes, 0.16 ms at HBM_RATE; the new op has no such kernel, its top-n is steps of `_fwd_cmp`). It
+says where the time would go and whether the targets are within reach, not what a GPU will measure.
 """
 
 from __future__ import annotations
