@@ -58,7 +58,6 @@ READER_STEPS = 32
 """Steps of a program over the inverse index (`triton_nsa_sel`): its span is READER_STEPS tiles of
 readers, so the first block, which every query reads, is shared among Tq / span programs (64: 0.68 ms predicted
 at 8k, 32: 0.56, 16: 0.57; `benchmarks/gpu_prediction.py`)."""
-BIG = 1 << 30
 
 
 def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_group: int, head_dim: int

@@ -1,8 +1,8 @@
 """The Triton family: the whole NSA attention as one custom op of Triton kernels (`triton_nsa.py`,
-`triton_nsa_backward.py`), on CUDA, or on the CPU under TRITON_INTERPRET=1 (checks): forward a zero fill, two
-kernels and a cumulative sum (the inverse index of the chosen blocks); backward a zero fill, four kernels and
-a cast: 10 launches at any T. This module is the host side: the launch geometry, the custom op (one node under
-torch.compile) and its registered backward."""
+`triton_nsa_sel.py`, `triton_nsa_backward.py`), on CUDA, or on the CPU under TRITON_INTERPRET=1 (checks): forward
+a zero fill, four kernels and a cumulative sum (the inverse index of the chosen blocks); backward a zero fill,
+four kernels and a cast: 12 launches at any T. This module is the host side: the launch geometry, the custom op
+(one node under torch.compile) and its registered backward."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def _geometry(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, sp
     B, Tq, H, D = q.shape
     kc, vc, ks, vs, kw, vw = keys
     T, G = ks.shape[1], ks.shape[2]
-    largest = max(3 * q.numel(), spec.n * q.numel(), (2 * kc.shape[1] + 4 * T) * B * G * D, *(x.stride(0) * B for x in (q, *keys)))
+    largest = max(3 * q.numel(), spec.n * q.numel(), (2 * kc.shape[1] + 4 * T) * B * G * D,
+                  *(x.stride(0) * B for x in (q, *keys)))
     if largest >= OFFSETS:
         raise ValueError(f"the Triton kernels index with 32-bit offsets, and this call needs {largest:,} (at most "
                          f"{OFFSETS - 1:,}): run fewer sequences per call (a smaller local_batch_size)")
