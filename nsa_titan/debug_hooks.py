@@ -9,10 +9,19 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
                                                         of that step's checkpoint are written
   fault_fail_commit_step                                that step's save folder vanishes once written
                                                         (rank 0), so that its commit fails
+  fault_raise_rank / fault_raise_step / fault_raise_where
+                                                        a rank raises at that step, in torchrun's first
+                                                        attempt only: a loader worker on the step's batch
+                                                        (`data`), the forward runs out of memory
+                                                        (`forward`), the heartbeat's write finds the disk
+                                                        full (`write`)
+
+A loader worker killed as the out-of-memory killer does needs no hook: `kill -9` its pid.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -23,16 +32,76 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils.data import get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
 from .checkpoint import CheckpointManager
 from .checkpoint.integrity import HashingWriter
 from .config import Debug
+from .fault import Heartbeat
 
 
 def _hang_forever(where: str, rank: int, step: int) -> None:
     """Never return (the watchdog must find this frame)."""
-    print(f"fault injection: rank {rank} hangs in the {where} of step {step}", file=sys.stderr, flush=True)
+    _say(f"rank {rank} hangs in the {where} of step {step}")
     while True:
         time.sleep(3600)
+
+
+def _say(line: str) -> None:
+    print(f"fault injection: {line}", file=sys.stderr, flush=True)
+
+
+class _CorruptBatch:
+    """The loader's collate_fn, raising in the worker that makes batch `index` of the run (the workers take
+    the batches in turn, counted from the run's first)."""
+
+    def __init__(self, collate: Callable, index: int, rank: int, step: int):
+        self.collate, self.index, self.rank, self.step, self.made = collate, index, rank, step, 0
+
+    def __call__(self, samples: list) -> object:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        index, self.made = self.made * workers + worker, self.made + 1
+        if index == self.index:
+            _say(f"rank {self.rank}'s loader worker {worker} raises on the batch of step {self.step}")
+            raise ValueError(f"a corrupt document in the batch of step {self.step} (fault injection)")
+        return self.collate(samples)
+
+
+def _raise_out_of_memory(rank: int, step: int) -> None:
+    _say(f"rank {rank} runs out of memory in the forward of step {step}")
+    raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (fault injection at step {step})")
+
+
+def _failing_write(heartbeat: Heartbeat, rank: int, step: int) -> None:
+    """The heartbeat's record of `step` finds the disk full."""
+    plain = heartbeat.write
+
+    def write(**record: object) -> None:
+        if record.get("step") == step and "event" not in record:
+            _say(f"rank {rank}'s heartbeat write of step {step} fails")
+            raise OSError(errno.ENOSPC, "No space left on device (fault injection)", heartbeat.file.name)
+        plain(**record)
+
+    heartbeat.write = write
+
+
+def _install_raise(d: Debug, model: nn.Module, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
+                   rank: int, current_step: Callable[[], int], batches_per_step: int) -> None:
+    """The `fault_raise_*` fault, in torchrun's first attempt only."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank != d.fault_raise_rank or d.fault_raise_step <= 0 or not first_attempt:
+        return
+    step = d.fault_raise_step
+    if d.fault_raise_where == "data":
+        dataloader.collate_fn = _CorruptBatch(dataloader.collate_fn, (step - 1) * batches_per_step, rank, step)
+    elif d.fault_raise_where == "forward":
+        next(iter(model.layers.values())).register_forward_pre_hook(
+            lambda module, args: _raise_out_of_memory(rank, step)
+            if current_step() == step and torch.is_grad_enabled() else None)
+    elif heartbeat is not None:
+        _failing_write(heartbeat, rank, step)
 
 
 class _KillAfterWrite(HashingWriter):
@@ -52,9 +121,10 @@ class _VanishBeforeCommit(HashingWriter):
 
 
 def install_debug_hooks(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        checkpointer: CheckpointManager, rank: int, world_size: int,
-                        current_step: Callable[[], int]) -> None:
-    """Install the hooks the `[debug] fault_*` keys ask for (none by default)."""
+                        checkpointer: CheckpointManager, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
+                        rank: int, world_size: int, current_step: Callable[[], int], batches_per_step: int) -> None:
+    """Install the hooks the `[debug] fault_*` keys ask for (none by default), before the loader's workers start."""
+    _install_raise(d, model, dataloader, heartbeat, rank, current_step, batches_per_step)
     if rank == d.fault_hang_rank and d.fault_hang_step > 0:
         if d.fault_hang_where == "forward":
             next(iter(model.layers.values())).register_forward_pre_hook(

@@ -5,6 +5,11 @@ stderr and to `<dump_folder>/fault/rank<R>_stacks.txt`), a final heartbeat recor
 non-zero, so torchrun stops the whole job instead of letting it hang. A rank that was blocked
 inside a collective says so: it is waiting for another rank, whose own report shows where that
 rank is stuck.
+
+Until the loop ends, the watchdog also reads the job's store for another rank's failure
+(`failure.announced`; a failing rank announces itself just before it exits): a rank that has made no
+progress for `PEER_GRACE_S` since (blocked in a collective the failed rank never joins, as NCCL waits)
+says so and exits, seconds after the cause, and after it, so that torchrun reports the cause.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 
 from .cli import note_failure
 from .config import Fault
+from .failure import announce, announced, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,12 @@ COLLECTIVE_GRACE_S = 15.0
 BACKSTOP_S = 30.0
 """If the watchdog thread itself cannot run (the GIL held in C code), faulthandler dumps the
 stacks and exits this much later."""
+PEER_POLL_S = 1.0
+"""How often the watchdog reads the job's store for another rank's failure."""
+PEER_GRACE_S = 3.0
+"""A rank still in the loop this long after another rank's failure (or after losing the store) leaves."""
+EXIT_AFTER_PEER = 1
+"""Exit code of a rank that the watchdog ends after another rank's failure (the job's code is the cause's)."""
 
 
 class Heartbeat:
@@ -81,6 +93,9 @@ class StepWatchdog:
         self.step, self.what, self.limit = 0, "start-up", cfg.first_step_timeout_seconds
         self.last = time.monotonic()
         self.fired = False
+        self.watching_peers = True  # from start-up to the loop's end: another rank's failure ends this rank
+        self.peer_seen: float | None = None  # when another rank's failure (or the store's loss) was first seen
+        self.peer_why = ""  # which of the two
         self.stopped = threading.Event()
         self._arm_backstop()
         self.thread = threading.Thread(target=self._run, name="nsa_titan-watchdog", daemon=True)
@@ -93,16 +108,54 @@ class StepWatchdog:
         self.fired = False
         self._arm_backstop()
 
+    def watch_peers(self, on: bool) -> None:
+        """Whether another rank's failure ends this rank: from start-up (once the process group is up) to the
+        loop's end or this rank's own failure; not while it closes (a rank done first may have left)."""
+        self.watching_peers, self.peer_seen = on, None
+
     def _arm_backstop(self) -> None:
         faulthandler.dump_traceback_later(self.limit + BACKSTOP_S, exit=self.cfg.action == "exit",
                                           file=self.backstop_file)
 
     def _run(self) -> None:
+        polled = time.monotonic()
         while not self.stopped.wait(min(1.0, self.limit / 20)):
             waited = time.monotonic() - self.last
             if waited > self.limit and not self.fired:
                 self.fired = True
                 self._fire(waited)
+            if self.watching_peers and time.monotonic() - polled >= PEER_POLL_S:
+                polled = time.monotonic()
+                self._check_peers()
+
+    def _check_peers(self) -> None:
+        """Leave if another rank failed (announced in the store) or the store is gone (its host, rank 0 or the
+        launcher, exited, and a second read PEER_GRACE_S later confirms it) and this rank has made no
+        progress for PEER_GRACE_S since. An announced failure is read once, not again."""
+        if self.peer_seen is not None and self.last > self.peer_seen:  # progress since: all is well after all
+            self.peer_seen = None
+        if self.peer_seen is None:
+            self.peer_why = self._peer_failure()
+            self.peer_seen = time.monotonic() if self.peer_why else None
+            return
+        if time.monotonic() - self.peer_seen < PEER_GRACE_S or not self.watching_peers:
+            return
+        if not self.peer_why.startswith("the failure") and not self._peer_failure():  # the store is back
+            self.peer_seen = None
+            return
+        line = f"nsa_titan: rank {self.rank} stopped in {self.what} of step {self.step} after {self.peer_why}"
+        logging.getLogger("nsa_titan").error("%s", line.removeprefix("nsa_titan: "))
+        note_failure(line)
+        exit_now(EXIT_AFTER_PEER)
+
+    def _peer_failure(self) -> str:
+        """Another rank's failure in words, from the store, or the store's loss; "" if neither. The store is
+        asked once more only to confirm its loss (each failed read logs a warning of c10d's)."""
+        try:
+            first = announced()
+        except Exception:  # noqa: BLE001 - the store cannot be reached
+            return "losing the job's store (the rank or launcher hosting it has exited)"
+        return f"the failure of rank {first[0]}" if first is not None and first[0] != self.rank else ""
 
     def _fire(self, waited: float) -> None:
         frame = sys._current_frames().get(self.main_thread)
@@ -124,6 +177,8 @@ class StepWatchdog:
                                  in_collective=collective, stacks=str(self.stack_path))
         if self.cfg.action == "exit":
             time.sleep(COLLECTIVE_GRACE_S if collective else REPORT_GRACE_S)
+            if not collective:  # this rank is the stuck one: the others need not wait for their own limits
+                announce(self.rank, message)
             os._exit(EXIT_HANG)
 
     def stop(self) -> None:

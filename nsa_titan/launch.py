@@ -41,11 +41,11 @@ from .cli import EXIT_BAD_INPUT, make_folder, run_command
 from .config import load_config, resolve_path
 from .env import set_launcher_env
 from .config import parse_args as parse_config
+from .failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED
 from .fault import EXIT_HANG
 from .ownership import FolderOwner, job_key
 from .paths import RunPaths
 from .stop import EXIT_ABORTED, STOP_SIGNALS
-from .train import EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED
 
 VERDICTS = (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY)
 """Exit codes of a rank that stopped on a verdict of its own, explained by its one line."""
@@ -150,10 +150,10 @@ def _world_size(nnodes: str, nproc: str) -> int | None:
 def failures(e: ChildFailedError) -> list[tuple[int, str]]:
     """Each failed rank's exit code and line, the failure that explains the others first.
 
-    A rank that stopped on bad input, a non-finite step or a hang comes first; then one that left a
-    message; last, ranks that torchrun killed after that (a signal) or that failed in a collective
-    with it (exit code 1, "while stopping on SIGTERM"). Within each, the earliest. After the first,
-    ranks that halted or stopped on bad input themselves are left out: their line repeats the first's.
+    A rank that stopped on bad input, a non-finite step or a hang comes first; then one that failed
+    with a line of its own (rank, step, cause); then ranks killed by a signal; last, ranks that
+    stopped because another one failed (`failure.CONSEQUENT`). Within each, the earliest. After the
+    first, ranks that halted or stopped on bad input themselves are left out: their line repeats the first's.
     """
     def code(f: Any) -> int:
         return f.exitcode if f.exitcode >= 0 else 128 - f.exitcode
@@ -163,10 +163,12 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
 
     def priority(item: tuple[int, Any]) -> tuple[int, int]:
         f = item[1]
-        return (0 if code(f) in (*VERDICTS, EXIT_HANG) else 1 if message(f) else 2), f.timestamp
+        rank = 0 if code(f) in (*VERDICTS, EXIT_HANG) else 3 if CONSEQUENT.match(message(f)) else 1 if message(f) else 2
+        return rank, f.timestamp
 
     def line(rank: int, failure: Any) -> str:
-        if code(failure) in VERDICTS and message(failure):
+        if message(failure).startswith((f"nsa_titan: rank {rank} ", "nsa_titan: data", "nsa_titan: halted")) or (
+                code(failure) in VERDICTS and message(failure)):
             return message(failure)  # the rank's own one-line explanation
         detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
         return f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")

@@ -186,6 +186,25 @@ class MetricsLogger:
             self.writer.close()
 
 
+def run_summary(step: int, steps: int, steps_in_run: int, wall_s: float, stopped_by: str | None,
+                history: list[StepStats], validation: tuple[int, float] | None, saved: Path | None,
+                resumed_from: Path | None, failure: tuple[int, str] | None) -> str:
+    """A run in one line: the step reached (or the signal that stopped it), this run's steps and wall time,
+    the final training and validation losses, the last checkpoint it committed (and a failed last save)."""
+    how = f"stopped by {stopped_by} at" if stopped_by else "reached"
+    parts = [f"run summary: {how} step {step} of {steps} ({steps_in_run} steps in this run, "
+             f"{timedelta(seconds=round(wall_s))})"]
+    if history:
+        parts.append(f"loss {history[-1].loss:.4f}")
+    if validation is not None:
+        parts.append(f"validation loss {validation[1]:.4f} (step {validation[0]})")
+    resumed = f" (it resumed from {resumed_from})" if resumed_from else ""
+    parts.append(f"last checkpoint {saved}" if saved else f"no checkpoint saved by this run{resumed}")
+    if failure is not None:
+        parts.append(f"the save of step {failure[0]} FAILED")
+    return " | ".join(parts)
+
+
 def log_setup(cfg: JobConfig, vocab: int, device: torch.device, output: Path) -> None:
     """The startup lines: what the run reads (`vocab`: the tokenizer's) and where it writes (`output`)."""
     d, ck = cfg.data, cfg.checkpoint

@@ -11,6 +11,7 @@ step, 4 the run's last save failed, 75 the data source stayed unreadable (saved:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -18,7 +19,6 @@ import sys
 import time
 from collections.abc import Iterator
 from typing import NoReturn
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,15 +27,17 @@ from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command, setup_logging
 from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
 from .data import (DataError, DataUnavailable, Sample, build_dataloader, build_tokenizer, build_validation_dataloader,
-                   shutdown_workers)
+                   dead_workers, shutdown_workers)
 from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
 from .env import LAUNCHED_BY, set_deterministic
 from .export import export_trained
 from .extras import require_hf
+from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, TrainingHalted, announce, exit_now, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
-from .metrics import MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib
+from .metrics import (MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib,
+                      run_summary)
 from .models.attention import describe_attention, model_family, set_explore_step
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -46,21 +48,11 @@ from .stop import StopRequest
 
 logger = logging.getLogger("nsa_titan")
 
-EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY = 3, 4, 75
-"""Exit codes: halted by a non-finite step; the run's last save failed (its summary names the last checkpoint
-it committed); stopped, after saving, by data unreadable through its retries (EX_TEMPFAIL: resume it)."""
-
-
-class TrainingHalted(RuntimeError):
-    """Training stopped on purpose (a non-finite step), with the report in the message."""
-
-
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop."""
 
     def __init__(self, cfg: JobConfig, stop: StopRequest | None = None):
-        """`cfg`: the run's derived config (`config.load_config`); `stop`: the process's stop-signal
-        handlers (main() installs them first); None makes one, owned here."""
+        """`cfg`: the run's config (`config.load_config`); `stop`: the process's stop-signal handlers, or None."""
         t, m = cfg.training, cfg.model
         self.cfg, self.paths = cfg, RunPaths.of(cfg)
         # The folder is this run's before anything is written (under the launcher, the launcher holds it).
@@ -134,7 +126,9 @@ class Trainer:
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
                 other_owner=lambda: other_holder(self.paths.root, job_key()))
             install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
-                                rank=self.rank, world_size=self.world_size, current_step=lambda: self.state.step)
+                                dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
+                                world_size=self.world_size, current_step=lambda: self.state.step,
+                                batches_per_step=self.grad_accum_steps)
             resumed = self.checkpointer.load()
             self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -152,13 +146,7 @@ class Trainer:
                         t.local_batch_size, self.grad_accum_steps, t.seq_len,
                         f", each sequence split across {cp} context-parallel ranks" if cp > 1 else "")
         except BaseException:
-            self.watchdog.stop()
-            if self.owner is not None:
-                self.owner.release()
-            if hasattr(self, "dataloader"):  # a checkpoint load starts its workers: they would hold the exit
-                shutdown_workers(self.dataloader)
-            if self.owns_stop:
-                self.stop.close()
+            self.release()
             raise
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None = None
@@ -169,13 +157,11 @@ class Trainer:
         return loss.detach()
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean cross-entropy of this rank's micro-batch; under context parallelism this rank's share
-        of it (logits of its tokens, labels of the whole batch: `ContextSplit.loss`)."""
+        """The mean cross-entropy of this rank's micro-batch (its share under context parallelism)."""
         return cross_entropy_loss(logits, labels) if self.model.cp is None else self.model.cp.loss(logits, labels)
 
     def next_batch(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The next micro-batch on the device (inputs, labels, and the document ids when documents are
-        masked); the time spent waiting counts as data wait."""
+        """The next micro-batch on the device (inputs, labels, document ids or None), its wait counted as data wait."""
         try:
             with self.throughput.data_wait():
                 inputs, labels, document_ids = next(batches)
@@ -204,8 +190,7 @@ class Trainer:
         return micro
 
     def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
-        """The batch's document ids (on the host, where the model measures them) when `[training]
-        document_masking` is on, else None."""
+        """The batch's document ids (on the host) when `[training] document_masking` is on, else None."""
         return document_ids if self.cfg.training.document_masking else None
 
     def train_step(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, float, float]:
@@ -345,6 +330,7 @@ class Trainer:
                             f"checkpoint {saved}; the same command resumes from it" if saved else
                             "nothing saved ([checkpoint] enable = false)")
                 break
+        self.watchdog.watch_peers(False)  # from here a rank done first may have left
         self.stop.finish_vote()
         if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:
             export_trained(self.model, self.cfg.checkpoint, self.paths.checkpoints, self.state.step,
@@ -364,38 +350,50 @@ class Trainer:
 
     def summary(self) -> str:
         """The run in one line: steps, wall time, final losses, the last checkpoint."""
-        t, last = self.cfg.training, self.history[-1] if self.history else None
-        how = f"stopped by {self.stopped_by} at" if self.stopped_by else "reached"
-        parts = [f"run summary: {how} step {self.state.step} of {t.steps} ({self.state.step - self.first_step + 1} "
-                 f"steps in this run, {timedelta(seconds=round(time.monotonic() - self.started))})"]
-        if last is not None:
-            parts.append(f"loss {last.loss:.4f}")
-        if self.last_validation is not None:
-            parts.append(f"validation loss {self.last_validation[1]:.4f} (step {self.last_validation[0]})")
-        saved, failure = self.checkpointer.last_saved, self.checkpointer.failure
-        resumed = f" (it resumed from {self.checkpointer.resumed_from})" if self.checkpointer.resumed_from else ""
-        parts.append(f"last checkpoint {saved}" if saved else f"no checkpoint saved by this run{resumed}")
-        if failure is not None:
-            parts.append(f"the save of step {failure[0]} FAILED")
-        return " | ".join(parts)
-        return " | ".join(parts)
+        c = self.checkpointer
+        return run_summary(self.state.step, self.cfg.training.steps, self.state.step - self.first_step + 1,
+                           time.monotonic() - self.started, self.stopped_by, self.history, self.last_validation,
+                           c.last_saved, c.resumed_from, c.failure)
 
     def close(self) -> None:
         """Finish what is in flight (an async save), then release threads, files, groups and the folder."""
         try:
             self.checkpointer.close()
         finally:
-            self.watchdog.stop()
-            if self.owner is not None:
-                self.owner.release()
-            self.metrics.close()
-            if self.heartbeat is not None:
-                self.heartbeat.close()
-            shutdown_workers(self.dataloader)
-            if self.owns_stop:
-                self.stop.close()
+            self.release()
             if self.owns_process_group:
                 dist.destroy_process_group()
+
+    def release(self) -> None:
+        """Release this rank's own threads, files, loader workers and folder (no collective; any start-up stage)."""
+        self.watchdog.stop()
+        if self.owner is not None:
+            self.owner.release()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        if hasattr(self, "dataloader"):  # a checkpoint load starts its workers: they would hold the exit
+            shutdown_workers(self.dataloader)
+        if self.owns_stop:
+            self.stop.close()
+
+    def fail(self, error: BaseException) -> int:
+        """Training ended with `error` here, with no collective from now on (the other ranks may never join one):
+        its line and traceback, an async save in flight completed or set aside, the job told; the exit code."""
+        w = self.watchdog
+        w.watch_peers(False)
+        code, line = report_failure(error, self.rank, w.step, w.what, dead_workers(self.dataloader),
+                                    self.paths.fault / f"rank{self.rank}_error.txt", self.stop.name)
+        if self.heartbeat is not None:
+            with contextlib.suppress(OSError):  # the disk that failed may be this one
+                self.heartbeat.write(event="failed", step=w.step, phase=w.what, line=line, exit_code=code)
+        f = self.cfg.fault
+        if settled := self.checkpointer.abandon(min(f.failure_save_wait_seconds, f.step_timeout_seconds / 2)):
+            logger.warning("%s", settled)
+        announce(self.rank, line)
+        self.release()
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,26 +414,28 @@ def _run(argv: list[str] | None) -> int:
         trainer = Trainer(cfg, stop)
         try:
             trainer.train()
-        finally:
-            trainer.close()  # an async save still in flight is finished here, and its failure known
+        except BaseException as e:  # noqa: BLE001 - every failure ends the same way, with no collective
+            code = EXIT_CRASH
+            try:
+                code = trainer.fail(e)
+            finally:  # teardown could wait on threads blocked in a collective
+                if trainer.world_size > 1:
+                    exit_now(code)
+            return code
+        trainer.close()  # an async save still in flight is finished here, and its failure known
         logger.info(trainer.summary())
         if trainer.checkpointer.failure is not None:
             report(f"nsa_titan: save error: the run's last save, of step {trainer.checkpointer.failure[0]}, failed "
                    f"(the error line above says why); exit code {EXIT_SAVE_FAILED}")
             return EXIT_SAVE_FAILED
         return 0
-    except DataUnavailable as e:
-        report(f"nsa_titan: data unavailable: {e.reason}")
-        return EXIT_RETRY
-    except TrainingHalted as e:
-        report(f"nsa_titan: halted: {e}")
-        return EXIT_HALTED
     except BAD_INPUT:
         raise  # one line and exit code 2 (run_command)
     except Exception as e:
-        line = f"nsa_titan: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        if stop.signal is not None:  # stopping anyway (torchrun stops the other ranks after one failed): under
-            report(f"{line} (while stopping on {stop.name})")  # the launcher, printed after the failure that caused it
+        rank, what = os.environ.get("RANK", "0"), f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        line = f"nsa_titan: rank {rank} failed: {what}"
+        if stop.signal is not None:  # torchrun stops the other ranks after one failed: a consequence (failure.py)
+            report(f"nsa_titan: rank {rank} stopped after another rank's failure (stopping on {stop.name}: {what})")
             return 1
         note_failure(line)
         raise

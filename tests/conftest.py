@@ -138,3 +138,20 @@ def tb_losses(folder: Path, tag: str = "train/loss") -> dict[int, float]:
     events = EventAccumulator(tb_run(folder))
     events.Reload()
     return {e.step: e.value for e in events.Scalars(tag)}
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of each (loader workers, ranks) of `jobs.Job`, trained once on first use."""
+    done: dict[tuple[int, int], Path] = {}
+
+    def get(workers: int, nproc: int) -> Path:
+        from jobs import run_job  # jobs imports this module
+
+        if (workers, nproc) not in done:
+            dump = tmp_path_factory.mktemp(f"uninterrupted-w{workers}-r{nproc}") / "out"
+            run_job(dump, "--data.num_workers", str(workers), nproc=nproc)
+            done[workers, nproc] = dump
+        return done[workers, nproc]
+
+    return get

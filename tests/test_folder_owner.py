@@ -22,7 +22,7 @@ from nsa_titan.launch import child_pids
 from nsa_titan.ownership import OWNER_FILE, FolderInUse, FolderOwner, OwnerRecord, _process_start
 
 from conftest import ROOT, free_port, tree_digest
-from test_operations import SMALL, Job, run_job
+from jobs import SMALL, Job, run_job
 
 DEFAULTS = ["--data.num_workers", "2", "--checkpoint.async_mode", "async"]
 

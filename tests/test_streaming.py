@@ -20,7 +20,7 @@ from nsa_titan.data.sources import open_text_stream
 
 from conftest import ROOT
 from flaky_server import FlakyServer
-from test_operations import STEPS, Job, run_job
+from jobs import STEPS, Job, run_job
 
 FILES = 96
 # Small files and a small shuffle buffer, so that every loader worker keeps opening files during the run.

@@ -5,9 +5,10 @@
     step-N.superseded-TIME/  an earlier run's step beyond the one a later run resumed from: set aside,
                              never read, kept or removed (remove it by hand once it is not wanted)
 
-`.complete` is written last: a JSON manifest of every file, its size and its content hash
-(`integrity.py`). Only folders with a manifest that matches the files' sizes on disk are resumed
-from, and their content is checked before they are read (`verify`).
+`.complete` is a JSON manifest of every file, its size and its content hash (`integrity.py`),
+written into the save's folder before its rename to `step-N`, which comes last. Only folders with
+a manifest that matches the files' sizes on disk are resumed from, and their content is checked
+before they are read (`verify`).
 """
 
 from __future__ import annotations
@@ -89,20 +90,24 @@ def scan(folder: Path) -> list[Found]:
 
 def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str, hashes: dict[str, str] | None
            ) -> int:
-    """Make the written save `tmp` the complete checkpoint `final`: its config, the rename, then the
-    manifest last (fsynced), with the ranks' `hashes` of their files and those of the files they did
-    not hash (`.metadata`, `config.toml`); None: no hashes. Returns the bytes of the checkpoint."""
+    """Make the written save `tmp` the complete checkpoint `final`: its config, the manifest (fsynced)
+    with the ranks' `hashes` of their files and those of the files they did not hash (`.metadata`,
+    `config.toml`; None: no hashes), then the rename last, so that a process killed at any point leaves
+    a complete folder under the step's name or none. Returns the bytes of the checkpoint."""
     (tmp / "config.toml").write_text(config_toml)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest_data = {"step": step, "world_size": world_size, "files": files}
     if hashes is not None:
         manifest_data[HASH] = {name: hashes.get(name) or file_hash(tmp / name) for name in files}
-    os.replace(tmp, final)
-    manifest = final / f"{MANIFEST}.tmp"
+    manifest = tmp / MANIFEST
     manifest.write_text(json.dumps(manifest_data, indent=1))
-    with open(manifest) as f:
-        os.fsync(f.fileno())
-    os.replace(manifest, final / MANIFEST)
+    for path in (manifest, tmp):  # the manifest's bytes, then its name in the folder, on disk before the rename
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, final)
     return sum(files.values())
 
 

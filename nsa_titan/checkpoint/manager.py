@@ -1,7 +1,7 @@
 """The checkpoint manager: saves a run (sync or async) and resumes it exactly.
 
-A save writes into `step-N.incomplete-TOKEN`, renames it to `step-N` once every rank has
-written, then writes `.complete` last (`folders.py`). Only folders with a manifest that matches
+A save writes into `step-N.incomplete-TOKEN`; once every rank has written, rank 0 adds the
+`.complete` manifest and renames the folder to `step-N`, last (`folders.py`). Only folders with a manifest that matches
 the files on disk are resumed from; others are reported, and removed only once a newer complete
 checkpoint exists.
 
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import Checkpoint as CheckpointConfig
 from ..parallel import side_group
-from .errors import CheckpointError
+from .errors import CheckpointError, root_cause
 from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan, set_aside
 from ..models.rope import describe, rope_of
 from .hf_folder import check_initial_source, check_settings, is_hf_folder, read_hf_folder
@@ -46,24 +46,6 @@ logger = logging.getLogger(__name__)
 
 SUSPECT_AFTER_RESUME = 10
 """A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
-
-
-def _root_cause(error: BaseException) -> tuple[str, bool]:
-    """One line for why a save failed, and whether it is an OSError (disk full, permission): that one
-    if DCP's wrapped per-rank failures hold one, else the first wrapped exception."""
-    todo: list[Any] = [error]
-    found: list[BaseException] = []
-    while todo and len(found) < 100:
-        e = todo.pop(0)
-        if isinstance(e, tuple):  # DCP's wrapped exception: (exception, stack summary)
-            todo += [x for x in e if isinstance(x, BaseException)]
-        elif isinstance(e, BaseException) and e not in found:
-            found.append(e)
-            if isinstance(e, OSError):
-                return str(e), True
-            todo += [x for x in (e.__cause__, e.__context__, *getattr(e, "failures", {}).values()) if x is not None]
-    cause = found[1] if len(found) > 1 else error  # found[0] is DCP's summary of every rank's traceback
-    return f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}", False
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -310,7 +292,7 @@ class CheckpointManager:
                     future.add_done_callback(lambda fut: self._commit(fut, writer, tmp, final, step, start, blocked))
                 return final
             dcp.save(state, storage_writer=writer, process_group=self.pg)
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        except CheckpointException as e:  # a write that failed on some rank, which DCP tells every rank
             return self._settle(step, tmp, e)
         if self.rank == 0:
             self._commit(None, writer, tmp, final, step, start, time.perf_counter() - start)
@@ -361,7 +343,7 @@ class CheckpointManager:
         """Why a save could not be written. When the disk is at fault (full, not writable), rank 0 removes
         the partial folder to give the space back; after a crashed peer it stays, as an interrupted
         save that resumes ignore."""
-        cause, disk_error = _root_cause(error)
+        cause, disk_error = root_cause(error)
         needed = self._bytes_needed()
         try:
             free_bytes = shutil.disk_usage(self.folder).free
@@ -387,7 +369,7 @@ class CheckpointManager:
 
     def _commit(self, fut: Any, writer: HashingWriter, tmp: Path, final: Path, step: int, start: float,
                 blocked: float) -> None:
-        """Rank 0, after every rank has written and hashed its files: rename, then write the manifest last.
+        """Rank 0, after every rank has written and hashed its files: the manifest, then the rename, last.
         A folder already at `final` (an earlier run's) is set aside first. A failure is kept in
         `commit_error` for `_settle` (in the async saver's thread it would otherwise go unseen)."""
         try:
@@ -430,6 +412,29 @@ class CheckpointManager:
         if self.rank == 0:
             self.committed.wait()
         self._settle(step, tmp, error)
+
+    def abandon(self, timeout: float) -> str | None:
+        """After this rank's own failure, with no collective: an async save in flight gets `timeout` seconds
+        to be written on every rank and committed by rank 0, the only way it gets its step name; otherwise it
+        stays `step-N.incomplete-TOKEN`, which resumes ignore. Returns rank 0's line on which it became
+        (None on other ranks, or when no save was in flight)."""
+        if self.pending is None:
+            return None
+        future, step, tmp = self.pending
+        self.pending = None
+        deadline = time.monotonic() + timeout
+        try:
+            future.exception(timeout=timeout)
+        except TimeoutError:
+            pass
+        if self.rank != 0:
+            return None
+        self.committed.wait(max(deadline - time.monotonic(), 0.0))
+        final = self.folder / f"step-{step}"
+        if self.committed.is_set() and self.commit_error is None and self.last_saved == final:
+            return f"the async save of step {step}, in flight at the failure, was completed: {final}"
+        return (f"the async save of step {step}, in flight at the failure, was not completed: {tmp.name} stays "
+                f"aside, and a restart resumes from the last complete checkpoint")
 
     def close(self) -> None:
         """Finish an async save in flight (`failure` says if it failed) and release the checkpoint group."""

@@ -375,6 +375,9 @@ class Fault:
     """A non-finite loss or gradient norm: `halt` with a report, or `skip` the update."""
     max_consecutive_skips: int = 5
     """With `skip`: halt after this many non-finite steps in a row."""
+    failure_save_wait_seconds: float = 15.0
+    """A rank that fails waits up to this long (at most half the step timeout) for an async save in flight to
+    be written and committed (then it is complete under its step name; else it stays aside) before it exits."""
 
 
 @dataclass
@@ -404,6 +407,14 @@ class Debug:
     """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
     fault_fail_commit_step: int = 0
     """Fault injection for tests: this step's checkpoint folder vanishes once written, so its commit fails."""
+    fault_raise_rank: int = -1
+    """Fault injection for tests: this rank raises at fault_raise_step, in fault_raise_where (in torchrun's
+    first attempt only, as a transient fault, so that a restart runs through)."""
+    fault_raise_step: int = 0
+    """Fault injection for tests: the step at which fault_raise_rank raises (0: never; counted from step 0)."""
+    fault_raise_where: Literal["data", "forward", "write"] = "forward"
+    """Fault injection for tests: `data`, a loader worker raises on that step's batch (a corrupt document);
+    `forward`, an out-of-memory error in the forward; `write`, the rank's heartbeat write fails (disk full)."""
 
 
 @dataclass

@@ -127,6 +127,11 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              f"step_timeout_seconds = {f.step_timeout_seconds}: a rank waiting in a collective for a stuck peer "
              f"would time out before the watchdog reports where the peer is stuck")
     _require(f.max_consecutive_skips >= 1, f"[fault] max_consecutive_skips = {f.max_consecutive_skips}: must be >= 1")
+    _require(f.failure_save_wait_seconds >= 0,
+             f"[fault] failure_save_wait_seconds = {f.failure_save_wait_seconds:g}: must be >= 0 (0: do not wait)")
+    d = cfg.debug
+    _require(d.fault_raise_where != "write" or d.fault_raise_step <= 0 or f.heartbeat,
+             "[debug] fault_raise_where = 'write' fails the heartbeat's write: it needs [fault] heartbeat = true")
     ac = cfg.activation_checkpoint
     last = last_ac_layer(m, ac.last_layer)
     _require(0 <= ac.first_layer <= last < m.n_layers,

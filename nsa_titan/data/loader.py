@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import signal
 import warnings
 
 import torch
 import xxhash
 from datasets import IterableDataset as HFIterableDataset
 from datasets.distributed import split_dataset_by_node
+from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import Data, Recall, Validation
@@ -33,6 +35,8 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
     The loader's state_dict() holds every worker's position: restoring it resumes exactly. Its
     workers ignore the stop signals, so that the rank can save their position before they stop.
     """
+    if data.num_workers > 0:
+        find_dead_workers_when_waiting()
     if data.source == "synthetic":
         dataset = SyntheticTokens(data.seed, seq_len, vocab_size, dp_rank, dp_size, local_batch)
     elif data.source == "recall":
@@ -81,6 +85,24 @@ def own_generator(seed: int, dp_rank: int) -> torch.Generator:
     """The loader's own generator: each new iterator draws its base seed from it, not from the global
     torch generator, which a resumed run restores and must then find where the stopped run left it."""
     return torch.Generator().manual_seed(seed * 1_000_003 + dp_rank)
+
+
+def find_dead_workers_when_waiting() -> None:
+    """Keep torch's SIGCHLD handler out of this process. It raises a dead worker's error in the main thread
+    wherever that thread is: inside a log call (which prints and swallows it), a checkpoint's staging, or the
+    report of the failure it caused. Without it the loader still finds a dead worker itself, when it waits
+    on it (every MP_STATUS_CHECK_INTERVAL, 5 s), and raises in the step's data fetch (main thread only)."""
+    installed = signal.getsignal(signal.SIGCHLD)
+    if getattr(installed, "__module__", "") == signal_handling.__name__:  # by an earlier loader: the default again
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal_handling._SIGCHLD_handler_set = True  # torch's flag: "installed", so it is not
+
+
+def dead_workers(loader: StatefulDataLoader) -> list[tuple[int, int]]:
+    """(pid, exit code) of each of the loader's worker processes that has exited (a negative code: the
+    signal that killed it), for a rank's failure line."""
+    iterator = loader._iterator
+    return [(w.pid, w.exitcode) for w in getattr(iterator, "_workers", []) if w.exitcode is not None]
 
 
 def shutdown_workers(loader: StatefulDataLoader) -> None:

@@ -1,0 +1,95 @@
+"""A rank's failure in one line, in-process: the cause named from each kind of error (a data-loader worker
+killed or raising, out of memory, a failed write), a consequence told apart from a cause, the launcher's order
+(cause first), and a commit that can be interrupted at any point without an unverified folder under a step's
+name."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nsa_titan.checkpoint.folders import commit, scan, verify
+from nsa_titan.failure import CONSEQUENT, cause_of, explain
+from nsa_titan.launch import failures
+
+
+@pytest.mark.parametrize("message,dead,expected", [
+    ("DataLoader worker (pid 4242) is killed by signal: Killed. ", [],
+     "its data-loader worker (pid 4242) was killed by SIGKILL, perhaps for memory (the kernel's out-of-memory"),
+    ("DataLoader worker (pid 4242) is killed by signal: Segmentation fault. ", [],
+     "its data-loader worker (pid 4242) was killed by SIGSEGV"),
+    ("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly", [(4242, -9)],
+     "its data-loader worker (pid 4242) was killed by SIGKILL, perhaps for memory"),
+    ("DataLoader worker (pid(s) 4242) exited unexpectedly", [(4242, 3)], "its data-loader worker (pid 4242) exited "
+     "with code 3"),
+    ("DataLoader worker (pid(s) 4242) exited unexpectedly", [],
+     "its data-loader worker (pid 4242) exited unexpectedly"),
+    ("Caught ValueError in DataLoader worker process 1.\nOriginal Traceback (most recent call last):\n  File \"x.py\", "
+     "line 3, in f\nValueError: bad document 17\n", [], "its data-loader worker 1 raised ValueError: bad document 17"),
+], ids=["sigkill", "sigsegv", "exited-sigkill", "exited-code", "exited-unknown", "worker-raised"])
+def test_a_loader_workers_death_or_exception_is_named_with_its_pid_and_signal(message, dead, expected):
+    assert cause_of(RuntimeError(message), dead).startswith(expected)
+    killed = "SIGKILL" in expected
+    assert ("[data] num_workers" in cause_of(RuntimeError(message), dead)) == killed
+
+
+def test_out_of_memory_and_a_failed_write_are_named_with_the_fix_or_the_path():
+    oom = cause_of(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), [])
+    assert oom.startswith("out of memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert "local_batch_size" in oom
+    write = cause_of(OSError(errno.ENOSPC, "No space left on device", "/x/heartbeat/rank1.jsonl"), [])
+    assert write == "OSError: [Errno 28] No space left on device: '/x/heartbeat/rank1.jsonl'"
+
+
+def test_a_cause_names_rank_step_and_traceback_and_a_consequence_says_so(tmp_path):
+    trace = tmp_path / "rank1_error.txt"
+    cause = explain(ValueError("boom"), 1, 9, "the training step", [], trace, "")
+    assert cause == f"nsa_titan: rank 1 failed in the training step of step 9: ValueError: boom. Its traceback: {trace}"
+    assert not CONSEQUENT.match(cause)
+    gloo = RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
+    lost = explain(gloo, 0, 9, "the training step", [], trace, "")
+    assert lost == ("nsa_titan: rank 0 stopped in the training step of step 9 after another rank's failure (a "
+                    "collective lost its peer: Connection closed by peer [127.0.0.1]:5)")
+    stopping = explain(ValueError("x"), 0, 9, "the training step", [], trace, "SIGTERM")
+    assert stopping.startswith("nsa_titan: rank 0 stopped in the training step of step 9 after another rank's "
+                               "failure (stopping on SIGTERM")
+    assert CONSEQUENT.match(lost) and CONSEQUENT.match(stopping)
+
+
+def test_the_launcher_prints_the_cause_first_then_signals_then_consequences():
+    def failure(code: int, message: str, timestamp: int) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code, message=message, timestamp=timestamp)
+
+    consequence = "nsa_titan: rank 0 stopped in the training step of step 9 after the failure of rank 2"
+    cause = "nsa_titan: rank 2 failed in the training step of step 9: ValueError: boom. Its traceback: /t"
+    e = SimpleNamespace(failures={0: failure(1, consequence, 100), 1: failure(-9, "Signal 9 (SIGKILL)", 100),
+                                  2: failure(1, cause, 101)})
+    lines = failures(e)
+    assert [code for code, _ in lines] == [1, 137, 1]
+    assert lines[0][1] == cause and lines[2][1] == consequence
+    assert lines[1][1] == "nsa_titan: rank 1 failed with exit code 137: Signal 9 (SIGKILL)"
+
+
+def test_a_commit_interrupted_at_any_point_leaves_no_step_folder_and_a_finished_one_verifies(tmp_path, monkeypatch):
+    def written(name: str) -> Path:
+        tmp = tmp_path / f"step-{name}.incomplete-t"
+        tmp.mkdir()
+        (tmp / "__0_0.distcp").write_bytes(os.urandom(1000))
+        (tmp / ".metadata").write_bytes(b"meta")
+        return tmp
+
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(errno.EIO, "killed here")))
+    with pytest.raises(OSError):
+        commit(written("4"), tmp_path / "step-4", 4, 2, "[job]\n", None)
+    monkeypatch.setattr(os, "replace", real)
+    assert not (tmp_path / "step-4").exists()  # the interrupted commit: no folder under the step's name
+    assert [(f.step, f.problem) for f in scan(tmp_path)] == [(4, "an interrupted save (never committed)")]
+    commit(written("8"), tmp_path / "step-8", 8, 2, "[job]\n", None)
+    assert verify(tmp_path / "step-8") is None and (tmp_path / "step-8" / ".complete").is_file()
+    assert not list(tmp_path.glob("step-8.incomplete-*"))
