@@ -114,18 +114,22 @@ class Design:
     """The family's kernels as built (the constants of `triton_nsa`), or with one of `CHANGES` applied."""
     sel_kv_rows: int = triton_nsa.SEL_KV_ROWS  # rows a step of the sel dK, dV, dQ kernel
     kv_block: int = triton_nsa.KV_BLOCK  # keys a program of the cmp / win dK, dV kernel
-    topn: str = "insertion"  # "insertion": 16 rounds a chunk; "early stop": until no row's candidate enters;
-    # "fused merge": block scores from one pass over the slots (a step a chunk), a merge (2 steps) where one enters
+    topn: str = "fused merge"  # block scores from one pass over the slots (a step a chunk of NB blocks), a merge
+    # (a bitonic top-k, taken as 2 steps) where one enters; the design before: "insertion", 5 member products and
+    # 16 insertion rounds a chunk, or with "early stop" until no row's candidate enters
     partial_bytes: int = 4  # bytes of an element of sel's per-block outputs (fp32; bf16: 2)
     dq_atomic: bool = True  # sel's dQ rows added atomically; False: written per entry, summed by the last kernel
     forced_in_win: bool = False  # the forced blocks (first, local) read contiguously by `_fwd_win`, not by `_fwd_sel`
 
 
+BEFORE = {
+    "the top-n by insertion, 16 rounds a chunk (before 2026-11-29)": dict(topn="insertion"),
+    "the top-n by insertion, stopping when no candidate enters": dict(topn="early stop"),
+}
+"""Designs the kernels had, or could have had, for comparison."""
 CHANGES = {
     "64-row steps in the sel key-gradient kernel": dict(sel_kv_rows=64),
     "64 keys a program in the cmp / win key-gradient kernel": dict(kv_block=64),
-    "top-n insertion stops when no candidate enters": dict(topn="early stop"),
-    "top-n from one pass over the slots, merged where one enters": dict(topn="fused merge"),
     "sel partials in bf16": dict(partial_bytes=2),
     "sel dQ without atomics": dict(dq_atomic=False),
     "forced blocks read by the window kernel": dict(forced_in_win=True),
@@ -146,7 +150,7 @@ class Work:
     T: int
     idx: torch.Tensor  # (G, T, n) chosen blocks
     valid: torch.Tensor
-    chunks: int = 0  # (tile, chunk of CHUNK blocks) pairs the top-n walks
+    chunks: int = 0  # (tile, chunk of NB blocks) pairs the top-n walks
     early_rounds: int = 0  # insertion rounds if each chunk stops once no row's candidate enters
     merges: int = 0  # chunks where some row's candidate enters its top n
     extra: dict = field(default_factory=dict)
@@ -178,9 +182,9 @@ def _block_scores(q: torch.Tensor, kc: torch.Tensor, t: torch.Tensor, g: int) ->
 
 
 def _streaming(work: Work, q: torch.Tensor, kc: torch.Tensor, span: int = 2040) -> None:
-    """Walk each tile's blocks as `_fwd_cmp` does (CHUNK at a time, its queries' running top n): the chunks, the
+    """Walk each tile's blocks as `_fwd_cmp` does (NB at a time, its queries' running top n): the chunks, the
     rounds an insertion that stops once no row's candidate enters would take, and the chunks with an entry."""
-    T, n, chunk = work.T, SPEC.n, triton_nsa.CHUNK
+    T, n, chunk = work.T, SPEC.n, triton_nsa.topn_blocks(SPEC, SPEC.n)
     bt = triton_nsa.ROWS // R
     for g in range(G):
         for a in range(0, T, span):
@@ -230,12 +234,12 @@ def unions(work: Work, bt: int) -> torch.Tensor:
 
 def query_tiles(T: int, bt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per tile of bt queries (both groups): steps over the cmp slots it sees, over its window, and the top-n's
-    chunks of CHUNK sel blocks."""
+    chunks of NB sel blocks."""
     first = torch.arange(0, T, bt)
     last = torch.clamp(first + bt, max=T) - 1
     cmp = _cdiv(torch.clamp((last + 1) // SPEC.d, max=SPEC.num_cmp_blocks(T)), 64)
     win = _cdiv(last + 1 - torch.clamp(first - SPEC.w + 1, min=0), 64)
-    topn = _cdiv((last + 1) // SPEC.l_sel + 1, triton_nsa.CHUNK)
+    topn = _cdiv((last + 1) // SPEC.l_sel + 1, triton_nsa.topn_blocks(SPEC, SPEC.n))
     return cmp.repeat(G), win.repeat(G), topn.repeat(G)
 
 
@@ -318,8 +322,10 @@ def new_kernels(work: Work, x: Design) -> dict[str, Kernel]:
     visits = int(sel_kv.sum()) - int(_cdiv(counts, bt_kv).sum())  # (block, program) pairs: a key-gradient add each
     gathered = entries * R * (2 * D * 2 + 12) + entries * 4  # q, dO, gate / lse / delta, the reader
     dq = entries * R * D * 4
-    kernels["_bwd_sel_kv"] = Kernel([sel_kv], gathered=True, hbm=gathered + (0 if x.dq_atomic else 2 * dq),
+    kernels["_bwd_sel_kv"] = Kernel([sel_kv], gathered=True, hbm=gathered + (0 if x.dq_atomic else dq),
                                     atomic=visits * 2 * SPEC.l_sel * D * 4 + (dq if x.dq_atomic else 0))
+    if not x.dq_atomic:  # a query's n entries' dQ rows summed (gathered, as `_fwd_mix` does), with the cast
+        kernels["_bwd_dq_sum"] = Kernel([torch.full_like(win, n_sel - forced)], gathered=True, hbm=dq + 2 * q_bytes)
     kv = x.kv_block
     cmp_kv = key_tiles(T, bt, kv, triton_nsa.KV_SEGMENT, 1)
     win_kv = torch.full((_cdiv(T, kv) * G,), _cdiv(kv + SPEC.w - 1, bt))
@@ -489,10 +495,12 @@ def main() -> None:
     print("\nM7C training (one H100, bf16, AC full; NSA's attention predicted without documents):")
     training(totals)
     if a.changes:
-        print("\nEach change alone, then all together (total ms, fitted / pessimistic, at each T):")
+        print("\nEach change alone, then all together; designs before, for comparison (total ms, fitted / pessimistic, "
+              "at each T, and the speed-up over the kernels as they are):")
         base = predict(works, Design(), fitted, verbose=False)
         rows = []
-        for name, fields in [*CHANGES.items(), ("all of them", {k: v for f in CHANGES.values() for k, v in f.items()})]:
+        every = {k: v for f in CHANGES.values() for k, v in f.items()}
+        for name, fields in [*CHANGES.items(), ("all of them", every), *BEFORE.items()]:
             got = predict(works, replace(Design(), **fields), fitted, verbose=False)
             rows.append([name] + [f"{got[T][0]:.2f} / {got[T][1]:.2f} ({base[T][0] / got[T][0]:.2f}x)" for T in a.T])
         print(table(rows, ["change"] + [f"T {T:,}" for T in a.T]))

@@ -5,10 +5,12 @@ gates (B, Tq, H, 3)), by their strides: no copies, no transposes. A program owns
 queries of one KV group, all r heads of each as rows of one tensor-core tile (BT = 64 // r: 10 queries,
 60 of 64 rows at M7C's r = 6; the group is never padded to 16).
   `_fwd_cmp` per tile: cmp attention (online softmax over the visible slots) -> its output and
-      logsumexp; then the sel block scores again from that logsumexp, q . k_cmp summed over the group's
-      heads (a one-hot product) and over each block's cmp members, the forced blocks, and the top n
-      kept in registers while the blocks stream past, 16 at a time: no T x T/d tensor, no sort. Each
-      chosen block's readers are counted (the inverse index's sizes).
+      logsumexp; then one more pass over the slots for the sel block scores from that logsumexp: q . k_cmp
+      summed over the group's heads (a one-hot product) and over each block's cmp members (a 0/1 product
+      of a step's slots into its NB blocks), the forced blocks; the running top n, kept in registers as
+      packed (score, block) keys, is merged with a step's blocks (a bitonic top-k of both) only where one
+      of them can enter it: no T x T/d tensor, no sort of all blocks. Each chosen block's readers are
+      counted (the inverse index's sizes).
   `_fwd_win` per tile: win attention; each query enters itself in its blocks' reader lists (offsets: a
       cumulative sum of the counts between the two), noting where.
   `triton_nsa_sel._fwd_sel` over equal spans of the reader lists: each chosen block's keys loaded once,
@@ -44,8 +46,12 @@ WARPS = 8
 """Warps a program: with 4, a tile's fp32 accumulators (64 x 64) and operands took 255 registers and spilled."""
 BLOCK_N = 64
 """cmp slots and win keys per step."""
-CHUNK = 16
-"""sel blocks scored per step of the top-n (32 spilled on sm_90)."""
+TOPN_SLOTS = 64
+"""cmp slots a step of the top-n's pass (its NB = TOPN_SLOTS / (l'/d) blocks, at least n's power of two)."""
+NONE = 2**31 - 1
+"""The block part of a packed top-n key is NONE - block: the larger key takes the lower block on a tie."""
+LOWEST = (((0xFF800000 - 2**32) ^ 0x7FFFFFFF) << 32)
+"""The packed key of no block: -inf's ordered bits, block NONE; every candidate's key is above it."""
 KV_BLOCK = 32
 """Keys per program of `_bwd_kv` (64, with the dK, dV accumulators, spilled on sm_90)."""
 KV_SEGMENT = 512
@@ -58,6 +64,11 @@ READER_STEPS = 32
 """Steps of a program over the inverse index (`triton_nsa_sel`): its span is READER_STEPS tiles of
 readers, so the first block, which every query reads, is shared among Tq / span programs (64: 0.68 ms predicted
 at 8k, 32: 0.56, 16: 0.57; `benchmarks/gpu_prediction.py`)."""
+
+
+def topn_blocks(spec: NSASpec, n: int) -> int:
+    """NB: sel blocks a step of the top-n's pass scores (TOPN_SLOTS slots), at least n's power of two."""
+    return max(1 << (n - 1).bit_length(), TOPN_SLOTS * spec.d // spec.l_sel)
 
 
 def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_group: int, head_dim: int
@@ -78,12 +89,17 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
     if not spec.strided_members():
         return (f"the Triton top-n adds each sel block's cmp members by stride: cmp_block_size and sel_block_size "
                 f"must be multiples of cmp_stride (they are {spec.l}, {spec.l_sel} and {spec.d})")
+    if spec.l - spec.d >= spec.l_sel:
+        return (f"the Triton top-n takes a block's members before its first slot from the step before: "
+                f"cmp_block_size - cmp_stride must be below sel_block_size (they are {spec.l}, {spec.d} and "
+                f"{spec.l_sel})")
     if heads_per_group > ROWS:
         return f"a tile holds at most {ROWS} query heads of a group, and this model has {heads_per_group}"
     return None
 
 
 if triton is not None:
+    _NONE, _LOWEST = tl.constexpr(NONE), tl.constexpr(LOWEST)
 
     @triton.jit
     def _rows(Q, START, FIRST, b, hq0, first, end, q0, sqb, sqt, sdb, R: tl.constexpr, BT: tl.constexpr,
@@ -191,7 +207,7 @@ if triton is not None:
         tl.store(OB + o_off, o_c.to(OB.dtype.element_ty), mask=live[:, None])
         tl.store(LSE + st_off, lse_c, mask=live)
 
-        # top n: the group's block scores from cmp's logsumexp, streamed a chunk of blocks at a time
+        # top n: the group's block scores from cmp's logsumexp, NB blocks (their NB x STRIDE slots) a step
         qq = tl.arange(0, BTP)
         qi = tile * BT + qq
         qlive = (qq < BT) & (qi < Tq)
@@ -203,57 +219,60 @@ if triton is not None:
             fsq = qi * 0
         jt = (q0 + qi - sq) // L  # the block holding the query, in its document
         agg = (((mm // R)[None, :] == qq[:, None]) & live[None, :]).to(tl.float32)  # (BTP, M): a query's heads
-        slots = tl.arange(0, NP)[None, :]
-        vals = tl.full([BTP, NP], float("-inf"), tl.float32)  # the running top: score, block
-        ids = tl.full([BTP, NP], 1 << 20, tl.int32)
+        ss = tl.arange(0, NB * STRIDE)  # a step's slots
+        jn = tl.arange(0, NB)  # its blocks
+        members = ((ss[:, None] >= jn[None, :] * STRIDE - BEFORE) & (ss[:, None] < jn[None, :] * STRIDE + STRIDE)
+                   ).to(tl.float32)  # (slots, blocks); a block's members before the step: `carry`
+        top = tl.full([BTP, NP], _LOWEST, tl.int64)  # the running top n, packed (`_pack`), largest first
         cur = tl.min(tl.where(qlive, sq, 1 << 30), 0)
         while cur < (1 << 30):  # each document of the tile (one without documents)
             inq = qlive & (sq == cur)
             rows_in = live & (s == cur)
             f0 = tl.min(tl.where(inq, fsq, 1 << 30), 0)
             j_hi = tl.max(tl.where(inq, jt, -1), 0) + 1
+            carry = tl.zeros([BTP], tl.float32)  # the last BEFORE slots of the step before
             for j0 in range(0, j_hi, NB):
-                jj = j0 + tl.arange(0, NB)
-                score = tl.zeros([BTP, NB], tl.float32)
-                for k in range(STRIDE + BEFORE):  # a loop, not unrolled: unrolled, the loads of all five spilled
-                    member = jj * STRIDE - BEFORE + k
-                    slot = f0 + member
-                    ok = (member >= 0) & (slot < Nc)
-                    kc = tl.load(KC + (b * skcb + slot * skct + g * D)[:, None] + dd[None, :], mask=ok[:, None],
-                                 other=0.0)
-                    if DOCS:  # the document's slots: past its start by construction (f0 on)
-                        c = tl.load(CSTART + b * scb + slot, mask=ok, other=T).to(tl.int32)
-                    else:
-                        c = slot * d
-                    seen = (c[None, :] + l - 1 <= t[:, None]) & ok[None, :] & rows_in[:, None]
-                    sc = tl.dot(q, tl.trans(kc), input_precision="ieee").to(tl.float32) * scale
-                    p = tl.where(seen, tl.exp(sc - lse_c[:, None]), 0.0)
-                    score += tl.dot(agg, p, input_precision="ieee")
+                slot = f0 + j0 * STRIDE + ss
+                ok = slot < Nc
+                kc = tl.load(KC + (b * skcb + slot * skct + g * D)[:, None] + dd[None, :], mask=ok[:, None], other=0.0)
+                if DOCS:  # the document's slots: past its start by construction (f0 on)
+                    c = tl.load(CSTART + b * scb + slot, mask=ok, other=T).to(tl.int32)
+                else:
+                    c = slot * d
+                seen = (c[None, :] + l - 1 <= t[:, None]) & ok[None, :] & rows_in[:, None]
+                sc = tl.dot(q, tl.trans(kc), input_precision="ieee").to(tl.float32) * scale
+                p = tl.where(seen, tl.exp(sc - lse_c[:, None]), 0.0)
+                slot_score = tl.dot(agg, p, input_precision="ieee")  # (BTP, slots): the group's sum
+                # members in order: the carried ones first, then the step's (as `common.block_scores` adds them)
+                score = tl.dot(slot_score, members, tl.where(jn[None, :] == 0, carry[:, None], 0.0),
+                               input_precision="ieee")
+                carry = tl.sum(tl.where(ss[None, :] >= NB * STRIDE - BEFORE, slot_score, 0.0), 1)
+                jj = j0 + jn
                 cand = inq[:, None] & (jj[None, :] <= jt[:, None]) & (jj < Ns)[None, :]
                 forced = (jj[None, :] == 0) | (jj[None, :] >= jt[:, None] - 1)
-                score = tl.where(cand, tl.where(forced, float("inf"), score), float("-inf"))
-                for _ in range(N):  # insert the chunk's best n, each over the running worst
-                    best = tl.max(score, 1)
-                    at = tl.min(tl.where(score == best[:, None], jj[None, :], 1 << 20), 1)
-                    worst = tl.min(vals, 1)
-                    key = tl.where(vals == worst[:, None], ids * NP + slots, -1)
-                    wkey = tl.max(key, 1)
-                    better = (best > float("-inf")) & ((best > worst) | ((best == worst) & (at < wkey // NP)))
-                    swap = (key == wkey[:, None]) & better[:, None]
-                    vals = tl.where(swap, best[:, None], vals)
-                    ids = tl.where(swap, at[:, None], ids)
-                    score = tl.where(jj[None, :] == at[:, None], float("-inf"), score)
+                key = tl.where(cand, _pack(tl.where(forced, float("inf"), score), jj[None, :]), _LOWEST)
+                if tl.max((tl.max(key, 1) > tl.min(top, 1)).to(tl.int32), 0) > 0:  # one of them enters a top n
+                    if NB > NP:
+                        key = tl.topk(key, NP)
+                    top = tl.topk(tl.reshape(tl.join(top, key), (BTP, 2 * NP)), NP)
             cur = tl.min(tl.where(qlive & (sq > cur), sq, 1 << 30), 0)
         out_at = (bg * Tq + qi) * N
+        slots = tl.arange(0, NP)[None, :]
         for n in range(N):  # in order: the largest score first, ties to the lower block
-            best = tl.max(vals, 1)
-            at = tl.min(tl.where(vals == best[:, None], ids, 1 << 20), 1)
-            real = best > float("-inf")
+            key = tl.max(tl.where(slots == n, top, _LOWEST), 1)
+            real = key > _LOWEST
+            at = (-(key & _NONE) + _NONE).to(tl.int32)
             tl.store(IDX + out_at + n, tl.where(real, at, n).to(tl.int64), mask=qlive)  # none: block n, invalid
             tl.store(VALID + out_at + n, real.to(tl.int8), mask=qlive)
             tl.atomic_add(COUNT + bg * T + sq + at * L, 1, mask=qlive & real)
-            vals = tl.where((ids == at[:, None]) & real[:, None], float("-inf"), vals)
-            ids = tl.where((ids == at[:, None]) & real[:, None], 1 << 20, ids)
+
+    @triton.jit
+    def _pack(score, block):
+        """(score, block) as one int64 that orders as the score, then the lower block: the float's bits made
+        to order as integers (a negative one's magnitude bits flipped), above NONE - block."""
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return (ordered.to(tl.int64) << 32) | (-block.to(tl.int64) + _NONE)
 
     @triton.jit
     def _fwd_win(Q, KW, VW, START, FIRST, OB, LSE, IDX, VALID, OFFSETS, FILL, READERS, ENTRY, sqb, sqt, skwb, skwt,

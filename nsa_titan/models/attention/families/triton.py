@@ -116,7 +116,7 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     kernels._fwd_cmp[grid](
         **tile, **docs_ptrs, **chosen, KC=keys[0], VC=keys[1], CSTART=ptrs["CSTART"],
         **{k: args[k] for k in ("skcb", "skct", "svcb", "svct", "scb", "Nc", "d", "l")}, OB=ob, LSE=lse,
-        COUNT=counts[1:], Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.CHUNK, BN=kernels.BLOCK_N,
+        COUNT=counts[1:], Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.topn_blocks(spec, n), BN=kernels.BLOCK_N,
         STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1, **flags)
     offsets = torch.cumsum(counts[:B * G * T + 1], 0, dtype=torch.int32)
     kernels._fwd_win[grid](
