@@ -118,11 +118,13 @@ class Design:
     # (a bitonic top-k, taken as 2 steps) where one enters; the design before: "insertion", 5 member products and
     # 16 insertion rounds a chunk, or with "early stop" until no row's candidate enters
     partial_bytes: int = 4  # bytes of an element of sel's per-block outputs (fp32; bf16: 2)
-    dq_atomic: bool = True  # sel's dQ rows added atomically; False: written per entry, summed by the last kernel
+    dq_atomic: bool = False  # sel's dQ rows written per entry, summed by `_bwd_q` (its delta from sel's output); True:
+    # added atomically (before 2026-11-29)
     forced_in_win: bool = False  # the forced blocks (first, local) read contiguously by `_fwd_win`, not by `_fwd_sel`
 
 
 BEFORE = {
+    "sel dQ added atomically (before 2026-11-29)": dict(dq_atomic=True),
     "the top-n by insertion, 16 rounds a chunk (before 2026-11-29)": dict(topn="insertion"),
     "the top-n by insertion, stopping when no candidate enters": dict(topn="early stop"),
 }
@@ -131,7 +133,6 @@ CHANGES = {
     "64-row steps in the sel key-gradient kernel": dict(sel_kv_rows=64),
     "64 keys a program in the cmp / win key-gradient kernel": dict(kv_block=64),
     "sel partials in bf16": dict(partial_bytes=2),
-    "sel dQ without atomics": dict(dq_atomic=False),
     "forced blocks read by the window kernel": dict(forced_in_win=True),
 }
 """The kernel changes the issue asks the model to weigh, as `Design` fields."""
@@ -322,10 +323,12 @@ def new_kernels(work: Work, x: Design) -> dict[str, Kernel]:
     visits = int(sel_kv.sum()) - int(_cdiv(counts, bt_kv).sum())  # (block, program) pairs: a key-gradient add each
     gathered = entries * R * (2 * D * 2 + 12) + entries * 4  # q, dO, gate / lse / delta, the reader
     dq = entries * R * D * 4
-    kernels["_bwd_sel_kv"] = Kernel([sel_kv], gathered=True, hbm=gathered + (0 if x.dq_atomic else dq),
-                                    atomic=visits * 2 * SPEC.l_sel * D * 4 + (dq if x.dq_atomic else 0))
-    if not x.dq_atomic:  # a query's n entries' dQ rows summed (gathered, as `_fwd_mix` does), with the cast
-        kernels["_bwd_dq_sum"] = Kernel([torch.full_like(win, n_sel - forced)], gathered=True, hbm=dq + 2 * q_bytes)
+    if x.dq_atomic:
+        kernels["_bwd_sel_kv"] = Kernel([sel_kv], gathered=True, hbm=gathered, atomic=visits * 2 * SPEC.l_sel * D * 4 + dq)
+    else:  # each entry's rows written, with sel's output gathered for delta; `_bwd_q` sums a query's n (gathered)
+        kernels["_bwd_sel_kv"] = Kernel([sel_kv], gathered=True, hbm=gathered + entries * R * D * 2 + dq,
+                                        atomic=visits * 2 * SPEC.l_sel * D * 4)
+        kernels["_bwd_q: sel's dQ rows"] = Kernel([torch.full_like(win, n_sel - forced)], gathered=True, hbm=dq)
     kv = x.kv_block
     cmp_kv = key_tiles(T, bt, kv, triton_nsa.KV_SEGMENT, 1)
     win_kv = torch.full((_cdiv(T, kv) * G,), _cdiv(kv + SPEC.w - 1, bt))
@@ -499,9 +502,13 @@ def main() -> None:
               "at each T, and the speed-up over the kernels as they are):")
         base = predict(works, Design(), fitted, verbose=False)
         rows = []
-        every = {k: v for f in CHANGES.values() for k, v in f.items()}
-        for name, fields in [*CHANGES.items(), ("all of them", every), *BEFORE.items()]:
-            got = predict(works, replace(Design(), **fields), fitted, verbose=False)
+        alone = {name: predict(works, replace(Design(), **fields), fitted, verbose=False)
+                 for name, fields in CHANGES.items()}
+        paying = {k: v for name, f in CHANGES.items() if all(alone[name][T][0] < base[T][0] for T in a.T)
+                  for k, v in f.items()}
+        for name, got in [*alone.items(),
+                          ("all that pay at every T", predict(works, replace(Design(), **paying), fitted, False)),
+                          *((n, predict(works, replace(Design(), **f), fitted, False)) for n, f in BEFORE.items())]:
             rows.append([name] + [f"{got[T][0]:.2f} / {got[T][1]:.2f} ({base[T][0] / got[T][0]:.2f}x)" for T in a.T])
         print(table(rows, ["change"] + [f"T {T:,}" for T in a.T]))
 

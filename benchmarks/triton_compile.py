@@ -61,8 +61,9 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
         keys = [torch.zeros(1, T // SPEC.d, G, D, dtype=dtype)] * 2 + [torch.zeros(1, T, G, D, dtype=dtype)] * 4
         gates = torch.zeros(1, T, H, 3)
         documents = Documents.of(torch.arange(T)[None] // 1000, SPEC) if docs else None
-        out, ob, lse, idx, valid, offsets, readers = family.forward(q, keys, gates, SPEC, documents, 0, (True, True, True))
-        family.backward(q, q, keys, gates, ob, lse, offsets, readers, SPEC, documents, 0, (True, True, True))
+        out, ob, lse, idx, valid, offsets, readers, entry = family.forward(q, keys, gates, SPEC, documents, 0,
+                                                                           (True, True, True))
+        family.backward(q, q, keys, gates, ob, lse, offsets, readers, entry, SPEC, documents, 0, (True, True, True))
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)

@@ -16,9 +16,10 @@ queries of one KV group, all r heads of each as rows of one tensor-core tile (BT
   `triton_nsa_sel._fwd_sel` over equal spans of the reader lists: each chosen block's keys loaded once,
       its readers' sel output and logsumexp over it, per entry.
   `_fwd_mix` per tile: a query's n block outputs merged by their logsumexps, and the gated sum.
-  backward (`triton_nsa_backward.py`): `_bwd_q` per tile: the gate gradients and the dQ of cmp and win;
-      `triton_nsa_sel._bwd_sel_kv` over the spans: sel's dK, dV and dQ; `_bwd_kv` per tile of cmp slots (in
-      segments of queries) and of win keys: dK, dV; all into one fp32 buffer.
+  backward (`triton_nsa_backward.py`): `triton_nsa_sel._bwd_sel_kv` over the spans: sel's dK, dV and each
+      entry's dQ rows (written, not added); `_bwd_q` per tile: the gate gradients and the whole dQ (cmp, win and
+      the sum of its entries' sel rows); `_bwd_kv` per tile of cmp slots (in segments of queries) and of win
+      keys: dK, dV; the gradients in one fp32 buffer.
 The host side, the custom op and its backward are `families/triton.py`. Shapes depend only on T, loops
 run inside the kernels, and no value is read back to the host: the op can be captured in a CUDA graph.
 Rules of the kernels: l and l' multiples of d (sel block j's cmp members are the l/d + l'/d - 1 slots from
@@ -281,7 +282,7 @@ if triton is not None:
                  BN: tl.constexpr, DOCS: tl.constexpr, SEL: tl.constexpr, WIN: tl.constexpr):
         """A tile's win attention; and each of its queries enters itself in the reader lists of its chosen blocks
         (READERS[OFFSETS[key] ..], key = (b G + g) T + first key of the block, in the order the atomic adds of
-        FILL give), noting each entry's place (ENTRY (B G Tq n), for `_fwd_mix`)."""
+        FILL give), noting each entry's place (ENTRY (B G Tq n), -1 for no block, for `_fwd_mix` and `_bwd_q`)."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
         if SEL:
@@ -290,7 +291,9 @@ if triton is not None:
             listed = (live & (mm % R == 0))[:, None] & (chosen >= 0)  # a query once (its first head's row)
             e = tl.load(OFFSETS + key, mask=listed, other=0) + tl.atomic_add(FILL + key, 1, mask=listed)
             tl.store(READERS + e, i[:, None] + chosen * 0, mask=listed)
-            tl.store(ENTRY + (bg * Tq + i)[:, None] * N + tl.arange(0, NP)[None, :], e, mask=listed)
+            first_head = (live & (mm % R == 0))[:, None] & (tl.arange(0, NP) < N)[None, :]
+            tl.store(ENTRY + (bg * Tq + i)[:, None] * N + tl.arange(0, NP)[None, :], tl.where(listed, e, -1),
+                     mask=first_head)
         if WIN:
             k_lo = tl.maximum(tl.maximum(t_first - w + 1, 0), tl.min(tl.where(live, s, 1 << 30), 0))
             m = tl.full([M], float("-inf"), tl.float32)

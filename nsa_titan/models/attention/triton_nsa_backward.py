@@ -1,8 +1,8 @@
 """The tile backward kernels of the Triton family's NSA op (the forward ones and the helpers they share:
-`triton_nsa.py`; sel's dK, dV, dQ over the inverse index: `triton_nsa_sel.py`): gate gradients and the cmp and
-win dQ per tile of queries, cmp's and the window's dK, dV per tile of keys. Each key gradient is added once a
-program into one fp32 buffer (atomic adds: blocks of two documents, and the cmp branch's segments of queries,
-may share keys)."""
+`triton_nsa.py`; sel's dK, dV, dQ over the inverse index: `triton_nsa_sel.py`, which runs first): gate gradients
+and the whole dQ per tile of queries (cmp's and win's, and the sum of sel's per-entry rows), cmp's and the
+window's dK, dV per tile of keys. Each key gradient is added once a program into one fp32 buffer (atomic adds:
+blocks of two documents, and the cmp branch's segments of queries, may share keys)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ if triton is not None:
         tl.atomic_add(GK + at, x, mask=ok[:, None])
 
     @triton.jit
-    def _bwd_q(Q, KC, VC, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, DQ, DG, DELTA, GK,
+    def _bwd_q(Q, KC, VC, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, DQ, DG, DELTA, ENTRY, DQE,
                sqb, sqt, skcb, skct, svcb, svct, skwb, skwt, svwb, svwt, sgb, sgt, sdb, scb,
                sdob, sdot, Tq, T, Nc, q0, G, H, scale, d, l, w, ob_c, st_c,
                R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-               DOCS: tl.constexpr, CMP: tl.constexpr, SEL: tl.constexpr, WIN: tl.constexpr):
-        """A tile's gate gradients and its dQ of cmp and win, stored into the fp32 buffer that `_bwd_sel_kv` then adds
-        sel's to; the rows' delta (gate * dO . o) of cmp, win and sel for `_bwd_kv` and `_bwd_sel_kv`."""
+               N: tl.constexpr, DOCS: tl.constexpr, CMP: tl.constexpr, SEL: tl.constexpr, WIN: tl.constexpr):
+        """A tile's gate gradients and its whole dQ: cmp's and win's, and sel's as the sum of its queries' n entries'
+        rows (`_bwd_sel_kv`, through ENTRY: each choice's place, -1 for none); the rows' delta (gate * dO . o) of
+        cmp and win for `_bwd_kv`."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
         do = tl.load(DO + (b * sdob + i * sdot + hq * D)[:, None] + dd[None, :], mask=live[:, None], other=0.0)
@@ -69,8 +70,11 @@ if triton is not None:
                 seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
                 _, ds = _grads(q, do, k, v, seen, lse, gate, delta, scale, "ieee")
                 dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-        if SEL:  # its dQ: added by `_bwd_sel_kv`, block by block
-            tl.store(DELTA + 2 * st_c + st_off, tl.load(GATE + g_off + 1, mask=live, other=0.0) * dg_s, mask=live)
+        if SEL:  # its dQ: the rows `_bwd_sel_kv` wrote for each of the query's entries
+            for n in range(N):
+                e = tl.load(ENTRY + (bg * Tq + i) * N + n, mask=live, other=-1)
+                dq += tl.load(DQE + (e * R + mm % R)[:, None] * D + dd[None, :], mask=(live & (e >= 0))[:, None],
+                              other=0.0)
         if WIN:
             gate = tl.load(GATE + g_off + 2, mask=live, other=0.0)
             lse = tl.load(LSE + 2 * st_c + st_off, mask=live, other=0.0)

@@ -5,8 +5,8 @@ all r heads of the group as the rows of one tensor-core tile. Equal spans: the f
 reads, is shared among Tq / span programs instead of walked by one.
   `_fwd_sel`: each reader's output and logsumexp over the block, per entry of the index (`_fwd_mix` combines
       a query's n entries);
-  `_bwd_sel_kv`: dK, dV of each block (added once a program) and the readers' dQ rows (added every step),
-      into the fp32 gradient buffer.
+  `_bwd_sel_kv`: dK, dV of each block (added once a program into the fp32 gradient buffer) and each entry's
+      dQ rows (written once, no atomics: `_bwd_q` sums a query's n of them).
 """
 
 from __future__ import annotations
@@ -77,11 +77,12 @@ if triton is not None:
             e0 = last
 
     @triton.jit
-    def _bwd_sel_kv(Q, KS, VS, GATE, DO, LSE, DELTA, GK, OFFSETS, READERS, sqb, sqt, sksb, skst, svsb, svst, sgb, sgt,
-                    sdob, sdot, Tq, T, q0, G, H, scale, st_c, gk_q, gk_ks, gk_vs, blocks, SPAN, R: tl.constexpr,
+    def _bwd_sel_kv(Q, KS, VS, GATE, DO, OB, LSE, GK, DQE, OFFSETS, READERS, sqb, sqt, sksb, skst, svsb, svst, sgb,
+                    sgt, sdob, sdot, Tq, T, q0, G, H, scale, ob_c, st_c, gk_ks, gk_vs, blocks, SPAN, R: tl.constexpr,
                     BT: tl.constexpr, M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, STEPS: tl.constexpr):
         """sel's dK, dV and dQ of the span's entries: for each block, its readers there BT at a time, the block's
-        keys loaded once; each step's dQ rows added into the fp32 buffer, the block's dK, dV sums once."""
+        keys loaded once; each entry's dQ rows written to DQE (entries, r, D) fp32, the block's dK, dV sums added
+        once. A row's delta (gate * dO . o_sel) is taken here, from sel's merged output."""
         e0, e_end = _span(OFFSETS, blocks, SPAN)
         dd = tl.arange(0, D)
         while e0 < e_end:
@@ -95,12 +96,13 @@ if triton is not None:
                 st_off = b * Tq * H + i * H + hq
                 gate = tl.load(GATE + b * sgb + i * sgt + hq * 3 + 1, mask=live, other=0.0)
                 lse = tl.load(LSE + st_c + st_off, mask=live, other=0.0)
-                delta = tl.load(DELTA + 2 * st_c + st_off, mask=live, other=0.0)
+                o = tl.load(OB + ob_c + st_off[:, None] * D + dd[None, :], mask=live[:, None], other=0.0)
+                delta = gate * tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
                 p, ds = _grads(q, do, k, v, reads, lse, gate, delta, scale, None)
                 dv += tl.dot(tl.trans((p * gate[:, None]).to(do.dtype)), do).to(tl.float32)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
-                tl.atomic_add(GK + gk_q + st_off[:, None] * D + dd[None, :], tl.dot(ds.to(k.dtype), k).to(tl.float32),
-                              mask=live[:, None])
+                tl.store(DQE + (e * R + mm % R)[:, None] * D + dd[None, :], tl.dot(ds.to(k.dtype), k).to(tl.float32),
+                         mask=live[:, None])
             at = (b * T + pos)[:, None] * (G * D) + g * D + dd[None, :]
             _add(GK + gk_ks, at, dk, ok)
             _add(GK + gk_vs, at, dv, ok)

@@ -1,8 +1,8 @@
 """The Triton family: the whole NSA attention as one custom op of Triton kernels (`triton_nsa.py`,
 `triton_nsa_sel.py`, `triton_nsa_backward.py`), on CUDA, or on the CPU under TRITON_INTERPRET=1 (checks): forward
 a zero fill, four kernels and a cumulative sum (the inverse index of the chosen blocks); backward a zero fill,
-four kernels and a cast: 12 launches at any T. This module is the host side: the launch geometry, the custom op
-(one node under torch.compile) and its registered backward."""
+four kernels and a cast: 12 launches at any T, no atomic add of a query's gradient. This module is the host side:
+the launch geometry, the custom op (one node under torch.compile) and its registered backward."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class Triton(Family):
                v_win: Tensor, gates: Tensor, spec: NSASpec, docs: Documents | None, q0: int,
                branches: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor]:
         fields = (None,) * 3 if docs is None else (docs.start, docs.cmp_start, docs.first_slot)
-        out, _, _, idx, valid, _, _ = _op(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                                    [spec.l, spec.d, spec.l_sel, spec.n, spec.w], q0, list(branches), *fields)
+        out, _, _, idx, valid, _, _, _ = _op(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+                                          [spec.l, spec.d, spec.l_sel, spec.n, spec.w], q0, list(branches), *fields)
         return out, idx, valid
 
 
@@ -92,7 +92,8 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
             ) -> tuple[torch.Tensor, ...]:
     """out (B, Tq, H, D), the branch outputs (3, B, Tq, H, D) and logsumexps (3, B, Tq, H) fp32, the chosen
     blocks idx (B, G, Tq, n') long, valid bool, and their inverse index (offsets (B G T + 1), readers (B G Tq n'),
-    int32: `triton_nsa_sel`): a zero fill, four kernels and a cumulative sum."""
+    int32: `triton_nsa_sel`) with each choice's place in it (entry (B, G, Tq, n') int32, -1 for none): a zero
+    fill, four kernels and a cumulative sum."""
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G = keys[2].shape[1], keys[2].shape[2]
@@ -105,10 +106,10 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     idx = torch.empty(B, G, Tq, n, dtype=torch.long, device=q.device)
     valid = torch.empty(B, G, Tq, n, dtype=torch.bool, device=q.device)
     entries = B * G * Tq * n
-    # one fill: the reader lists (zero past the last reader), each entry's place, 0, the readers of each block,
-    # those entered so far
-    index = torch.zeros(2 * entries + 2 * B * G * T + 1, dtype=torch.int32, device=q.device)
-    readers, entry, counts = index[:entries], index[entries:2 * entries], index[2 * entries:]
+    # one fill: the reader lists (zero past the last reader), 0, the readers of each block, those entered so far
+    index = torch.zeros(entries + 2 * B * G * T + 1, dtype=torch.int32, device=q.device)
+    readers, counts = index[:entries], index[entries:]
+    entry = torch.empty(B, G, Tq, n, dtype=torch.int32, device=q.device)  # written whole by `_fwd_win`
     bt, grid, flags = args["BT"], (_cdiv(Tq, args["BT"]), B * G), dict(num_warps=kernels.WARPS)
     tile = {k: args[k] for k in ("sqb", "sqt", "sdb", "Tq", "T", "q0", "G", "H", "scale", "R", "BT", "M", "D", "DOCS")}
     docs_ptrs = dict(Q=q, START=ptrs["START"], FIRST=ptrs["FIRST"])
@@ -137,14 +138,14 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
         GATE=gates, O=out, OB=ob, LSE=lse, VALID=chosen["VALID"], ENTRY=entry, PART=part, PLSE=plse,
         **{k: args[k] for k in ("sgb", "sgt", "Tq", "G", "H", "ob_c", "st_c", "R", "BT", "M", "D")}, N=n,
         CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
-    return out, ob, lse, idx, valid, offsets, readers
+    return out, ob, lse, idx, valid, offsets, readers, entry
 
 
 def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, ob: torch.Tensor,
-             lse: torch.Tensor, offsets: torch.Tensor, readers: torch.Tensor, spec: NSASpec, docs: Documents | None,
-             q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
+             lse: torch.Tensor, offsets: torch.Tensor, readers: torch.Tensor, entry: torch.Tensor, spec: NSASpec,
+             docs: Documents | None, q0: int, branches: tuple[bool, bool, bool]) -> list[torch.Tensor]:
     """dq and the six key and value gradients in one flat buffer (`grads`), and d_gates, of `forward`'s output:
-    a zero fill, four kernels and one conversion to q's dtype."""
+    a zero fill, four kernels (sel's dK, dV and per-entry dQ first) and one conversion to q's dtype."""
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G, Nc = keys[2].shape[1], keys[2].shape[2], keys[0].shape[1]
@@ -153,29 +154,33 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gat
     at = [sum(sizes[:i]) for i in range(7)]
     gk = torch.zeros(sum(sizes), dtype=torch.float32, device=q.device)
     dg = torch.empty(B, Tq, H, 3, dtype=torch.float32, device=q.device)
-    delta = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)  # cmp, win, sel
+    delta = torch.empty(2, B, Tq, H, dtype=torch.float32, device=q.device)  # cmp, win
     bt, flags = args["BT"], dict(num_warps=kernels.WARPS)
     grads = dict(DO=d_out, sdob=d_out.stride(0), sdot=d_out.stride(1), LSE=lse, DELTA=delta, GK=gk)
-    sel_keys = ("KS", "VS", "sksb", "skst", "svsb", "svst")
-    backward_kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
-        **{k: x for k, x in {**ptrs, **args}.items() if k not in sel_keys}, **grads, OB=ob, DQ=gk[:at[1]], DG=dg,
-        BN=kernels.BLOCK_N, CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
-    if branches[1]:  # sel's dK, dV and dQ: equal spans of the readers of all chosen blocks (the inverse index)
+    dqe = gk  # unread without sel
+    if branches[1]:  # sel's dK, dV and each entry's dQ rows: equal spans of the readers of all chosen blocks
+        dqe = torch.empty(readers.numel() * args["R"] * D, dtype=torch.float32, device=q.device)
         bt_kv = max(1, kernels.SEL_KV_ROWS // args["R"])
         span_grid, span_args = _spans(offsets, readers.numel(), bt_kv)
         sel_kernels._bwd_sel_kv[span_grid](
-            Q=q, KS=keys[2], VS=keys[3], GATE=gates, **grads, READERS=readers, **span_args, BT=bt_kv,
-            M=_pow2(bt_kv * args["R"]), **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "sgb",
-                                                                "sgt", "Tq", "T", "q0", "G", "H", "scale", "st_c",
-                                                                "R", "D")},
-            gk_q=0, gk_ks=at[3], gk_vs=at[4], L=spec.l_sel, **flags)
+            Q=q, KS=keys[2], VS=keys[3], GATE=gates, **{k: grads[k] for k in ("DO", "sdob", "sdot", "LSE", "GK")},
+            OB=ob, DQE=dqe, READERS=readers, **span_args, BT=bt_kv, M=_pow2(bt_kv * args["R"]),
+            **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "sgb", "sgt", "Tq", "T", "q0", "G",
+                                    "H", "scale", "ob_c", "st_c", "R", "D")},
+            gk_ks=at[3], gk_vs=at[4], L=spec.l_sel, **flags)
+    sel_keys = ("KS", "VS", "sksb", "skst", "svsb", "svst")
+    backward_kernels._bwd_q[(_cdiv(Tq, bt), B * G)](
+        **{k: x for k, x in {**ptrs, **args}.items() if k not in sel_keys}, **{k: x for k, x in grads.items() if k !=
+                                                                               "GK"},
+        OB=ob, DQ=gk[:at[1]], DG=dg, ENTRY=entry, DQE=dqe, N=entry.shape[-1], BN=kernels.BLOCK_N, CMP=branches[0],
+        SEL=branches[1], WIN=branches[2], **flags)
     key_args = ("sqb", "sqt", "sgb", "sgt", "sdb", "scb", "Tq", "T", "q0", "G", "H", "scale", "d", "l", "w", "R", "BT",
                 "M", "D", "DOCS")
     common = dict(**{k: args[k] for k in key_args}, **grads, Q=q, GATE=gates, CSTART=ptrs["CSTART"],
                   START=ptrs["START"], FIRST=ptrs["FIRST"], BN=kernels.KV_BLOCK, **flags)
     for on, (k, v), S, lse_at, delta_at, gk_at, segs, win in (
             (branches[0], keys[:2], Nc, 0, 0, at[1:3], _cdiv(Tq, kernels.KV_SEGMENT), False),  # cmp: x query segments
-            (branches[2], keys[4:], T, 2 * B * Tq * H, B * Tq * H, at[5:], 1, True)):
+            (branches[2], keys[4:], T, 2 * B * Tq * H, B * Tq * H, at[5:], 1, True)):  # lse: win's is the third
         if on:
             backward_kernels._bwd_kv[(_cdiv(S, kernels.KV_BLOCK) * segs, B * G)](
                 **common, K=k, V=v, skb=k.stride(0), skt=k.stride(1), svb=v.stride(0), svt=v.stride(1), S=S,
@@ -210,7 +215,7 @@ def _spec(spec: list[int]) -> NSASpec:
 @torch.library.custom_op("nsa_titan::nsa_triton", mutates_args=())
 def _op(q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor, gates: Tensor,
         spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor
-        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return forward(q, [kc, vc, ks, vs, kw, vw], gates, _spec(spec), _docs(start, cmp_start, first_slot), q0,
                    tuple(branches))
 
@@ -222,36 +227,39 @@ def _(q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, fi
     n = min(spec[3], _spec(spec).num_sel_blocks(T))
     return (q.new_empty(B, Tq, H, D), q.new_empty(3, B, Tq, H, D), q.new_empty(3, B, Tq, H, dtype=torch.float32),
             q.new_empty(B, G, Tq, n, dtype=torch.long), q.new_empty(B, G, Tq, n, dtype=torch.bool),
-            q.new_empty(B * G * T + 1, dtype=torch.int32), q.new_empty(B * G * Tq * n, dtype=torch.int32))
+            q.new_empty(B * G * T + 1, dtype=torch.int32), q.new_empty(B * G * Tq * n, dtype=torch.int32),
+            q.new_empty(B, G, Tq, n, dtype=torch.int32))
 
 
 @torch.library.custom_op("nsa_titan::nsa_triton_backward", mutates_args=())
 def _backward_op(d_out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor,
-                 gates: Tensor, ob: Tensor, lse: Tensor, offsets: Tensor, readers: Tensor, spec: list[int], q0: int,
-                 branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor) -> list[Tensor]:
-    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, offsets, readers, _spec(spec),
+                 gates: Tensor, ob: Tensor, lse: Tensor, offsets: Tensor, readers: Tensor, entry: Tensor,
+                 spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor,
+                 first_slot: OptTensor) -> list[Tensor]:
+    return backward(d_out, q, [kc, vc, ks, vs, kw, vw], gates, ob, lse, offsets, readers, entry, _spec(spec),
                     _docs(start, cmp_start, first_slot), q0, tuple(branches))
 
 
 @_backward_op.register_fake
-def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, spec, q0, branches, start, cmp_start,
+def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry, spec, q0, branches, start, cmp_start,
       first_slot):
     return [q.new_empty(sum(_grad_sizes(q, kc, ks))), torch.empty_like(gates, memory_format=torch.contiguous_format)]
 
 
 def _setup(ctx, inputs, output) -> None:
     q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot = inputs
-    _, ob, lse, idx, valid, offsets, readers = output
-    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, start, cmp_start, first_slot)
+    _, ob, lse, idx, valid, offsets, readers, entry = output
+    ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry, start, cmp_start,
+                          first_slot)
     ctx.spec, ctx.q0, ctx.branches = spec, q0, branches
-    ctx.mark_non_differentiable(ob, lse, idx, valid, offsets, readers)
+    ctx.mark_non_differentiable(ob, lse, idx, valid, offsets, readers, entry)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of the saved outputs
 
 
 def _grad(ctx, d_out, *_saved_outputs):
-    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, start, cmp_start, first_slot = ctx.saved_tensors
-    flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, ctx.spec,
-                            ctx.q0, ctx.branches, start, cmp_start, first_slot)
+    q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry, start, cmp_start, first_slot = ctx.saved_tensors
+    flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry,
+                            ctx.spec, ctx.q0, ctx.branches, start, cmp_start, first_slot)
     return *grads(flat, q, kc, ks), dg, None, None, None, None, None, None
 
 
