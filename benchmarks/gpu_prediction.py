@@ -121,6 +121,8 @@ class Design:
     dq_atomic: bool = False  # sel's dQ rows written per entry, summed by `_bwd_q` (its delta from sel's output); True:
     # added atomically (before 2026-11-29)
     forced_in_win: bool = False  # the forced blocks (first, local) read contiguously by `_fwd_win`, not by `_fwd_sel`
+    kv_segment: int = triton_nsa.KV_SEGMENT  # queries a program of the cmp dK, dV kernel
+    win_segments: int = 1  # parts a window key tile's queries are cut into (each a program)
 
 
 BEFORE = {
@@ -134,6 +136,7 @@ CHANGES = {
     "64 keys a program in the cmp / win key-gradient kernel": dict(kv_block=64),
     "sel partials in bf16": dict(partial_bytes=2),
     "forced blocks read by the window kernel": dict(forced_in_win=True),
+    "shorter key-gradient programs (cmp 256 queries, window 2 parts)": dict(kv_segment=256, win_segments=2),
 }
 """The kernel changes the issue asks the model to weigh, as `Design` fields."""
 
@@ -330,8 +333,8 @@ def new_kernels(work: Work, x: Design) -> dict[str, Kernel]:
                                         atomic=visits * 2 * SPEC.l_sel * D * 4)
         kernels["_bwd_q: sel's dQ rows"] = Kernel([torch.full_like(win, n_sel - forced)], gathered=True, hbm=dq)
     kv = x.kv_block
-    cmp_kv = key_tiles(T, bt, kv, triton_nsa.KV_SEGMENT, 1)
-    win_kv = torch.full((_cdiv(T, kv) * G,), _cdiv(kv + SPEC.w - 1, bt))
+    cmp_kv = key_tiles(T, bt, kv, x.kv_segment, 1)
+    win_kv = torch.full((_cdiv(T, kv) * G * x.win_segments,), _cdiv(_cdiv(kv + SPEC.w - 1, x.win_segments), bt))
     if forced:  # the local blocks' dK, dV with the window's; the first block's over segments of queries
         win_kv = win_kv + _cdiv(kv + 2 * SPEC.l_sel, bt)
         kernels["_bwd_first"] = Kernel([torch.full((_cdiv(T, triton_nsa.KV_SEGMENT) * G,),

@@ -59,8 +59,8 @@ KV_SEGMENT = 512
 """Queries per program of the cmp dK, dV kernel: a slot is seen by every later query, so the queries are
 cut into segments whose parts are added atomically (the slot tiles alone would be too few programs)."""
 SEL_KV_ROWS = 32
-"""Rows (queries x heads) of a step of `triton_nsa_sel._bwd_sel_kv`: with 64, its dQ rows' atomic add spilled 48
-bytes on sm_90."""
+"""Rows (queries x heads) of a step of `triton_nsa_sel._bwd_sel_kv`: with 64 it spilled on sm_90 (48 bytes with
+the dQ rows' atomic add, 72 with the load of sel's output for delta that replaced it)."""
 READER_STEPS = 32
 """Steps of a program over the inverse index (`triton_nsa_sel`): its span is READER_STEPS tiles of
 readers, so the first block, which every query reads, is shared among Tq / span programs (64: 0.68 ms predicted
