@@ -60,8 +60,9 @@ sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.env import allocator_env  # noqa: E402
-from nsa_titan.models.attention import Kernels, NSASpec, cpu_attention, dense_causal, nsa_fast, nsa_reference  # noqa: E402
-from nsa_titan.models.attention.families import Auto  # noqa: E402
+from nsa_titan.models.attention import Kernels, NSASpec, dense_causal, nsa_fast, nsa_reference  # noqa: E402
+from nsa_titan.models.attention.families.cpp import cpu_attention  # noqa: E402
+from nsa_titan.models.attention.families.choose import Auto  # noqa: E402
 from nsa_titan.models.rope import rope_tables  # noqa: E402
 from nsa_titan.models.transformer import DenseAttention, NSAAttention  # noqa: E402
 

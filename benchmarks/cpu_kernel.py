@@ -1,4 +1,4 @@
-"""NSA's C++ CPU kernel branch by branch (`models/attention/cpu_attention.py`), at a config's shape.
+"""NSA's C++ CPU kernel branch by branch (`models/attention/families/cpp/cpu_attention.py`), at a config's shape.
 
     python benchmarks/cpu_kernel.py [--config train_configs/recall.toml] [--explore 8] [--repeats 15] [-- overrides...]
 
@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import load_config  # noqa: E402
-from nsa_titan.models.attention import Documents, common, cpu_attention, fast_shared  # noqa: E402
+from nsa_titan.models.attention import Documents, common  # noqa: E402
+from nsa_titan.models.attention.families.cpp import cpu_attention  # noqa: E402
+from nsa_titan.models.attention.families.pytorch import fast_shared  # noqa: E402
 from nsa_titan.models.transformer import nsa_spec  # noqa: E402
 
 

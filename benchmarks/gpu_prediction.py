@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from attention_speed import build_core  # noqa: E402  (the H100 run's inputs)
 
 from nsa_titan.models.attention import NSASpec  # noqa: E402
-from nsa_titan.models.attention import triton_nsa  # noqa: E402
-from nsa_titan.models.attention.families import FAMILIES  # noqa: E402
+from nsa_titan.models.attention.families.triton import triton_nsa  # noqa: E402
+from nsa_titan.models.attention.families.choose import FAMILIES  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D, SMS = 2, 6, 64, 132

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import load_config  # noqa: E402
-from nsa_titan.models.attention import cpu_attention, nsa_fast, with_score_grad  # noqa: E402
+from nsa_titan.models.attention import nsa_fast, with_score_grad  # noqa: E402
+from nsa_titan.models.attention.families.cpp import cpu_attention  # noqa: E402
 from nsa_titan.models.transformer import nsa_spec  # noqa: E402
 
 

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from nsa_titan.models.attention import NSASpec, cpu_attention  # noqa: E402
+from nsa_titan.models.attention import NSASpec  # noqa: E402
+from nsa_titan.models.attention.families.cpp import cpu_attention  # noqa: E402
 from test_cpu_attention import sel_inputs  # noqa: E402  (the kernel tests' inputs, at the M7C shape)
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)

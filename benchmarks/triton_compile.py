@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.models.attention import Documents, NSASpec  # noqa: E402
-from nsa_titan.models.attention import triton_nsa, triton_nsa_backward, triton_nsa_sel  # noqa: E402
-from nsa_titan.models.attention.families import triton as family  # noqa: E402
+from nsa_titan.models.attention.families.triton import triton_nsa, triton_nsa_backward, triton_nsa_sel  # noqa: E402
+from nsa_titan.models.attention.families.triton import family  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 H, G, D = 12, 2, 64

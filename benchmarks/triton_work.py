@@ -3,7 +3,7 @@
     python benchmarks/triton_work.py [--T 512 8192 32768 65536]
 
 One forward and backward of the M7C attention (B 1, 12 heads in 2 KV groups, head dim 64, the paper's
-l, d, l', n, w) in bf16 through the Triton family (`families/triton.py`, `triton_nsa.py`) on the CPU,
+l, d, l', n, w) in bf16 through the Triton family (`models/attention/families/triton/`) on the CPU,
 each Triton kernel recorded instead of run (what it computes is checked interpreted, TRITON_INTERPRET=1,
 in tests/test_families.py): its launches, and the ATen ops
 dispatched besides them that would launch a kernel on a GPU (views, allocations and other metadata-only
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.models.attention import Documents, NSASpec  # noqa: E402
-from nsa_titan.models.attention import triton_nsa, triton_nsa_backward, triton_nsa_sel  # noqa: E402
-from nsa_titan.models.attention.families import FAMILIES  # noqa: E402
+from nsa_titan.models.attention.families.triton import triton_nsa, triton_nsa_backward, triton_nsa_sel  # noqa: E402
+from nsa_titan.models.attention.families.choose import FAMILIES  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D = 2, 6, 64  # M7C: 12 heads in 2 KV groups, head dim 64

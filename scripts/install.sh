@@ -30,7 +30,8 @@ python3 -c "import nsa_titan, torch, torchdata, datasets, sentencepiece, tokeniz
 say "[3/3] building NSA's C++ attention kernel for CPUs (about a minute the first time, then cached)"
 python3 -c "
 import torch
-from nsa_titan.models.attention import NSASpec, cpu_attention
+from nsa_titan.models.attention import NSASpec
+from nsa_titan.models.attention.families.cpp import cpu_attention
 why = cpu_attention.problem(torch.device('cpu'), torch.float32, NSASpec(), 6, 64)
 print('nsa_titan install:', why + ': CPU runs keep the PyTorch kernels' if why else 'built')"
 say "done"

@@ -82,7 +82,7 @@ def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: floa
 def small_chunks(monkeypatch):
     """Fast-path chunks and tiles much smaller than T, so every loop runs many times with partial last
     chunks (sel chunks: 2 blocks of l' = 16)."""
-    from nsa_titan.models.attention import fast_sel, fast_shared
+    from nsa_titan.models.attention.families.pytorch import fast_sel, fast_shared
 
     monkeypatch.setattr(fast_shared, "CHUNK_CMP", 24)
     monkeypatch.setattr(fast_shared, "CHUNK_WIN", 16)
@@ -95,7 +95,7 @@ def cpu_path(request, monkeypatch) -> str:
     """Both ways the fast path runs its chunks: on CPUs through ATen's fused kernels (`fused_attention`),
     and as separate ops, the path other devices take (forced here by saying the kernels do not serve
     this device)."""
-    from nsa_titan.models.attention import fused_attention
+    from nsa_titan.models.attention.families.pytorch import fused_attention
 
     if request.param == "ops":
         monkeypatch.setattr(fused_attention, "fused", lambda x: False)

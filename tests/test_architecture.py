@@ -111,6 +111,21 @@ def test_the_checkpoint_package_imports_no_higher_layer():
     assert "nsa_titan.hf" in {m[:12] for m in _imports(PACKAGE / "export.py")}  # the check sees lazy imports
 
 
+def test_the_attention_package_keeps_what_families_share_and_a_folder_per_family():
+    """The top level holds the rules, documents, reference, routing and the dense baseline; each kernel family
+    all of its code in a folder (the C++ sources with the C++ family); the branch-by-branch path chooses no
+    family (before, `fast.py` and `families/` imported each other)."""
+    attention = PACKAGE / "models" / "attention"
+    assert sorted(p.name for p in attention.glob("*.py")) == ["__init__.py", "common.py", "dense.py", "documents.py",
+                                                              "reference.py", "routing.py"]
+    families = attention / "families"
+    assert sorted(p.name for p in families.iterdir() if p.is_dir() and (p / "__init__.py").is_file()) == [
+        "cpp", "pytorch", "triton"]
+    assert (families / "cpp" / "csrc" / "cpu_attention.cpp").is_file()
+    for path in (families / "pytorch").glob("*.py"):
+        assert not any(m.startswith("nsa_titan.models.attention.families.choose") for m in _imports(path)), path
+
+
 def test_production_classes_know_nothing_of_fault_injection():
     for path in [PACKAGE / "train.py", PACKAGE / "fault.py", PACKAGE / "failure.py", *(PACKAGE / "data").glob("*.py"),
                  *(PACKAGE / "checkpoint").glob("*.py")]:

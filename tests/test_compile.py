@@ -1,6 +1,6 @@
 """torch.compile over the fast path: each branch is one custom op, so the graph does not grow with T.
 
-The chunk loops run inside the ops (`models/attention/ops.py`); dynamo sees one node per branch and
+The chunk loops run inside the ops (`models/attention/families/pytorch/ops.py`); dynamo sees one node per branch and
 its fake implementation. Checked here: the captured graph has the same nodes at every T (with many
 chunks), compiled outputs and gradients equal eager ones (with and without documents, whose host
 bounds a compiled graph takes as an input tensor: it reads as few keys as eager), and
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nsa_titan.config import Model
-from nsa_titan.models.attention import Documents, NSASpec, ops
+from nsa_titan.models.attention import Documents, NSASpec
+from nsa_titan.models.attention.families.pytorch import ops
 from nsa_titan.models.rope import rope_tables
 from nsa_titan.models.transformer import NSAAttention
 
@@ -53,7 +54,7 @@ def compiled_and_eager(module: NSAAttention, T: int, docs: Documents | None) -> 
 
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_compiled_graph_does_not_grow_with_T_and_equals_eager(small_chunks, monkeypatch, with_docs):
-    from nsa_titan.models.attention import fast_shared
+    from nsa_titan.models.attention.families.pytorch import fast_shared
 
     keys_read, probs = [], fast_shared._probs
     monkeypatch.setattr(fast_shared, "_probs", lambda q, k, mask: keys_read.append(k.shape[2]) or probs(q, k, mask))

@@ -16,8 +16,10 @@ import torch
 from nsa_titan import hostcpu
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention.common import block_readers
-from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_family, cpu_attention, fast_sel, fast_shared, ops
-from nsa_titan.models.attention import fused_attention
+from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_family
+from nsa_titan.models.attention.families.cpp import cpu_attention
+from nsa_titan.models.attention.families.pytorch import fast_sel, fast_shared, ops
+from nsa_titan.models.attention.families.pytorch import fused_attention
 from nsa_titan.models.attention import nsa_fast, nsa_reference
 from nsa_titan.models.attention import common, routing
 from nsa_titan.models.attention.common import forced_blocks, query_positions
@@ -336,7 +338,7 @@ def test_the_scores_gradient_kernel_equals_the_pytorch_chunks(B, G, T, r, D, spe
         assert float(e.norm()) > 1.0 and float((g.double() - e).norm() / e.norm()) < 1e-5, name
 
 
-def test_nsa_fast_runs_every_branch_through_the_kernels_by_default(monkeypatch):
+def test_auto_runs_every_branch_through_the_kernels_on_cpus_in_fp32(monkeypatch):
     calls = []
     for name in ("cmp_forward", "cmp_backward", "sel_forward", "sel_backward", "window_forward", "window_backward"):
         def counted(*a, _fn=getattr(cpu_attention, name), _name=name):
@@ -344,11 +346,12 @@ def test_nsa_fast_runs_every_branch_through_the_kernels_by_default(monkeypatch):
             return _fn(*a)
         monkeypatch.setattr(cpu_attention, name, counted)
     args = [x.requires_grad_() for x in random_inputs(1, 100, 12, 2, 16, SPEC, dtype=torch.float32)]
-    nsa_fast(*args, SPEC).sum().backward()
+    choose_family("auto", CPU, torch.float32, SPEC, 6, 16)(*args, SPEC).sum().backward()
     assert sorted(set(calls)) == ["cmp_backward", "cmp_forward", "sel_backward", "sel_forward", "window_backward",
                                   "window_forward"]
     count = len(calls)  # cmp forward: one call per chunk
-    nsa_fast(*[x.double() for x in args], SPEC)  # fp64: the PyTorch kernels
+    choose_family("auto", CPU, torch.float64, SPEC, 6, 16)(*[x.double() for x in args], SPEC)  # the PyTorch kernels
+    nsa_fast(*args, SPEC)  # the branch-by-branch path alone: the PyTorch kernels, whatever runs here
     assert len(calls) == count
 
 

@@ -16,7 +16,7 @@ import torch
 
 from nsa_titan.config import Model
 from nsa_titan.models.attention import FAMILIES, Documents, Family, NSASpec
-from nsa_titan.models.attention import kernels as kernels_module
+from nsa_titan.models.attention.families.pytorch import kernels as kernels_module
 from nsa_titan.models.transformer import Transformer
 
 SPEC = NSASpec(l=8, d=4, l_sel=16, n=5, w=24)  # l/d = 2, l'/d = 4 as in the paper, scaled down

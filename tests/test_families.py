@@ -27,8 +27,8 @@ sys.path.insert(0, str(HERE))
 
 from nsa_titan.config import ConfigError, Model  # noqa: E402
 from nsa_titan.models.attention import FAMILIES, Documents, NSASpec, choose_family  # noqa: E402
-from nsa_titan.models.attention import kernels as kernels_module  # noqa: E402
-from nsa_titan.models.attention.families import describe_attention, model_family  # noqa: E402
+from nsa_titan.models.attention.families.pytorch import kernels as kernels_module  # noqa: E402
+from nsa_titan.models.attention.families.choose import describe_attention, model_family  # noqa: E402
 
 PAPER = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 SMALL = NSASpec(l=16, d=8, l_sel=32, n=5, w=96)
@@ -104,7 +104,7 @@ def half_precision() -> dict[str, float]:
 def opcheck() -> dict[str, str]:
     """The op as one custom op (one node under torch.compile): schema, fake implementation, registered
     backward, on a part of the queries with documents and on the whole without."""
-    from nsa_titan.models.attention.families import triton as family
+    from nsa_titan.models.attention.families.triton import family
 
     found = {}
     for case, q0 in (("group1", 0), ("parts", 64)):
@@ -185,7 +185,7 @@ def triton_errors() -> dict[str, dict]:
 def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
     """Outputs and all 8 gradients. At the M7C case the first block's 1,100 readers span several programs of the
     sel kernels over the inverse index (forward and backward), and most programs reach several blocks."""
-    from nsa_titan.models.attention import triton_nsa
+    from nsa_titan.models.attention.families.triton import triton_nsa
 
     if case == "m7c":
         assert CASES[case][1] > triton_nsa.READER_STEPS * triton_nsa.ROWS // 6
@@ -229,7 +229,7 @@ def test_a_family_that_cannot_run_here_is_refused_with_the_reason(monkeypatch):
 
 def test_the_triton_family_refuses_a_call_too_large_for_32_bit_offsets(monkeypatch):
     """The kernels index with 32-bit offsets: a call whose buffers would overflow them is refused, not run."""
-    from nsa_titan.models.attention.families import triton as family
+    from nsa_titan.models.attention.families.triton import family
 
     args, _ = inputs("group1")
     monkeypatch.setattr(family, "OFFSETS", 3 * args[0].numel())  # this call's branch outputs just reach it

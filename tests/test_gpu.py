@@ -11,8 +11,9 @@ import subprocess
 import pytest
 import torch
 
-from nsa_titan.models.attention import FAMILIES, NSASpec, choose_family, nsa_reference, triton_nsa
-from nsa_titan.models.attention import kernels as kernel_choice
+from nsa_titan.models.attention import FAMILIES, NSASpec, choose_family, nsa_reference
+from nsa_titan.models.attention.families.triton import triton_nsa
+from nsa_titan.models.attention.families.pytorch import kernels as kernel_choice
 
 from conftest import ROOT, TINY, torchrun
 from test_nsa_reference import random_inputs

@@ -23,7 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nsa_titan
 from nsa_titan.config import load_config
 from nsa_titan.loss import cross_entropy_loss
-from nsa_titan.models.attention import FAMILIES, Family, fast_shared, triton_nsa
+from nsa_titan.models.attention import FAMILIES, Family
+from nsa_titan.models.attention.families.pytorch import fast_shared
+from nsa_titan.models.attention.families.triton import triton_nsa
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT

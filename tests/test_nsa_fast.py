@@ -12,8 +12,10 @@ from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, nsa_fast, nsa_reference
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention import FAMILIES, Family, Kernels, choose_family
-from nsa_titan.models.attention import kernels as kernels_module
-from nsa_titan.models.attention import cpu_attention, ops, triton_nsa
+from nsa_titan.models.attention.families.pytorch import kernels as kernels_module
+from nsa_titan.models.attention.families.cpp import cpu_attention
+from nsa_titan.models.attention.families.pytorch import ops
+from nsa_titan.models.attention.families.triton import triton_nsa
 from nsa_titan.models.rope import rope_tables
 from nsa_titan.models.transformer import NSAAttention
 
@@ -164,7 +166,7 @@ def test_cpu_runs_every_branch_through_the_fused_kernels(monkeypatch):
     """On CPUs the PyTorch kernels' win forward, sel forward's three parts and every backward call
     ATen's fused kernels (the cmp forward computes its probabilities itself: it picks the sel
     blocks from them)."""
-    from nsa_titan.models.attention import fused_attention
+    from nsa_titan.models.attention.families.pytorch import fused_attention
 
     calls = {"attend": 0, "attend_backward": 0}
     unmasked = []  # the key counts of the backward's calls without a bias
@@ -306,7 +308,7 @@ def test_the_module_runs_the_kernels_it_was_given(monkeypatch):
 
 
 def whole_and_parts(args: list[torch.Tensor], docs: Documents | None, cuts: list[int],
-                    op: Kernels | Family | None = None, spec: NSASpec = SPEC
+                    op: Kernels | Family = Kernels(), spec: NSASpec = SPEC
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
     """nsa_fast on the kernels `op` (or the family `op`) over all queries, and over the parts cut at `cuts`
     (multiples of l') against the whole keys, concatenated; and the gradients of every input under one random
@@ -375,7 +377,7 @@ def test_host_bounds_read_only_the_documents_keys(small_chunks, monkeypatch):
     static tile count follows each query's own choices."""
     import dataclasses
 
-    from nsa_titan.models.attention import fast_sel, fast_shared
+    from nsa_titan.models.attention.families.pytorch import fast_sel, fast_shared
 
     read = {"keys": 0, "tiles": 0}
     probs, tiles = fast_shared._probs, fast_sel._tiles

@@ -15,7 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from nsa_titan.config import Model
 from nsa_titan.models.attention import Documents, NSASpec, cmp_visibility, masked_attention, select_blocks
 from nsa_titan.models.attention.common import block_scores, forced_blocks, masked_softmax
-from nsa_titan.models.attention import cpu_attention, routing
+from nsa_titan.models.attention import routing
+from nsa_titan.models.attention.families.cpp import cpu_attention
 from nsa_titan.models.attention.routing import explore_blocks, score_grad, set_explore_step, with_score_grad
 from nsa_titan.models.attention.families import base as family_base
 from nsa_titan.models.rope import rope_tables

@@ -26,7 +26,7 @@ def compiled() -> list[dict]:
     import triton_compile
     from triton.runtime.interpreter import InterpretedFunction
 
-    from nsa_titan.models.attention import triton_nsa
+    from nsa_titan.models.attention.families.triton import triton_nsa
 
     if isinstance(triton_nsa._fwd_cmp, InterpretedFunction):
         pytest.skip("the kernels were defined under TRITON_INTERPRET=1")

@@ -1,12 +1,13 @@
-"""Attention implementations: NSA's kernel families (`families/`: reference, PyTorch, C++, Triton), the dense causal baseline, the
-rules they share, and the block scores' straight-through gradient (`routing`)."""
+"""Attention: what every NSA kernel family shares (the rules and spec `common`, `documents`, the exact `reference`,
+the block scores' straight-through gradient `routing`), the families themselves (`families/`: reference,
+pytorch, cpp, triton, one folder each), and the dense causal baseline (`dense`)."""
 
 from .common import BRANCHES, NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members, top_n
 from .documents import Documents
 from .dense import dense_causal
-from .fast import nsa_fast
-from .families import FAMILIES, Family, choose_family, describe_attention, model_family
-from .kernels import Kernels
+from .families.choose import FAMILIES, Family, choose_family, describe_attention, model_family
+from .families.pytorch.fast import nsa_fast
+from .families.pytorch.kernels import Kernels
 from .reference import masked_attention, nsa_reference
 from .routing import set_explore_step, with_score_grad
 

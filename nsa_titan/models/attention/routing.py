@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention, ops
+from .families.cpp import cpu_attention
+from .families.pytorch import ops
 from .common import NSASpec, choose_blocks, forced_blocks, masked_softmax, member_slots, query_positions
 from .documents import Documents
 

@@ -15,8 +15,6 @@ import torch
 
 from ..common import NSASpec
 from ..documents import Documents
-from ..fast import nsa_fast
-from ..kernels import Kernels
 from ..routing import with_score_grad
 
 Tensor = torch.Tensor
@@ -62,15 +60,3 @@ class Family:
             o = with_score_grad(o, q, k_cmp, k_sel, v_sel, gates, spec, score_grad, docs, q0, explore, seed,
                                 (idx, valid), self.score_kernel)
         return (o, idx, valid) if return_selection else o
-
-
-class Branchwise(Family):
-    """`fast.nsa_fast` with one kernel per branch (`kernels`)."""
-
-    kernels: Kernels
-
-    def attend(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
-               v_win: Tensor, gates: Tensor, spec: NSASpec, docs: Documents | None, q0: int,
-               branches: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor]:
-        return nsa_fast(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, spec, self.kernels, docs, q0, branches,
-                        return_selection=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import cpu_attention
-from ..common import NSASpec
-from ..kernels import Kernels
-from .base import Branchwise
+from . import cpu_attention
+from ...common import NSASpec
+from ..pytorch.kernels import Kernels
+from ..pytorch.family import Branchwise
 
 
 class Cpp(Branchwise):

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention, fused_attention
-from .common import NSASpec, choose_blocks
-from .documents import ChunkBounds, Documents
+from . import fused_attention
+from ..cpp import cpu_attention
+from ...common import NSASpec, choose_blocks
+from ...documents import ChunkBounds, Documents
 
 CHUNK_CMP = 256
 """Queries per cmp chunk on CPUs (a chunk's scores stay near the caches)."""

@@ -12,7 +12,7 @@ The loops are over chunks, never over tokens, and inside the ops: under torch.co
 is one node, so the graph does not grow with T. `kernels` (`kernels.py`, fixed per run by the kernel
 family, `families/`) says where the branches run in NSA's C++ kernels instead (CPUs), and win through
 flash-attn (CUDA); where a branch runs in the C++ kernel, the gated sum of the branches does too
-(`cpu_attention.mix`). The Triton family is one op of its own (`triton_nsa.py`).
+(`cpp/cpu_attention.mix`). The Triton family is one op of its own (`families/triton/`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, mix_branches
-from .documents import Documents
+from ...common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, mix_branches
+from ...documents import Documents
 from .kernels import Kernels, window_flash
 
 
 def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor,
              k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
-             kernels: Kernels | None = None, docs: Documents | None = None, q0: int = 0,
+             kernels: Kernels = Kernels(), docs: Documents | None = None, q0: int = 0,
              branches: tuple[bool, bool, bool] = (True, True, True), return_selection: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `nsa_reference` (see there), computed branch by branch in chunks, each branch
-    by its kernel in `kernels` (None: `auto` for these tensors).
+    by its kernel in `kernels` (default: PyTorch for all three; the families pick theirs, `families/`).
 
     Context parallelism passes a part of the queries: q (B, Tq, H, D) and gates are those of positions
     q0 .. q0 + Tq - 1 (q0 a multiple of l'), the keys, values and `docs` those of the whole sequence."""
@@ -40,9 +40,6 @@ def nsa_fast(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: t
     acc = torch.promote_types(q.dtype, torch.float32)
     if spec.n < N_FORCED_INITIAL + N_FORCED_LOCAL:
         raise ValueError(f"nsa_fast needs n >= {N_FORCED_INITIAL + N_FORCED_LOCAL} (the forced blocks), got n = {spec.n}")
-    if kernels is None:  # (the families build on this function)
-        from .families import choose_family
-        kernels = choose_family("auto", q.device, q.dtype, spec, H // G, D).kernels
 
     def grouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Keys / values (B, S, G, D) -> (B, G, S, D)."""

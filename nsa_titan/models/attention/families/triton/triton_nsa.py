@@ -20,7 +20,7 @@ queries of one KV group, all r heads of each as rows of one tensor-core tile (BT
       entry's dQ rows (written, not added); `_bwd_q` per tile: the gate gradients and the whole dQ (cmp, win and
       the sum of its entries' sel rows); `_bwd_kv` per tile of cmp slots (in segments of queries) and of win
       keys: dK, dV; the gradients in one fp32 buffer.
-The host side, the custom op and its backward are `families/triton.py`. Shapes depend only on T, loops
+The host side, the custom op and its backward are `family.py` beside this file. Shapes depend only on T, loops
 run inside the kernels, and no value is read back to the host: the op can be captured in a CUDA graph.
 Rules of the kernels: l and l' multiples of d (sel block j's cmp members are the l/d + l'/d - 1 slots from
 j l'/d - l/d + 1), head dim and l' powers of two >= 16 (`problem`). Block sizes are set so that no kernel
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import NSASpec
+from ...common import NSASpec
 
 try:
     import triton

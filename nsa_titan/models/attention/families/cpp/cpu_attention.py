@@ -30,10 +30,10 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from ...hostcpu import cpu_flags
-from . import common
-from .common import NSASpec, block_readers
-from .documents import Documents
+from .....hostcpu import cpu_flags
+from ... import common
+from ...common import NSASpec, block_readers
+from ...documents import Documents
 
 SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp", Path(__file__).parent / "csrc" / "tiles.h")
 """The kernel and its vector layer (a header, built in; `tests/test_cpu_attention.py` also builds it alone)."""

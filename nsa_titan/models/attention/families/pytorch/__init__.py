@@ -1,0 +1,1 @@
+"""The branch-by-branch path (`fast.nsa_fast`) and its families: torch, flash (`family.py`)."""
