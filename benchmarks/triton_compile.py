@@ -129,6 +129,10 @@ def report(dtypes: list[str], arch: int, T: int) -> list[dict]:
                              "docs": docs, "dtype": name, "warps": warps, **use, "shared": kernel.metadata.shared,
                              "blocks_per_sm": blocks_per_sm(use["registers"], kernel.metadata.shared, warps),
                              "atomics": len(re.findall(r"\b(?:atom|red)\.", ptx)),
+                             "ordered_atomics": len(re.findall(r"\b(?:atom|red)\.[\w.]*\.(?:acq_rel|acquire|release|sc)\b",
+                                                               ptx)),
+                             "async_copies": len(re.findall(r"\bcp\.async\.(?:ca|cg)\b", ptx)),
+                             "stages": kernel.metadata.num_stages,
                              "tensor_cores": len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)", ptx))})
     return rows
 
@@ -141,12 +145,12 @@ def main() -> None:
     a = parser.parse_args()
     print(f"Triton family, M7C shape (H {H}, G {G}, D {D}), T {a.T}, sm_{a.arch}a")
     print("| kernel | documents | dtype | warps | registers | spills (st / ld bytes) | shared memory (bytes) | "
-          "blocks per SM | atomics | tensor-core ops |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "blocks per SM | atomics (ordered) | tensor-core ops | pipelined loads (cp.async) | stages |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report(a.dtypes, a.arch, a.T):
         print(f"| {r['kernel']} | {r['docs']} | {r['dtype']} | {r['warps']} | {r['registers']} | "
-              f"{r['spill_stores']} / {r['spill_loads']} | {r['shared']:,} | {r['blocks_per_sm']} | {r['atomics']} | "
-              f"{r['tensor_cores']} |", flush=True)
+              f"{r['spill_stores']} / {r['spill_loads']} | {r['shared']:,} | {r['blocks_per_sm']} | {r['atomics']} "
+              f"({r['ordered_atomics']}) | {r['tensor_cores']} | {r['async_copies']} | {r['stages']} |", flush=True)
 
 
 if __name__ == "__main__":

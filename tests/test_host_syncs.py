@@ -146,7 +146,7 @@ def test_triton_family_forward_and_backward_have_no_host_sync(docs):
     assert not seen, report(seen)
 
 
-LAUNCHES = 16
+LAUNCHES = 12
 """The most kernels one NSA attention forward + backward may launch on the Triton family (paper settings)."""
 
 
@@ -154,7 +154,7 @@ LAUNCHES = 16
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_triton_family_launches_a_handful_of_kernels_at_any_t(docs):
     """Triton kernels and the ATen ops that would launch a GPU kernel, counted as `benchmarks/triton_work.py`
-    counts them: the same few at T = 512 and at 65,536 (no chunk loop), at most 16."""
+    counts them: the same few at T = 512 and at 65,536 (no chunk loop), at most 12."""
     counts = {T: triton_work.launches(T, docs) for T in (512, 65536)}
     (small, small_ops), (large, large_ops) = counts[512], counts[65536]
     assert small == large and small_ops == large_ops

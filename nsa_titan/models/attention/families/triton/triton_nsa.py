@@ -265,7 +265,7 @@ if triton is not None:
             at = (-(key & _NONE) + _NONE).to(tl.int32)
             tl.store(IDX + out_at + n, tl.where(real, at, n).to(tl.int64), mask=qlive)  # none: block n, invalid
             tl.store(VALID + out_at + n, real.to(tl.int8), mask=qlive)
-            tl.atomic_add(COUNT + bg * T + sq + at * L, 1, mask=qlive & real)
+            tl.atomic_add(COUNT + bg * T + sq + at * L, 1, mask=qlive & real, sem="relaxed")
 
     @triton.jit
     def _pack(score, block):
@@ -289,7 +289,7 @@ if triton is not None:
             chosen = _chosen(IDX, VALID, bg, i, live, s, Tq, L, N, NP)
             key = bg * T + chosen
             listed = (live & (mm % R == 0))[:, None] & (chosen >= 0)  # a query once (its first head's row)
-            e = tl.load(OFFSETS + key, mask=listed, other=0) + tl.atomic_add(FILL + key, 1, mask=listed)
+            e = tl.load(OFFSETS + key, mask=listed, other=0) + tl.atomic_add(FILL + key, 1, mask=listed, sem="relaxed")
             tl.store(READERS + e, i[:, None] + chosen * 0, mask=listed)
             first_head = (live & (mm % R == 0))[:, None] & (tl.arange(0, NP) < N)[None, :]
             tl.store(ENTRY + (bg * Tq + i)[:, None] * N + tl.arange(0, NP)[None, :], tl.where(listed, e, -1),

@@ -30,8 +30,9 @@ if triton is not None:
 
     @triton.jit
     def _add(GK, at, x, ok):
-        """x (keys, D) added into the fp32 gradient buffer at `at` (keys, D)."""
-        tl.atomic_add(GK + at, x, mask=ok[:, None])
+        """x (keys, D) added into the fp32 gradient buffer at `at` (keys, D): relaxed, no ordering is needed (each
+        add is read only after the kernel ends)."""
+        tl.atomic_add(GK + at, x, mask=ok[:, None], sem="relaxed")
 
     @triton.jit
     def _bwd_q(Q, KC, VC, KW, VW, GATE, CSTART, START, FIRST, DO, OB, LSE, DQ, DG, DELTA, ENTRY, DQE,
