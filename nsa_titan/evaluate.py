@@ -106,7 +106,7 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
                                          cfg.training.seq_len, cfg.training.local_batch_size, dp_rank, dp_world)
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
     masking = cfg.training.document_masking  # as in training
-    for k, (inputs, labels, doc_ids) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
+    for k, (inputs, labels, doc_ids, _) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
                                                             total=batches or None)):
         if batches and k >= batches:
             break

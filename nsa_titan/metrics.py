@@ -186,11 +186,43 @@ class MetricsLogger:
             self.writer.close()
 
 
+class SourceShares:
+    """The tokens and documents (counted by their <eos>) this rank was fed from each source of a mixture."""
+
+    def __init__(self, labels: list[str], eos_id: int):
+        self.labels, self.eos_id = labels, eos_id
+        self.counts = torch.zeros(2, len(labels), dtype=torch.long)  # tokens, documents
+
+    def add(self, inputs: torch.Tensor, sources: torch.Tensor) -> None:
+        n = len(self.labels)
+        self.counts[0] += torch.bincount(sources.flatten(), minlength=n)
+        self.counts[1] += torch.bincount(sources[inputs == self.eos_id], minlength=n)
+
+    def shares(self) -> torch.Tensor:
+        """(2, sources): each source's share of the tokens and of the documents so far."""
+        return self.counts / self.counts.sum(1, keepdim=True).clamp(min=1)
+
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard's `data/share_tokens/<label>` and `data/share_documents/<label>` (none for one source)."""
+        if len(self.labels) < 2:
+            return {}
+        share = self.shares()
+        return {f"data/share_{what}/{label}": float(share[i, s]) for i, what in enumerate(("tokens", "documents"))
+                for s, label in enumerate(self.labels)}
+
+    def line(self) -> str:
+        """`shares (rank 0, tokens / documents): web 70.1% / 69.8%, ...`"""
+        share = self.shares()
+        return "shares (tokens / documents): " + ", ".join(
+            f"{label} {share[0, s]:.1%} / {share[1, s]:.1%}" for s, label in enumerate(self.labels))
+
+
 def run_summary(step: int, steps: int, steps_in_run: int, wall_s: float, stopped_by: str | None,
                 history: list[StepStats], validation: tuple[int, float] | None, saved: Path | None,
-                resumed_from: Path | None, failure: tuple[int, str] | None) -> str:
+                resumed_from: Path | None, failure: tuple[int, str] | None, shares: SourceShares | None = None) -> str:
     """A run in one line: the step reached (or the signal that stopped it), this run's steps and wall time,
-    the final training and validation losses, the last checkpoint it committed (and a failed last save)."""
+    the final training and validation losses, a mixture's realized shares (this rank's), the last checkpoint
+    it committed (and a failed last save)."""
     how = f"stopped by {stopped_by} at" if stopped_by else "reached"
     parts = [f"run summary: {how} step {step} of {steps} ({steps_in_run} steps in this run, "
              f"{timedelta(seconds=round(wall_s))})"]
@@ -198,6 +230,8 @@ def run_summary(step: int, steps: int, steps_in_run: int, wall_s: float, stopped
         parts.append(f"loss {history[-1].loss:.4f}")
     if validation is not None:
         parts.append(f"validation loss {validation[1]:.4f} (step {validation[0]})")
+    if shares is not None and len(shares.labels) > 1:
+        parts.append(shares.line())
     resumed = f" (it resumed from {resumed_from})" if resumed_from else ""
     parts.append(f"last checkpoint {saved}" if saved else f"no checkpoint saved by this run{resumed}")
     if failure is not None:
@@ -214,8 +248,11 @@ def log_setup(cfg: JobConfig, vocab: int, device: torch.device, output: Path) ->
     recall = (f"recall drill (seed {d.seed}, rows of {r.pairs} single-token pairs)" if r.drill else
               f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and {r.value_tokens}-token "
               f"values, each asked {r.asks}x, {r.distance_scale} distances {r.min_distance}..{r.max_distance or 'max'})")
+    total = sum(s.weight for s in d.sources)
+    text = (f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})" if len(d.sources) < 2 else
+            "a mixture of " + ", ".join(f"'{s.label}' {s.weight / total:.0%}" for s in d.sources))
     source = {"synthetic": f"synthetic tokens (seed {d.seed})", "recall": recall,
-              }.get(d.source, f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})")
+              }.get(d.source, text + (f", prepared in {d.prepared}" if d.prepared else ""))
     logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",
                 source, d.tokenizer, f" {d.tokenizer_path}" if d.tokenizer == "sentencepiece" else "",
                 vocab, cfg.model.vocab_size, d.num_workers)

@@ -36,8 +36,8 @@ from .extras import require_hf
 from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, TrainingHalted, announce, exit_now, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
-from .metrics import (MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup, peak_flops, peak_memory_gib,
-                      run_summary)
+from .metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup, peak_flops,
+                      peak_memory_gib, run_summary)
 from .models.attention import describe_attention, model_family, set_explore_step
 from .models.transformer import Transformer, nsa_spec
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
@@ -116,12 +116,12 @@ class Trainer:
                                                t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
+            self.shares = SourceShares([s.label for s in cfg.data.sources], self.tokenizer.eos_id)
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.dp_world_size)
-            config_toml = to_toml(cfg)
             self.checkpointer = CheckpointManager(
-                cfg.checkpoint, folder=self.paths.checkpoints, config_toml=config_toml, model=model,
+                cfg.checkpoint, folder=self.paths.checkpoints, config_toml=to_toml(cfg), model=model,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
                 other_owner=lambda: other_holder(self.paths.root, job_key()))
@@ -139,7 +139,7 @@ class Trainer:
                             else "no complete checkpoint yet: starting from step 0")
             self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps)
             if self.rank == 0:
-                self.paths.config.write_text(config_toml)
+                self.paths.config.write_text(self.checkpointer.config_toml)
             logger.info("training %d steps%s: global batch %d = %d data-parallel ranks x %d local x %d accumulation, "
                         "seq_len %d%s", t.steps, f" ({max(t.steps - self.state.step, 0)} remain after step "
                         f"{self.state.step})" if self.state.step else "", t.global_batch_size, self.dp_world_size,
@@ -164,11 +164,11 @@ class Trainer:
         """The next micro-batch on the device (inputs, labels, document ids or None), its wait counted as data wait."""
         try:
             with self.throughput.data_wait():
-                inputs, labels, document_ids = next(batches)
+                inputs, labels, document_ids, sources = next(batches)
+                self.shares.add(inputs, sources)
         except StopIteration:
-            raise DataError(f"rank {self.rank} ran out of training data: its share of [data] path = "
-                            f"'{self.cfg.data.path}' is empty (fewer shard files or documents than ranks "
-                            f"x workers?)") from None
+            raise DataError(f"rank {self.rank} ran out of training data: its share of the [data] sources is empty "
+                            f"(fewer shard files or documents than ranks x workers?)") from None
         self.last_batch = inputs.to(self.device), labels.to(self.device), self.documents(document_ids)
         return self.last_batch
 
@@ -246,7 +246,7 @@ class Trainer:
         total = torch.zeros(3, device=self.device)  # loss sum, batch count, ranks whose source stayed unreadable
         failure = None
         try:
-            for _, (inputs, labels, document_ids) in zip(range(v.steps), loader):
+            for _, (inputs, labels, document_ids, _) in zip(range(v.steps), loader):
                 logits = self.model(inputs.to(self.device), self.documents(document_ids))
                 total[0] += self.loss(logits, labels.to(self.device))
                 total[1] += 1
@@ -274,6 +274,7 @@ class Trainer:
             inputs, labels, documents = self.last_batch  # a recall batch's labels are its answers: their gates too
             answers = labels != IGNORE_INDEX if self.cfg.data.source == "recall" else None
             self.metrics.log_scalars(self.state.step, nsa_stats(self.model, inputs, documents, answers))
+        self.metrics.log_scalars(self.state.step, self.shares.scalars())
         self.history.append(stats)
 
     def train(self) -> list[StepStats]:
@@ -353,7 +354,7 @@ class Trainer:
         c = self.checkpointer
         return run_summary(self.state.step, self.cfg.training.steps, self.state.step - self.first_step + 1,
                            time.monotonic() - self.started, self.stopped_by, self.history, self.last_validation,
-                           c.last_saved, c.resumed_from, c.failure)
+                           c.last_saved, c.resumed_from, c.failure, self.shares)
 
     def close(self) -> None:
         """Finish what is in flight (an async save), then release threads, files, groups and the folder."""

@@ -16,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "nsa_titan" / "config" / "schema.py"
+SECTIONS = (SCHEMA, SCHEMA.with_name("data_sections.py"))
+"""The files whose dataclasses are the config's sections (`schema.py` imports the data's)."""
 PAGES = ROOT / "docs" / "config"
 
 
@@ -34,10 +36,25 @@ def _default(value: ast.expr | None) -> str:
     return ast.unparse(value) if value is not None else "(required)"
 
 
-def render(schema: Path = SCHEMA) -> dict[str, str]:
-    """{page name: markdown} for every config section of `schema`; raises ValueError for an undocumented key."""
-    tree = ast.parse(schema.read_text())
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+def _keys(cls: ast.ClassDef, where: str) -> list[str]:
+    """`- **key** (type, default): doc` for each field of `cls`; a ValueError for an undocumented one."""
+    lines = []
+    for i, field in enumerate(cls.body):
+        if not isinstance(field, ast.AnnAssign):
+            continue
+        doc = _doc(cls.body[i + 1] if i + 1 < len(cls.body) else None)
+        if doc is None:
+            raise ValueError(f"{where} {field.target.id} has no docstring in {cls.name}: every key needs one "
+                             f"(the line below it), for the reference")
+        lines.append(f"- **`{field.target.id}`** (`{ast.unparse(field.annotation)}`, default "
+                     f"`{_default(field.value)}`): {doc}")
+    return lines
+
+
+def render(files: tuple[Path, ...] = SECTIONS) -> dict[str, str]:
+    """{page name: markdown} for every config section; raises ValueError for an undocumented key. A key that is
+    a list of tables (`list[Source]`) lists the table's keys below the section's."""
+    classes = {n.name: n for f in files for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)}
     root = classes["JobConfig"]
     pages = {}
     for st in root.body:
@@ -49,15 +66,13 @@ def render(schema: Path = SCHEMA) -> dict[str, str]:
                  "Back to [the configuration](../configuration.md).", ""]
         if intro := _doc(cls.body[0]):
             lines += [intro, ""]
-        for i, field in enumerate(cls.body):
-            if not isinstance(field, ast.AnnAssign):
-                continue
-            doc = _doc(cls.body[i + 1] if i + 1 < len(cls.body) else None)
-            if doc is None:
-                raise ValueError(f"[{section}] {field.target.id} has no docstring in {schema.name}: every key needs one "
-                                 f"(the line below it), for the reference")
-            lines.append(f"- **`{field.target.id}`** (`{ast.unparse(field.annotation)}`, default "
-                         f"`{_default(field.value)}`): {doc}")
+        lines += _keys(cls, f"[{section}]")
+        for key in cls.body:
+            inner = ast.unparse(key.annotation) if isinstance(key, ast.AnnAssign) else ""
+            if inner.startswith("list[") and inner[5:-1] in classes:
+                table = classes[inner[5:-1]]
+                lines += ["", f"Each `[[{section}.{key.target.id}]]` table: {_doc(table.body[0]) or ''}", ""]
+                lines += _keys(table, f"[[{section}.{key.target.id}]]")
         pages[f"{section}.md"] = "\n".join(lines) + "\n"
     return pages
 

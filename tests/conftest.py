@@ -121,7 +121,7 @@ def single_process_run(args: list[str]) -> tuple[list[float], list[float], dict[
         opt.zero_grad()
         step_loss = 0.0
         for _ in range(accum):
-            inputs, labels, document_ids = next(batches)
+            inputs, labels, document_ids, _ = next(batches)
             logits = model(inputs, document_ids if t.document_masking else None)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
             (loss / accum).backward()

@@ -182,7 +182,7 @@ def test_generate_and_evaluate_past_the_training_length_agree_with_the_forward(a
     assert full.tolist() == new  # each token the forward's greedy choice at its position
     result = evaluate(str(adapted), batches=1, seq_len=512, by_position=True, bucket=128)
     loader = build_validation_dataloader(cfg.data, cfg.validation, tokenizer, 512, cfg.training.local_batch_size, 0, 1)
-    inputs, labels, doc_ids = next(iter(loader))
+    inputs, labels, doc_ids, _ = next(iter(loader))
     with torch.no_grad():
         loss = cross_entropy_loss(model(inputs, doc_ids), labels)
     assert result["loss"] == pytest.approx(float(loss), rel=1e-6) and result["tokens"] == labels.numel()

@@ -73,7 +73,7 @@ class CheckpointManager:
         self.folder, self.other_owner = folder, other_owner
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_world_size = dp_world_size or self.world_size
-        self.train_state, self.dp_rank = train_state, dp_rank
+        self.train_state, self.dp_rank, self.dataloader = train_state, dp_rank, dataloader
         self.parts: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": lr_scheduler, "train_state": train_state,
@@ -175,7 +175,11 @@ class CheckpointManager:
         self._verify(path, initial)
         saved = TrainState()
         self._dcp_load({"train_state": saved}, path)
-        if saved.dp_world_size != self.dp_world_size and not exclude & {"dataloader"}:
+        parts = dict(self.parts)
+        if saved.dp_world_size != self.dp_world_size and getattr(self.dataloader, "global_order", False):
+            # Every rank's position holds the global sample its next batch starts from: any rank's will do.
+            parts["dataloader.dp_rank_0"] = parts.pop(f"dataloader.dp_rank_{self.dp_rank}")
+        elif saved.dp_world_size != self.dp_world_size and not exclude & {"dataloader"}:
             if not self.cfg.restart_data_on_reshard:
                 raise CheckpointError(
                     f"checkpoint {path} was saved by {saved.dp_world_size} data-parallel ranks and this run has "
@@ -193,7 +197,7 @@ class CheckpointManager:
             logger.info("checkpoint %s has no RNG state for rank %d (saved by fewer ranks): not restored", path,
                         self.rank)
             exclude = exclude | {"rng"}
-        parts = {k: v for k, v in self.parts.items() if k.split(".")[0] not in exclude}
+        parts = {k: v for k, v in parts.items() if k.split(".")[0] not in exclude}
         if "model" in parts:
             check_fit(f"checkpoint {path}", saved_shapes(path), shapes(get_model_state_dict(self.model)))
         self._dcp_load(parts, path)

@@ -8,10 +8,12 @@ model vocabulary from the tokenizer's. The config it is given is not changed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+from pathlib import Path
 
 from .parsing import parse_args, resolve_path
-from .schema import ActivationCheckpoint, ConfigError, JobConfig, Model
+from .schema import ActivationCheckpoint, ConfigError, Data, JobConfig, Model, Source
 from .validation import dp_degrees, last_ac_layer, validate
 
 VOCAB_MULTIPLE = 64
@@ -55,13 +57,39 @@ def derive(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) 
     p.data_parallel_replicate_degree, p.data_parallel_shard_degree = dp_degrees(cfg, world_size)
     if t.global_batch_size == -1:
         t.global_batch_size = t.local_batch_size * p.data_parallel_replicate_degree * p.data_parallel_shard_degree
-    for section, key in (("data", "path"), ("data", "tokenizer_path"), ("validation", "path"),
+    for section, key in (("data", "path"), ("data", "tokenizer_path"), ("data", "prepared"), ("validation", "path"),
                          ("checkpoint", "initial_load_path")):
         sec = getattr(out, section)
         setattr(sec, key, resolve_path(getattr(sec, key)))
+    out.data.sources = data_sources(out.data)
     if tokenizer_vocab is not None:
         out.model.vocab_size = model_vocab(out, tokenizer_vocab)
     return out
+
+
+def data_sources(data: Data) -> list[Source]:
+    """The sources a run reads, paths resolved and each labelled: `[[data.sources]]`, else the one of `[data]
+    path`, `name`, `split` and `text_column`."""
+    given = data.sources or [Source(data.path, data.name, data.split, data.text_column)]
+    sources = [dataclasses.replace(s, path=local_or_as_given(s.path), label=s.label or source_label(s.path))
+               for s in given]
+    labels = [s.label for s in sources]
+    if len(set(labels)) < len(labels):
+        raise ConfigError(f"[[data.sources]] labels {labels}: each label names one source (a default label is the "
+                          f"last part of the path); give the sources different labels")
+    return sources
+
+
+def local_or_as_given(path: str) -> str:
+    """A source's path, absolute where it is a local file or folder (a prepared folder compares it), else as given."""
+    resolved = resolve_path(path)
+    return str(Path(resolved).resolve()) if resolved and Path(resolved).exists() else resolved
+
+
+def source_label(path: str) -> str:
+    """A source's default label: the last part of its path or URL, without a file suffix."""
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    return last.split(".", 1)[0] or "source"
 
 
 def max_context(cfg: JobConfig) -> int:

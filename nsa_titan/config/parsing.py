@@ -14,7 +14,10 @@ from typing import Any, Literal
 
 import tomli
 
-from .schema import DEFAULT_CONFIG, REPO_ROOT, ConfigError, JobConfig
+from .schema import DEFAULT_CONFIG, REPO_ROOT, ConfigError, JobConfig, Source
+
+TABLES = {list[Source]: Source}
+"""Keys whose value is a TOML array of tables (`[[data.sources]]`), and the dataclass of each table."""
 
 USAGE = """usage: run_train.sh [--config FILE] [--print_config] [--section.key VALUE | --section.key=VALUE ...]
 
@@ -44,6 +47,8 @@ def _allowed(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if tp == list[str]:
         return "a list of strings (on the command line: comma-separated)"
+    if tp in TABLES:
+        return "an array of tables"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
 
 
@@ -80,7 +85,28 @@ def _coerce(where: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise bad
+    if tp in TABLES:
+        return _tables(where, TABLES[tp], value, from_cli)
     raise TypeError(f"unsupported config field type {tp} at {where}")
+
+
+def _tables(where: str, cls: type, value: Any, from_cli: bool) -> list[Any]:
+    """A TOML array of tables as a list of `cls`, each key checked as a section's keys are."""
+    if from_cli:
+        raise ConfigError(f"{where} is an array of tables: set it in the TOML file ([[...]] tables, docs/data.md), "
+                          f"not on the command line")
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{where} must be an array of tables ([[...]] in TOML)")
+    types_ = _field_types(cls)
+    tables = []
+    for i, table in enumerate(value):
+        item = cls()
+        for key, v in table.items():
+            if key not in types_:
+                raise ConfigError(f"{where}[{i}]: unknown key '{key}'; known keys: {', '.join(types_)}")
+            setattr(item, key, _coerce(f"{where}[{i}] {key}", types_[key], v, from_cli=False))
+        tables.append(item)
+    return tables
 
 
 def _lookup(cfg: JobConfig, section: str, key: str, origin: str) -> tuple[Any, Any]:
@@ -184,8 +210,15 @@ def to_toml(cfg: JobConfig) -> str:
     """The config as a TOML file that `parse_args` reads back to an equal config."""
     lines: list[str] = []
     for section in dataclasses.fields(cfg):
+        sec = getattr(cfg, section.name)
         lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            lines.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section.name), f.name))}")
+        tables = [f for f in dataclasses.fields(sec) if _field_types(type(sec))[f.name] in TABLES]
+        for f in dataclasses.fields(sec):
+            if f not in tables:
+                lines.append(f"{f.name} = {_toml_value(getattr(sec, f.name))}")
+        for f in tables:  # after the section's keys: [[section.key]] tables end it
+            for item in getattr(sec, f.name):
+                lines.append(f"[[{section.name}.{f.name}]]")
+                lines += [f"{g.name} = {_toml_value(getattr(item, g.name))}" for g in dataclasses.fields(item)]
         lines.append("")
     return "\n".join(lines)

@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from .data_sections import Data, Recall, Source, Validation  # in a file of their own, for length
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "train_configs" / "debug_model.toml"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,100 +176,6 @@ class Training:
     """Each token attends only to its own document of the packed window (an <eos> ends one; the
     synthetic source cuts its own), with positions from 0 at each document's start: every NSA
     branch, the dense baseline, validation and evaluation. false: attention crosses documents."""
-
-
-@dataclass
-class Data:
-    source: Literal["datasets", "synthetic", "recall"] = "datasets"
-    """`datasets`: documents from `path` through `datasets.load_dataset(streaming=True)`;
-    `synthetic`: seeded token streams with learnable structure (no files, no tokenizer use);
-    `recall`: the long-range recall task of `[recall]` (no files, no tokenizer use)."""
-    path: str = "data/python_docs"
-    """A hub dataset id (e.g. HuggingFaceFW/fineweb-edu), a local parquet/jsonl/txt file or folder, or
-    the URL of a file, folder or glob that fsspec reads (`https://`, `s3://`, `gs://`, `hf://`; s3 and gs
-    need s3fs or gcsfs). Relative paths are taken from the working directory, else from the repository."""
-    name: str = ""
-    """Hub dataset config name (e.g. sample-10BT for FineWeb-Edu)."""
-    split: str = "train"
-    """The split to train on (local files: taken from their names, as on the hub)."""
-    text_column: str = "text"
-    """The column holding each document's text."""
-    shuffle_buffer: int = 1000
-    """Documents held in the shuffle buffer (0: stream order)."""
-    num_workers: int = 1
-    """StatefulDataLoader worker processes per rank (0: load in the training process)."""
-    seed: int = 1234
-    """Seed of the shuffle buffer and of the synthetic and recall sources."""
-    holdout: float = 0.0
-    """The share of the documents of `path` and `split` held out for validation, chosen by a hash of
-    each document's text (the same on every rank, run and resume): training never reads them, and
-    validation reads them instead of `[validation] path` and `split` (for sources with one split,
-    such as FineWeb-Edu). 0: none held out."""
-    read_retries: int = 10
-    """A remote source (URL, hub id): transient read errors (connection resets, timeouts, HTTP 429 and 5xx)
-    retried this many times in a row, from the same position; then the run saves and exits with code 75,
-    to be resumed (docs/operations.md). 0: no retries."""
-    retry_wait_seconds: float = 1.0
-    """The first wait before a retry; each further one doubles, up to 60 s (the defaults wait about 5
-    minutes in all, which must stay below [fault] step_timeout_seconds)."""
-    tokenizer: Literal["sentencepiece", "hf", "byte"] = "sentencepiece"
-    """`sentencepiece` (a `.model` file), `hf` (a Hugging Face `tokenizer.json`, read by the `tokenizers`
-    package) or `byte` (UTF-8 bytes and <eos>, vocabulary 257)."""
-    tokenizer_path: str = "data/python_docs/tokenizer.model"
-    """sentencepiece: the `.model` file. hf: a `tokenizer.json`, a folder holding one (with its
-    `tokenizer_config.json`, which names the eos and bos tokens), or a hub model id such as
-    `HuggingFaceTB/SmolLM2-135M`, fetched once into the Hugging Face cache. Ignored for `byte`."""
-
-
-@dataclass
-class Recall:
-    """The long-range recall task (`nsa_titan/data/recall.py`): the `recall` data source and
-    `python -m nsa_titan.evaluate --task recall`."""
-
-    key_tokens: int = 4
-    """Tokens per key."""
-    value_tokens: int = 4
-    """Tokens per value (each labelled at the query)."""
-    pairs: int = 4
-    """Key-value pairs hidden per sequence."""
-    asks: int = 1
-    """Queries per pair in training, each at its own distance. More than 1 repeats each value in the
-    row, as text repeats what matters: a denser signal for learning the lookup (a later query may
-    copy from an earlier one). The evaluation asks once, at the distance it names."""
-    min_distance: int = 16
-    """Training draws each pair's distance (query start - pair start) from [min_distance, max_distance]."""
-    max_distance: int = 0
-    """0: as far as seq_len allows."""
-    distance_scale: Literal["linear", "log", "mixed"] = "linear"
-    """How training draws distances: `linear`, every distance equally often; `log`, every scale
-    equally often (as many pairs in [16, 32) as in [512, 1024)), so that short pairs, which the
-    window alone can recall, come often enough to teach the lookup that long ones need; `mixed`,
-    half the draws each way (short pairs still often, the longest ones 2.5x as often as `log`)."""
-    distinct: bool = False
-    """Every key and value token of a row distinct (drawn without replacement from the key-value
-    alphabet, so pairs * (key_tokens + value_tokens) must fit in it). A key's last token then names
-    its pair, and a one-layer lookup on it is not ambiguous; with repeats, a token of one pair's key
-    recurs in another pair of a 10-pair row about half the time."""
-    drill: bool = False
-    """Rows of single-token pairs instead: a dictionary of `pairs` pairs from the key-value
-    alphabet, the row `k v k v ...` of its pairs in random order, every value whose key came before
-    labelled. Each pair recurs many times, so the lookup forms within a few hundred steps, where
-    the sparse answers of the recall rows leave the loss at chance; it then carries over to them
-    (docs/recall.md: a drill run, then the recall run from its checkpoint)."""
-
-
-@dataclass
-class Validation:
-    enable: bool = False
-    """Validate on a held-out split during training."""
-    path: str = ""
-    """The held-out source; empty means [data] path (unused with `[data] holdout`)."""
-    split: str = "validation"
-    """The held-out split (unused with `[data] holdout`)."""
-    freq: int = 100
-    """Validate every `freq` steps and after the last step."""
-    steps: int = 10
-    """Batches per validation (fewer if the split runs out first)."""
 
 
 @dataclass

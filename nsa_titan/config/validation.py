@@ -106,6 +106,16 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(dt.num_workers >= 0, f"[data] num_workers = {dt.num_workers}: must be >= 0")
     _require(dt.shuffle_buffer >= 0, f"[data] shuffle_buffer = {dt.shuffle_buffer}: must be >= 0")
     _require(0 <= dt.holdout < 1, f"[data] holdout = {dt.holdout}: the held-out share must lie in [0, 1) (e.g. 0.001)")
+    for i, src in enumerate(dt.sources):
+        where = f"[[data.sources]] {i} ('{src.label or src.path}')"
+        _require(bool(src.path), f"{where}: path is empty: give a hub dataset id, a local file or folder, or a URL")
+        _require(src.weight > 0, f"{where}: weight = {src.weight:g}: weights must be positive (a share relative "
+                                 f"to the other sources' weights); leave the source out to read none of it")
+        _require(src.min_tokens >= 0 and src.max_tokens >= 0 and (not src.max_tokens or src.max_tokens >= src.min_tokens),
+                 f"{where}: min_tokens = {src.min_tokens}, max_tokens = {src.max_tokens}: bounds must be >= 0 "
+                 f"(0: none) and max_tokens >= min_tokens")
+    _require(not dt.sources or dt.source == "datasets",
+             f"[[data.sources]] is set but [data] source = '{dt.source}' reads no text: set source = 'datasets'")
     _require(dt.source != "datasets" or bool(dt.path),
              "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
     if dt.source == "recall":

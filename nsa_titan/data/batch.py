@@ -11,12 +11,14 @@ class Sample(NamedTuple):
     """One window (the loader stacks them into a batch of the same shape with a leading batch dim).
 
     inputs, labels: (seq_len,) long, labels = inputs shifted by one; document_ids: (seq_len,) long,
-    the index (in the window) of the document each input token belongs to.
+    the index (in the window) of the document each input token belongs to; sources: (seq_len,) long, the
+    mixture's source (`[[data.sources]]` index) of each input token (0 for a single source).
     """
 
     inputs: torch.Tensor
     labels: torch.Tensor
     document_ids: torch.Tensor
+    sources: torch.Tensor
 
 
 def eos_documents(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
+import os
 import signal
 import warnings
 
@@ -13,9 +16,10 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data, Recall, Validation
+from ..config import Data, Recall, Source, Validation, data_sources
 from ..stop import ignore_stop_signals
 from .packing import PackedTextDataset
+from .prepared import PreparedLoader, PreparedWindows, open_prepared
 from .recall import RecallTokens, recall_layout
 from .sources import open_text_stream
 from .synthetic import SyntheticTokens
@@ -23,6 +27,8 @@ from .tokenizer import Tokenizer
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata's own call
 
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when its parent dies."""
 SNAPSHOT_EVERY = 16
 """Workers send their state (shuffle buffer included) every this many batches, not every batch;
 a restore replays the batches since the last snapshot, which is exact and cheap."""
@@ -42,31 +48,49 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
     elif data.source == "recall":
         layout, distances = recall_layout(recall, seq_len, vocab_size)
         dataset = RecallTokens(layout, data.seed, distances, dp_rank, dp_size, local_batch)
+    elif data.prepared:
+        data = dataclasses.replace(data, sources=data.sources or data_sources(data))
+        dataset = PreparedWindows(open_prepared(data, tokenizer), data.sources, seq_len, tokenizer.eos_id, data.seed,
+                                  dp_rank, dp_size, local_batch)
+        return PreparedLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
+                              persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
+                              worker_init_fn=start_worker, generator=own_generator(data.seed, dp_rank))
     else:
-        stream = split_dataset_by_node(held_out(open_text_stream(data.path, data.name, data.split, data.text_column,
-                                                                 data.read_retries, data.retry_wait_seconds),
-                                                data, keep=False), rank=dp_rank, world_size=dp_size)
-        dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, data.shuffle_buffer,
-                                    data.seed, dp_rank, retry=reader_retry(data, data.path))
+        data = dataclasses.replace(data, sources=data.sources or data_sources(data))
+        streams = [split_dataset_by_node(held_out(open_text_stream(s.path, s.name, s.split, s.text_column,
+                                                                   data.read_retries, data.retry_wait_seconds),
+                                                  data, s.text_column, keep=False), rank=dp_rank, world_size=dp_size)
+                   for s in data.sources]
+        dataset = PackedTextDataset(streams, data.sources, tokenizer, seq_len, data.shuffle_buffer, data.seed, dp_rank,
+                                    retry=(data.read_retries, data.retry_wait_seconds))
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
                               persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
-                              worker_init_fn=ignore_stop_signals, generator=own_generator(data.seed, dp_rank))
+                              worker_init_fn=start_worker, generator=own_generator(data.seed, dp_rank))
 
 
 def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
                                 local_batch: int, dp_rank: int, dp_size: int) -> StatefulDataLoader:
     """One pass over the held-out split (or `[data] holdout`'s documents), in order, sharded over the dp ranks."""
     path, split = (data.path, data.split) if data.holdout else (v.path or data.path, v.split)
-    source = open_text_stream(path, data.name, split, data.text_column, data.read_retries, data.retry_wait_seconds)
-    stream = split_dataset_by_node(held_out(source, data, keep=True), rank=dp_rank, world_size=dp_size)
-    dataset = PackedTextDataset(stream, tokenizer, seq_len, data.text_column, 0, data.seed, dp_rank, epochs=1,
-                                retry=reader_retry(data, path))
+    source = Source(path, data.name, split, data.text_column, label="validation")
+    stream = open_text_stream(path, data.name, split, data.text_column, data.read_retries, data.retry_wait_seconds)
+    stream = split_dataset_by_node(held_out(stream, data, data.text_column, keep=True), rank=dp_rank, world_size=dp_size)
+    dataset = PackedTextDataset([stream], [source], tokenizer, seq_len, 0, data.seed, dp_rank, epochs=1,
+                                retry=(data.read_retries, data.retry_wait_seconds))
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
 
 
-def reader_retry(data: Data, path: str) -> tuple[str, int, float]:
-    """What a reader of `path` retries with: its name, `[data] read_retries` and `retry_wait_seconds`."""
-    return f"[data] path = '{path}'", data.read_retries, data.retry_wait_seconds
+def start_worker(worker_id: int) -> None:
+    """`worker_init_fn` of the training loaders' workers: the rank decides when they stop, not a stop signal
+    (`stop.ignore_stop_signals`), and they die with their rank. A SIGKILLed rank's workers would otherwise live
+    on, each blocked at its exit on a result queue that its sibling holds open, and keep the job's output open."""
+    ignore_stop_signals(worker_id)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):  # not Linux: no parent-death signal
+        return
+    if os.getppid() == 1:  # the rank died before the request took effect
+        os._exit(0)
 
 
 def _select(example: dict, column: str, share: float, keep: bool) -> bool:
@@ -74,11 +98,11 @@ def _select(example: dict, column: str, share: float, keep: bool) -> bool:
     return (xxhash.xxh3_64_intdigest(example[column].encode()) < share * 2**64) == keep
 
 
-def held_out(stream: HFIterableDataset, data: Data, keep: bool) -> HFIterableDataset:
+def held_out(stream: HFIterableDataset, data: Data, column: str, keep: bool) -> HFIterableDataset:
     """`stream` with only (keep) or without the documents `[data] holdout` holds out; as it is if none."""
     if not data.holdout:
         return stream
-    return stream.filter(functools.partial(_select, column=data.text_column, share=data.holdout, keep=keep))
+    return stream.filter(functools.partial(_select, column=column, share=data.holdout, keep=keep))
 
 
 def own_generator(seed: int, dp_rank: int) -> torch.Generator:

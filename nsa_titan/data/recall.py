@@ -112,7 +112,7 @@ def recall_sample(layout: RecallLayout, seed: int, k: int, distances: list[int])
         for x in starts:
             used[x:x + S] = b"\x01" * S
         placed += ds
-    return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long)), placed
+    return Sample(tokens[:-1], labels[1:], *torch.zeros(2, L - 1, dtype=torch.long)), placed
 
 
 def drill_sample(layout: RecallLayout, seed: int, k: int) -> Sample:
@@ -129,7 +129,7 @@ def drill_sample(layout: RecallLayout, seed: int, k: int) -> Sample:
     first = torch.full((P,), len(pick)).scatter_reduce(0, pick, order, "amin")  # each pair's first row slot
     labels = torch.stack([torch.full_like(pick, IGNORE), torch.where(order > first[pick], values[pick], IGNORE)],
                          1).flatten()[:L]
-    return Sample(tokens[:-1], labels[1:], torch.zeros(L - 1, dtype=torch.long))
+    return Sample(tokens[:-1], labels[1:], *torch.zeros(2, L - 1, dtype=torch.long))
 
 
 class RecallTokens(IndexedSamples):

@@ -77,4 +77,4 @@ class SyntheticTokens(IndexedSamples):
         words = torch.multinomial(self.word_probs, self.seq_len // 2 + 1, replacement=True, generator=gen)
         tokens = torch.cat([self.word_tokens[w] for w in words.tolist()])[: self.seq_len + 1]
         starts = torch.rand(self.seq_len, generator=gen) < 4 / self.seq_len
-        return Sample(tokens[:-1], tokens[1:], torch.cumsum(starts.long(), 0))
+        return Sample(tokens[:-1], tokens[1:], torch.cumsum(starts.long(), 0), torch.zeros_like(tokens[1:]))

@@ -1,0 +1,156 @@
+"""Tokenize a config's sources once into prepared token shards (`prepared.py` has the format).
+
+    python -m nsa_titan.data.prepare --config train_configs/m7c.toml --output data/prepared/m7c --processes 2
+    ./run_train.sh --config train_configs/m7c.toml --data.prepared data/prepared/m7c
+
+Every source of `[data]` (its `[[data.sources]]`, or `path`) is read in order, `[data] holdout`'s documents
+left out and each source's length bounds applied, `--docs_per_part` documents a part, tokenized by
+`--processes` processes. A part is written to a temporary name and renamed when whole, so a prepare that is
+killed and run again continues after its last whole part and ends with the same files (and hashes) as an
+uninterrupted one. The manifest is written last: a folder without one is not read by training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ..cli import ArgumentParser, run_command
+from ..config import ConfigError, Data, JobConfig, Source, load_config, to_toml
+from .errors import DataError
+from .loader import held_out
+from .prepared import FORMAT, MANIFEST, PREPARED_AS, file_hash, fingerprint, token_dtype
+from .sources import open_text_stream
+from .tokenizer import Tokenizer, build_tokenizer
+
+SETTINGS = "prepare.json"
+"""Written first: what the folder is being prepared with; a rerun with other settings is refused."""
+
+_tokenizer: Tokenizer | None = None  # each process's own
+
+
+def _load_tokenizer(kind: str, path: str) -> None:
+    global _tokenizer
+    _tokenizer = build_tokenizer(kind, path)
+
+
+def _part_files(folder: Path, p: int) -> tuple[Path, Path]:
+    return folder / f"part-{p:05d}.bin", folder / f"part-{p:05d}.docs.npy"
+
+
+def write_part(texts: list[str], bounds: tuple[int, int], folder: Path, p: int, dtype: str) -> None:
+    """Tokenize `texts` (as the packer joins documents), keep those within `bounds` (tokens, 0: none), and write
+    part `p`: its tokens, then (renamed last, the part's mark of being whole) its documents' end offsets."""
+    tok, (low, high) = _tokenizer, bounds
+    docs = [([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(t) + [tok.eos_id] for t in texts]
+    docs = [d for d in docs if len(d) >= low and (not high or len(d) <= high)]
+    tokens, docs_file = _part_files(folder, p)
+    np.fromiter(itertools.chain.from_iterable(docs), dtype=dtype).tofile(tmp := tokens.with_suffix(".tmp"))
+    os.replace(tmp, tokens)
+    with (tmp := docs_file.with_suffix(".tmp")).open("wb") as f:
+        np.save(f, np.cumsum([len(d) for d in docs], dtype=np.int64))
+    os.replace(tmp, docs_file)
+
+
+def _chunks(data: Data, src: Source, n: int) -> Iterator[list[str]]:
+    stream = held_out(open_text_stream(src.path, src.name, src.split, src.text_column, data.read_retries,
+                                       data.retry_wait_seconds), data, src.text_column, keep=False)
+    texts = (example[src.text_column] for example in stream)
+    while chunk := list(itertools.islice(texts, n)):
+        yield chunk
+
+
+def prepare_source(pool: Any, processes: int, data: Data, src: Source, folder: Path, docs_per_part: int, dtype: str) -> dict[str, Any]:
+    """Write `src`'s parts into `folder` (those already whole are kept), then describe them for the manifest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pending: deque = deque()
+    parts = 0
+    with tqdm(desc=f"prepare {src.label}", unit=" docs", dynamic_ncols=True) as bar:
+        for p, texts in enumerate(_chunks(data, src, docs_per_part)):
+            parts = p + 1
+            if not _part_files(folder, p)[1].is_file():
+                args = (texts, (src.min_tokens, src.max_tokens), folder, p, dtype)
+                pending.append(pool.apply_async(write_part, args) if pool else write_part(*args))
+            while pool and len(pending) > 2 * processes:  # bounded: the stream is read as parts are written
+                pending.popleft().get()
+            bar.update(len(texts))
+        for job in pending:
+            if pool:
+                job.get()
+    entries = []
+    for p in range(parts):
+        tokens, docs = _part_files(folder, p)
+        n = tokens.stat().st_size // np.dtype(dtype).itemsize
+        if n:  # a part whose documents all fell outside the bounds is left out
+            entries.append({"file": tokens.name, "tokens": n, "documents": len(np.load(docs)), "xxh3": file_hash(tokens)})
+    if not entries:
+        raise DataError(f"[[data.sources]] '{src.label}': no document passes min_tokens = {src.min_tokens}, max_tokens "
+                        f"= {src.max_tokens or 'any'}: widen the bounds")
+    return {"source": {k: getattr(src, k) for k in PREPARED_AS}, "parts": entries,
+            "tokens": sum(e["tokens"] for e in entries), "documents": sum(e["documents"] for e in entries)}
+
+
+def prepare(cfg: JobConfig, output: Path, processes: int, docs_per_part: int) -> dict[str, Any]:
+    """Prepare every source of `cfg` into `output`; returns the manifest (also written there, last)."""
+    data = cfg.data
+    tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_path)
+    settings = {"format": FORMAT, "tokenizer": fingerprint(tokenizer), "tokenizer_path": data.tokenizer_path,
+                "dtype": token_dtype(tokenizer.vocab_size).name, "holdout": data.holdout,
+                "docs_per_part": docs_per_part, "sources": {s.label: {k: getattr(s, k) for k in PREPARED_AS}
+                                                            for s in data.sources}}
+    output.mkdir(parents=True, exist_ok=True)
+    if (output / SETTINGS).is_file() and json.loads((output / SETTINGS).read_text()) != settings:
+        raise DataError(f"--output '{output}' holds a prepare of other settings (tokenizer, sources, holdout or "
+                        f"--docs_per_part; {output / SETTINGS}): prepare into a new folder, or remove that one")
+    (output / SETTINGS).write_text(json.dumps(settings, indent=1))
+    (output / MANIFEST).unlink(missing_ok=True)
+    pool = multiprocessing.get_context("spawn").Pool(processes, _load_tokenizer, (data.tokenizer, data.tokenizer_path)) \
+        if processes > 1 else None
+    _load_tokenizer(data.tokenizer, data.tokenizer_path)
+    try:
+        sources = {s.label: prepare_source(pool, processes, data, s, output / s.label, docs_per_part, settings["dtype"])
+                   for s in data.sources}
+    finally:
+        if pool:
+            pool.terminate()
+    manifest = {**settings, "sources": sources, "config": to_toml(cfg)}
+    (tmp := output / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, output / MANIFEST)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="nsa_titan.data.prepare", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default="", help="the prepared folder (default: the config's [data] prepared)")
+    parser.add_argument("--processes", type=int, default=1, help="tokenizing processes")
+    parser.add_argument("--docs_per_part", type=int, default=4096, help="documents a part (the unit of resuming)")
+    args, overrides = parser.parse_known_args(argv)
+    if args.processes < 1 or args.docs_per_part < 1:
+        parser.error("--processes and --docs_per_part must be >= 1")
+
+    def body() -> int:
+        cfg, _ = load_config(overrides)
+        if not (output := args.output or cfg.data.prepared):
+            raise ConfigError("no folder to prepare into: pass --output DIR (or set [data] prepared)")
+        manifest = prepare(cfg, Path(output), args.processes, args.docs_per_part)
+        for label, s in manifest["sources"].items():
+            print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} parts")
+        print(f"wrote {output}; train on it with --data.prepared {output}")
+        return 0
+
+    return run_command("nsa_titan.data.prepare", body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""Prepared token shards: the format `prepare.py` writes, and training's random-access reader of it.
+
+A prepared folder holds, per source, `<label>/part-NNNNN.bin` (the tokens of its documents end to end, each
+document as the packer joins it: <bos> where the tokenizer has one, its tokens, <eos>; uint16 where the
+vocabulary fits, else uint32) and `part-NNNNN.docs.npy` (each document's end offset in the part), and one
+`manifest.json` (tokenizer fingerprint, the sources as prepared, counts, each part's content hash), written
+last. Windows of seq_len + 1 tokens are cut end to end from a source's tokens; the window of global sample i
+is a function of the seed, the source's epoch and i alone (`Mixture`, `PreparedWindows`), so a run resumed on
+another number of data-parallel ranks or loader workers continues the same sample sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from ..config import Data, Source
+from .batch import Sample, eos_documents
+from .errors import DataError
+from .synthetic import IndexedSamples
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+MIX_BLOCK = 4096
+"""Global samples per mixture block: each block holds every source's share (largest remainder), in an order
+drawn from the seed and the block's index."""
+PREPARED_AS = ("path", "name", "split", "text_column", "min_tokens", "max_tokens")
+"""A source's settings that decide its prepared tokens: a run's must equal the manifest's."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 where every token id fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+    """A hash of what decides the token ids: the tokenizer's kind, its file's bytes, vocabulary, eos and bos."""
+    h = xxhash.xxh3_64(f"{type(tokenizer).__name__}/{tokenizer.vocab_size}/{tokenizer.eos_id}/{tokenizer.bos_id}".encode())
+    file = getattr(tokenizer, "file", None) or getattr(tokenizer, "path", None)
+    if file:
+        h.update(Path(file).read_bytes())
+    return h.hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    """The xxh3-64 of a file's bytes, read in 64 MiB pieces."""
+    h = xxhash.xxh3_64()
+    with path.open("rb") as f:
+        while piece := f.read(1 << 26):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a prepared folder; a DataError if it is missing (a prepare that did not finish)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        what = "does not exist" if not folder.exists() else f"has no {MANIFEST}: its prepare did not finish"
+        raise DataError(f"[data] prepared = '{folder}' {what}; run (or rerun, which continues) "
+                        f"`python -m nsa_titan.data.prepare --config <your config> --output {folder}`")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"[data] prepared = '{folder}': format {manifest.get('format')}, this version reads {FORMAT}: "
+                        f"prepare it again")
+    return manifest
+
+
+class PreparedSource:
+    """One source's parts, memory-mapped on first use (in each loader worker)."""
+
+    def __init__(self, folder: Path, label: str, entry: dict[str, Any], dtype: np.dtype):
+        self.label, self.dtype = label, dtype
+        self.files = [folder / label / p["file"] for p in entry["parts"]]
+        self.ends = np.cumsum([p["tokens"] for p in entry["parts"]])  # each part's end in the source's tokens
+        self.tokens = int(self.ends[-1]) if len(self.ends) else 0
+
+    @cached_property
+    def maps(self) -> list[np.memmap]:
+        return [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) of the source, across parts."""
+        out, at = [], start
+        while at < start + n:
+            p = int(np.searchsorted(self.ends, at, side="right"))
+            begin = at - (int(self.ends[p - 1]) if p else 0)
+            piece = self.maps[p][begin:begin + start + n - at]
+            out.append(piece)
+            at += len(piece)
+        return np.concatenate(out)
+
+
+def open_prepared(data: Data, tokenizer: Tokenizer) -> list[PreparedSource]:
+    """The prepared sources of `[data] prepared`, in the order of `[data]`'s sources, checked against the run's
+    tokenizer and sources and against the manifest's sizes and content hashes: a DataError names what differs."""
+    folder = Path(data.prepared)
+    manifest = read_manifest(folder)
+    if manifest["tokenizer"] != (ours := fingerprint(tokenizer)):
+        raise DataError(f"[data] prepared = '{folder}' was prepared with another tokenizer (fingerprint "
+                        f"{manifest['tokenizer']}, {manifest.get('tokenizer_path', '?')}); this run's [data] tokenizer "
+                        f"is {ours} ({data.tokenizer_path}): prepare again with this tokenizer, or use that one")
+    if manifest["holdout"] != data.holdout:
+        raise DataError(f"[data] holdout = {data.holdout:g}, but '{folder}' was prepared with holdout = "
+                        f"{manifest['holdout']:g} (its documents are left out at preparing): prepare again, or match it")
+    out = []
+    for src in data.sources:
+        entry = manifest["sources"].get(src.label)
+        if entry is None:
+            raise DataError(f"[[data.sources]] '{src.label}' is not in [data] prepared = '{folder}' (it holds "
+                            f"{sorted(manifest['sources'])}): prepare it (rerun prepare with this config)")
+        differ = [k for k in PREPARED_AS if entry["source"][k] != getattr(src, k)]
+        if differ:
+            raise DataError(f"[[data.sources]] '{src.label}': {', '.join(f'{k} = {getattr(src, k)!r}' for k in differ)}"
+                            f", but '{folder}' prepared it with {', '.join(repr(entry['source'][k]) for k in differ)}: "
+                            f"prepare again, into a new folder")
+        for part in entry["parts"]:
+            file = folder / src.label / part["file"]
+            size = file.stat().st_size if file.is_file() else None
+            if size != part["tokens"] * np.dtype(manifest["dtype"]).itemsize or file_hash(file) != part["xxh3"]:
+                raise DataError(f"[data] prepared: {file} is {'missing' if size is None else 'truncated or altered'} "
+                                f"(its size or content hash differs from {folder / MANIFEST}): prepare again")
+        out.append(PreparedSource(folder, src.label, entry, np.dtype(manifest["dtype"])))
+    return out
+
+
+class Mixture:
+    """Global sample i -> (source, its k-th sample). Each block of MIX_BLOCK samples holds each source's share
+    of the weights (largest remainder), in an order drawn from (seed, block): realized shares are the weights'
+    to within one sample a block, and any i is found without reading what came before."""
+
+    def __init__(self, weights: list[float], seed: int):
+        share = np.asarray(weights, dtype=np.float64) / sum(weights) * MIX_BLOCK
+        counts = np.floor(share).astype(np.int64)
+        counts[np.argsort(counts - share, kind="stable")[:MIX_BLOCK - counts.sum()]] += 1
+        self.counts, self.seed = counts, seed
+        self.block: tuple[int, np.ndarray, np.ndarray] | None = None  # (index, order, rank of each slot)
+
+    def locate(self, i: int) -> tuple[int, int]:
+        if len(self.counts) == 1:
+            return 0, i
+        b, r = divmod(i, MIX_BLOCK)
+        if self.block is None or self.block[0] != b:
+            rng = np.random.default_rng([self.seed, 0x6D6978, b])
+            order = rng.permutation(np.repeat(np.arange(len(self.counts)), self.counts))
+            rank = np.empty_like(order)
+            for s in range(len(self.counts)):
+                where = order == s
+                rank[where] = np.arange(int(where.sum()))
+            self.block = (b, order, rank)
+        s = int(self.block[1][r])
+        return s, b * int(self.counts[s]) + int(self.block[2][r])
+
+
+class PreparedWindows(IndexedSamples):
+    """Windows of prepared sources by global sample index (from `start`, the position a run resumed at): the
+    mixture picks the source, the source's epoch a seeded permutation of its windows."""
+
+    def __init__(self, sources: list[PreparedSource], config: list[Source], seq_len: int, eos_id: int, seed: int,
+                 dp_rank: int, dp_size: int, local_batch: int):
+        super().__init__(dp_rank, dp_size, local_batch)
+        self.sources, self.config, self.seq_len, self.eos_id, self.seed = sources, config, seq_len, eos_id, seed
+        self.windows = [s.tokens // (seq_len + 1) for s in sources]
+        for src, n in zip(config, self.windows):
+            if n == 0:
+                raise DataError(f"[[data.sources]] '{src.label}': its prepared tokens do not fill one window of "
+                                f"seq_len + 1 = {seq_len + 1} tokens")
+        self.mixture = Mixture([s.weight for s in config], seed)
+        self.start = 0
+        self.orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) -> its window order
+
+    def order(self, s: int, epoch: int) -> np.ndarray:
+        if (s, epoch) not in self.orders:
+            if epoch and not self.config[s].repeat:
+                raise DataError(f"[[data.sources]] '{self.config[s].label}' is read to its end and repeat = false: "
+                                f"the run stops here (set repeat = true to read it again, reshuffled)")
+            if epoch:
+                logger.info("data: source '%s' starts its epoch %d", self.config[s].label, epoch + 1)
+            self.orders = {k: v for k, v in self.orders.items() if k[0] != s}  # one epoch a source held
+            self.orders[s, epoch] = np.random.default_rng([self.seed, s, epoch]).permutation(self.windows[s])
+        return self.orders[s, epoch]
+
+    def sample(self, k: int) -> Sample:
+        s, j = self.mixture.locate(self.start + k)
+        epoch, at = divmod(j, self.windows[s])
+        n = self.seq_len + 1
+        window = torch.from_numpy(self.sources[s].read(int(self.order(s, epoch)[at]) * n, n).astype(np.int64))
+        return Sample(window[:-1], window[1:], eos_documents(window[:-1], self.eos_id), torch.full((n - 1,), s))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "start": self.start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.start = state["start"]
+
+
+class PreparedLoader(StatefulDataLoader):
+    """The loader of prepared windows. Its state also holds the global sample the next batch of every rank
+    starts from, so a run resumed on another number of data-parallel ranks, loader workers or local batch
+    continues the sample sequence there (the worker states are used where the layout is the same)."""
+
+    global_order = True
+
+    def layout(self) -> list[int]:
+        d = self.dataset
+        return [d.dp_size, self.num_workers, d.local_batch]
+
+    def next_sample(self) -> int:
+        yielded = getattr(self._iterator, "_num_yielded", 0) if self._iterator is not None else 0
+        return self.dataset.start + yielded * self.dataset.dp_size * self.dataset.local_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        loader = super().state_dict()
+        return {"loader": loader, "start": self.dataset.start, "next": self.next_sample(), "layout": self.layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["layout"] == self.layout():
+            self.dataset.start = state["start"]
+            super().load_state_dict(state["loader"])
+            return
+        logger.info("data: %s ranks x workers x batch -> %s: the prepared samples continue at global sample %d",
+                    state["layout"], self.layout(), state["next"])
+        self.dataset.start = state["next"]
+        super().load_state_dict({})

@@ -1,0 +1,350 @@
+"""Data for real runs: weighted mixtures of sources (streamed and prepared), prepared token shards, their exact
+resume (also on another number of ranks), a prepare killed and rerun, and every refusal.
+
+Loader-level tests use 2 data-parallel ranks and 2 loader workers, as the shipped configs run; the job tests
+run `run_train.sh` on the embedded corpus split into three sources by document length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nsa_titan.config import ConfigError, Data, Source, load_config
+from nsa_titan.data import DataError, build_dataloader, shutdown_workers
+from nsa_titan.data.prepare import prepare
+from nsa_titan.data.prepared import MIX_BLOCK, Mixture, file_hash
+from nsa_titan.data.tokenizer import ByteTokenizer
+
+from conftest import ROOT
+from jobs import STEPS, Job, assert_bit_equal, run_job
+
+NAMES, WEIGHTS = ("alpha", "beta", "gamma"), (5.0, 3.0, 2.0)
+SEQ_LEN, BATCH, WORKERS = 33, 2, 2
+THREE = """
+[[data.sources]]
+path = "data/python_docs"
+label = "short"
+max_tokens = 600
+weight = 5
+[[data.sources]]
+path = "data/python_docs"
+label = "long"
+min_tokens = 1500
+weight = 3
+[[data.sources]]
+path = "data/python_docs"
+label = "all"
+weight = 2
+"""
+"""The embedded corpus as three sources, by document length (each with its 8 shard files)."""
+
+
+def doc_text(name: str, i: int) -> str:
+    return f"{name}{i:04d}:".ljust(15, "x") + "\n"  # 16 bytes + <eos>: a window of 34 tokens holds 2 documents
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> list[Path]:
+    """Three sources, each 4 parquet shards of 16 documents that name their source."""
+    roots = []
+    for name in NAMES:
+        root = tmp_path_factory.mktemp(name)
+        for k in range(4):
+            pq.write_table(pa.table({"text": [doc_text(name, i) for i in range(k, 64, 4)]}),
+                           root / f"train-{k:05d}-of-00004.parquet")
+        roots.append(root)
+    return roots
+
+
+def mixture(corpora, prepared: str = "", **kw) -> Data:
+    sources = [Source(str(p), label=n, weight=w) for p, n, w in zip(corpora, NAMES, WEIGHTS)]
+    return Data(path=str(corpora[0]), tokenizer="byte", shuffle_buffer=8, num_workers=WORKERS, seed=3,
+                sources=sources, prepared=prepared, **kw)
+
+
+OPEN: list = []
+"""The loaders a test made: their workers ignore the stop signals, so they are shut down after each test."""
+
+
+@pytest.fixture(autouse=True)
+def shut_loaders():
+    yield
+    while OPEN:
+        shutdown_workers(OPEN.pop())
+
+
+def loader(data: Data, rank: int = 0, ranks: int = 1, batch: int = BATCH):
+    OPEN.append(build_dataloader(data, ByteTokenizer(), SEQ_LEN, 320, batch, rank, ranks))
+    return OPEN[-1]
+
+
+def loaders(data: Data, ranks: int = 2, batch: int = BATCH) -> list:
+    return [loader(data, r, ranks, batch) for r in range(ranks)]
+
+
+def sources_of(batches) -> torch.Tensor:
+    """Documents per source (their <eos> tokens, counted by the source ids the batches carry)."""
+    return sum(torch.bincount(b.sources[b.inputs == ByteTokenizer.eos_id], minlength=3) for b in batches)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpora, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "mix"
+    cfg, _ = load_config(["--data.tokenizer", "byte"], world_size=1)
+    cfg.data = mixture(corpora)
+    prepare(cfg, out, processes=1, docs_per_part=8)
+    return out
+
+
+def test_streamed_mixture_shares_are_within_binomial_bounds_of_the_weights(corpora):
+    """A seeded choice per document: over 2 ranks x 2 workers, each source's share of the documents lies within
+    4 standard deviations of its weight's share; every document names the source its ids say."""
+    counts = torch.zeros(3, dtype=torch.long)
+    for dl in loaders(mixture(corpora)):
+        batches = [b for b, _ in zip(dl, range(120))]
+        counts += sources_of(batches)
+        for b in batches:
+            for window, ids in zip(b.inputs, b.sources):
+                text = ByteTokenizer().decode(window.tolist())
+                assert all(text[16 * d:].startswith(NAMES[int(ids[17 * d])]) for d in range(2)), text
+    n, p = int(counts.sum()), torch.tensor(WEIGHTS) / sum(WEIGHTS)
+    assert n == 2 * 120 * BATCH  # one <eos> a window among the inputs (its last token, the second, is a label)
+    for s in range(3):
+        sd = math.sqrt(n * p[s] * (1 - p[s]))
+        assert abs(int(counts[s]) - n * p[s]) <= 4 * sd, (counts.tolist(), p.tolist())
+
+
+def test_prepared_mixture_shares_are_the_weights_in_every_block():
+    """Prepared windows: each block of MIX_BLOCK global samples holds each source's share (largest remainder)."""
+    mix = Mixture(list(WEIGHTS), seed=3)
+    located = [mix.locate(i) for i in range(2 * MIX_BLOCK)]
+    for block in (located[:MIX_BLOCK], located[MIX_BLOCK:]):
+        counts = np.bincount([s for s, _ in block], minlength=3)
+        assert np.abs(counts - np.array(WEIGHTS) / sum(WEIGHTS) * MIX_BLOCK).max() <= 1
+    for s in range(3):  # each source's k-th sample appears once, in order of the global index
+        assert [k for src, k in located if src == s] == list(range(sum(1 for src, _ in located if src == s)))
+
+
+@pytest.mark.parametrize("kind", ["streamed", "prepared"])
+def test_a_restored_mixture_gives_the_same_next_batches(corpora, prepared, kind):
+    """Every source's position, the buffer and the RNG (streamed) or the global position (prepared) are saved:
+    a loader restored from a state taken mid-run yields exactly the batches the first one yields next."""
+    data = mixture(corpora, str(prepared) if kind == "prepared" else "")
+    first, again = loaders(data), loaders(data)
+    for a, b in zip(first, again):
+        it = iter(a)
+        [next(it) for _ in range(37)]  # past each source's first epoch
+        b.load_state_dict(a.state_dict())
+        expected, got = [next(it) for _ in range(12)], [x for x, _ in zip(b, range(12))]
+        for x, y in zip(expected, got):
+            assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+def test_prepared_windows_continue_on_another_number_of_ranks(corpora, prepared):
+    """Saved at 2 ranks and resumed at 1 (and at 2 again from a 1-rank save): the new layout reads exactly the
+    token ids the old one would have read next, in the order of the global sample index."""
+    data = mixture(corpora, str(prepared))
+    dls = loaders(data)
+    two = [iter(dl) for dl in dls]
+    for _ in range(5):
+        [next(it) for it in two]
+    state = dls[0].state_dict()  # what every rank's checkpoint holds; rank 0's is what a 1-rank run loads
+    assert state["next"] == dls[1].state_dict()["next"] == 5 * 2 * BATCH
+    would = [torch.cat([next(it).inputs for it in two]) for _ in range(3)]  # ranks 0, 1 of each global batch
+    one, = loaders(data, ranks=1)
+    one.load_state_dict(state)
+    got = [b.inputs for _, b in zip(range(6), one)]
+    assert torch.equal(torch.cat(got), torch.cat(would))
+    back = loaders(data)  # and from the 1-rank position (sample 32) to 2 ranks again
+    for dl in back:
+        dl.load_state_dict(one.state_dict())
+    fresh = [b.inputs for b, _ in zip(loaders(data, ranks=1)[0], range(18))]
+    assert torch.equal(torch.cat([next(iter(dl)).inputs for dl in back]), torch.cat(fresh[16:18]))
+
+
+def test_a_killed_prepare_continues_and_ends_identical(tmp_path):
+    """SIGKILL mid-way (2 processes), then the same command again: the same files and content hashes as a
+    prepare that was never interrupted."""
+    cmd = [sys.executable, "-m", "nsa_titan.data.prepare", "--processes", "2", "--docs_per_part", "32"]
+    whole = tmp_path / "whole"
+    subprocess.run([*cmd, "--output", str(whole)], check=True, cwd=ROOT, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*cmd, "--output", str(killed)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(killed.glob("*/*.docs.npy"))) < 10:
+        assert proc.poll() is None and time.monotonic() < deadline, "prepare ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "manifest.json").exists()
+    out = subprocess.run([*cmd, "--output", str(killed)], check=True, cwd=ROOT, capture_output=True, text=True)
+    assert "wrote" in out.stdout
+    a, b = (json.loads((f / "manifest.json").read_text()) for f in (whole, killed))
+    assert a["sources"] == b["sources"] and len(a["sources"]["python_docs"]["parts"]) > 40
+    for part in a["sources"]["python_docs"]["parts"]:
+        assert file_hash(killed / "python_docs" / part["file"]) == part["xxh3"]
+
+
+def test_streamed_length_bounds_keep_only_documents_within_them(corpora):
+    """min_tokens / max_tokens per source: a bound no document passes stops with a DataError naming it."""
+    data = mixture(corpora)
+    data.sources = [Source(str(corpora[0]), label="alpha", min_tokens=100)]
+    with pytest.raises(DataError, match=r"'alpha': no document has between min_tokens = 100"):
+        next(iter(loader(data)))
+
+
+def test_a_source_that_does_not_repeat_stops_the_run_at_its_end(corpora, prepared):
+    """repeat = false: the first read past the source's last document is a DataError (streamed and prepared)."""
+    for prep in ("", str(prepared)):
+        data = mixture(corpora, prep)
+        data.sources, data.num_workers = [Source(str(corpora[0]), label="alpha", repeat=False)], 0
+        it = iter(loader(data))
+        with pytest.raises(DataError, match="'alpha' is read to its end and repeat = false"):
+            [next(it) for _ in range(100)]
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory) -> Path:
+    """The shipped default config with the three-source mixture of the embedded corpus and 2 loader workers."""
+    path = tmp_path_factory.mktemp("config") / "three.toml"
+    text = (ROOT / "train_configs" / "debug_model.toml").read_text().replace("num_workers = 1", "num_workers = 2")
+    path.write_text(text + THREE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def three_prepared(three, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("three") / "prepared"
+    subprocess.run([sys.executable, "-m", "nsa_titan.data.prepare", "--config", str(three), "--output", str(out),
+                    "--processes", "2", "--docs_per_part", "256"], check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["streamed", "prepared"])
+def test_sigkill_and_resume_with_a_mixture_is_bit_equal(tmp_path, three, three_prepared, kind):
+    """2 ranks, 2 loader workers: a rank SIGKILLed after a save, the job restarted by MAX_RESTARTS, ends with
+    the model and optimizer of an uninterrupted run, bit for bit, and no process of it left behind; the summary
+    gives the realized shares."""
+    args = ["--config", str(three), *(["--data.prepared", str(three_prepared)] if kind == "prepared" else [])]
+    whole = tmp_path / "whole"
+    out = run_job(whole, *args, nproc=2)
+    shares = re.search(r"shares \(tokens / documents\): short ([\d.]+)% / ([\d.]+)%, long ([\d.]+)% / ([\d.]+)%, "
+                       r"all ([\d.]+)% / ([\d.]+)%", out)
+    assert shares, out[-3000:]
+    dump = tmp_path / "out"
+    job = Job(dump, *args, "--checkpoint.interval", "5", nproc=2, env={"MAX_RESTARTS": "1"})
+    job.wait_for(r"checkpoint \S+/step-10: ")
+    os.kill(job.rank_pid(1), signal.SIGKILL)
+    rc, out = job.finish()
+    assert rc == 0 and f"run summary: reached step {STEPS} of {STEPS}" in out, out[-4000:]
+    assert "restart 1 of 1" in out
+    assert not running(str(dump)), "a killed rank's loader workers outlived it"  # they die with their rank
+    assert_bit_equal(dump, whole)
+
+
+@pytest.mark.multiprocess
+def test_a_prepared_run_saved_at_two_ranks_resumes_at_one(tmp_path, three, three_prepared):
+    """The checkpoint of a 2-rank run loads at 1 rank without restarting the data: it continues at the global
+    sample the 2-rank run would have read next (the loader test above compares the token ids)."""
+    dump = tmp_path / "out"
+    args = ["--config", str(three), "--data.prepared", str(three_prepared), "--checkpoint.interval", "10"]
+    run_job(dump, *args, "--training.steps", "10", nproc=2)
+    out = run_job(dump, *args, "--training.steps", "14", nproc=1)
+    assert "the prepared samples continue at global sample 80" in out, out[-3000:]  # 10 steps x 2 ranks x 4
+    assert "run summary: reached step 14 of 14" in out
+
+
+def running(marker: str) -> list[str]:
+    """The pids of the processes whose command line holds `marker`."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (proc / "cmdline").read_bytes():
+                pids.append(proc.name)
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+def bad(tmp_path, three, three_prepared, case: str) -> list[str]:
+    """The arguments of a run that must be refused; damages a copy of the prepared folder where asked."""
+    args = ["--config", str(three)]
+    if case in ("truncated", "altered", "tokenizer", "unprepared"):
+        copy = tmp_path / "prepared"
+        subprocess.run(["cp", "-r", str(three_prepared), str(copy)], check=True)
+        part = copy / "short" / "part-00000.bin"
+        if case == "truncated":
+            part.write_bytes(part.read_bytes()[:-2])
+        elif case == "altered":
+            b = bytearray(part.read_bytes())
+            b[10] ^= 1
+            part.write_bytes(bytes(b))
+        elif case == "unprepared":
+            (copy / "manifest.json").unlink()
+        args += ["--data.prepared", str(copy)]
+        if case == "tokenizer":
+            args += ["--data.tokenizer", "byte"]
+    return args
+
+
+REFUSALS = [
+    ("weight", ["--config", "{weight}"], r"weight = 0: weights must be positive"),
+    ("unreadable", ["--config", "{unreadable}"], r"path = '\S*nowhere': no such file or folder"),
+    ("truncated", [], r"short/part-00000.bin is truncated or altered"),
+    ("altered", [], r"short/part-00000.bin is truncated or altered"),
+    ("tokenizer", [], r"was prepared with another tokenizer"),
+    ("unprepared", [], r"has no manifest.json: its prepare did not finish"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case,args,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_bad_mixture_input_is_one_line_and_exit_2(tmp_path, three, three_prepared, case, args, message):
+    """Each refusal: one line naming the key or file, exit 2, no checkpoint written."""
+    (tmp_path / "weight.toml").write_text(three.read_text().replace("weight = 3", "weight = 0"))
+    (tmp_path / "unreadable.toml").write_text(three.read_text().replace('path = "data/python_docs"\nlabel = "long"',
+                                                                        'path = "nowhere"\nlabel = "long"'))
+    argv = [a.format(weight=tmp_path / "weight.toml", unreadable=tmp_path / "unreadable.toml") for a in args] or \
+        bad(tmp_path, three, three_prepared, case)
+    rc, out = Job(tmp_path / "out", *argv, nproc=1).finish()
+    assert rc == 2, out[-3000:]
+    lines = [line for line in out.splitlines() if re.search(message, line)]
+    assert len(lines) == 1 and lines[0].startswith("nsa_titan: "), out[-3000:]
+    assert not list((tmp_path / "out").glob("checkpoint/step-*"))
+
+
+def test_prepare_refuses_bounds_no_document_passes_and_other_settings(tmp_path, three):
+    cmd = [sys.executable, "-m", "nsa_titan.data.prepare", "--config", str(three), "--output", str(tmp_path / "p")]
+    (tmp_path / "none.toml").write_text(three.read_text().replace("min_tokens = 1500", "min_tokens = 10000000"))
+    out = subprocess.run([*cmd[:4], str(tmp_path / "none.toml"), *cmd[5:]], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "'long': no document passes min_tokens = 10000000" in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([*cmd, "--docs_per_part", "7"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "holds a prepare of other settings" in out.stderr, out.stderr[-2000:]
+
+
+def test_config_refuses_a_mixture_on_the_command_line_and_duplicate_labels(tmp_path):
+    with pytest.raises(ConfigError, match="array of tables: set it in the TOML file"):
+        load_config(["--data.sources", "x"], world_size=1)
+    (tmp_path / "dup.toml").write_text('[[data.sources]]\npath = "data/python_docs"\n[[data.sources]]\n'
+                                       'path = "data/python_docs"\n')
+    with pytest.raises(ConfigError, match="each label names one source"):
+        load_config(["--config", str(tmp_path / "dup.toml")], world_size=1)
