@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import hostcpu
-from .config import DTYPES, JobConfig, Metrics
+from .config import DTYPES, JobConfig, Metrics, data_sources
 from .env import allocator_setup
 
 logger = logging.getLogger(__name__)
@@ -248,9 +248,10 @@ def log_setup(cfg: JobConfig, vocab: int, device: torch.device, output: Path) ->
     recall = (f"recall drill (seed {d.seed}, rows of {r.pairs} single-token pairs)" if r.drill else
               f"recall task (seed {d.seed}, {r.pairs} pairs of {r.key_tokens}-token keys and {r.value_tokens}-token "
               f"values, each asked {r.asks}x, {r.distance_scale} distances {r.min_distance}..{r.max_distance or 'max'})")
-    total = sum(s.weight for s in d.sources)
-    text = (f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})" if len(d.sources) < 2 else
-            "a mixture of " + ", ".join(f"'{s.label}' {s.weight / total:.0%}" for s in d.sources))
+    sources = data_sources(d)
+    total = sum(s.weight for s in sources)
+    text = (f"'{d.path}' (name {d.name or '-'}, split {d.split}, column {d.text_column})" if len(sources) < 2 else
+            "a mixture of " + ", ".join(f"'{s.label}' {s.weight / total:.0%}" for s in sources))
     source = {"synthetic": f"synthetic tokens (seed {d.seed})", "recall": recall,
               }.get(d.source, text + (f", prepared in {d.prepared}" if d.prepared else ""))
     logger.info("data: %s | tokenizer %s%s, %d tokens -> model vocab %d | %d loader workers per rank",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command, setup_logging
-from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config, to_toml
+from .config import DTYPES, JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
 from .data import (DataError, DataUnavailable, Sample, build_dataloader, build_tokenizer, build_validation_dataloader,
                    dead_workers, shutdown_workers)
 from .debug_hooks import install_debug_hooks
@@ -116,7 +116,7 @@ class Trainer:
                                                t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
-            self.shares = SourceShares([s.label for s in cfg.data.sources], self.tokenizer.eos_id)
+            self.shares = SourceShares([s.label for s in data_sources(cfg.data)], self.tokenizer.eos_id)
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.dp_world_size)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "nsa_titan" / "config" / "schema.py"
-SECTIONS = (SCHEMA, SCHEMA.with_name("data_sections.py"))
-"""The files whose dataclasses are the config's sections (`schema.py` imports the data's)."""
+DATA_SECTIONS = SCHEMA.with_name("data_sections.py")
+"""The data's sections, which `schema.py` imports."""
 PAGES = ROOT / "docs" / "config"
 
 
@@ -51,10 +51,11 @@ def _keys(cls: ast.ClassDef, where: str) -> list[str]:
     return lines
 
 
-def render(files: tuple[Path, ...] = SECTIONS) -> dict[str, str]:
-    """{page name: markdown} for every config section; raises ValueError for an undocumented key. A key that is
-    a list of tables (`list[Source]`) lists the table's keys below the section's."""
-    classes = {n.name: n for f in files for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)}
+def render(schema: Path = SCHEMA) -> dict[str, str]:
+    """{page name: markdown} for every config section of `schema` (and of the data's sections); raises ValueError
+    for an undocumented key. A key that is a list of tables (`list[Source]`) lists the table's keys below."""
+    classes = {n.name: n for f in (schema, DATA_SECTIONS) for n in ast.parse(f.read_text()).body
+               if isinstance(n, ast.ClassDef)}
     root = classes["JobConfig"]
     pages = {}
     for st in root.body:

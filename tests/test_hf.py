@@ -20,6 +20,7 @@ from nsa_titan.checkpoint import write_model_file
 from nsa_titan.config import derive, load_config, max_context, to_toml
 from nsa_titan.data import DataError, build_tokenizer
 from nsa_titan.data.batch import eos_documents
+from nsa_titan.config import Source
 from nsa_titan.data.packing import PackedTextDataset
 from nsa_titan.data.sources import open_text_stream
 from nsa_titan.data.train_tokenizer import train_tokenizer
@@ -335,7 +336,8 @@ def test_documents_are_begun_with_bos_and_ended_with_eos_as_the_tokenizer_names_
     assert (with_bos.eos_id, with_bos.bos_id, plain.bos_id) == (0, 1000, None)
     docs = texts(3)
     stream = open_text_stream(str(CORPUS), "", "validation", "text")
-    window = next(iter(PackedTextDataset(stream, with_bos, 4096, "text", 0, 0, 0, epochs=1)))
+    window = next(iter(PackedTextDataset([stream], [Source(str(CORPUS), label="v")], with_bos, 4096, 0, 0, 0,
+                                         epochs=1)))
     expected = [t for d in docs for t in [1000, *with_bos.encode(d), 0]]
     assert window.inputs.tolist()[:len(expected)] == expected
 

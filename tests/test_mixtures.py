@@ -1,8 +1,9 @@
 """Data for real runs: weighted mixtures of sources (streamed and prepared), prepared token shards, their exact
 resume (also on another number of ranks), a prepare killed and rerun, and every refusal.
 
-Loader-level tests use 2 data-parallel ranks and 2 loader workers, as the shipped configs run; the job tests
-run `run_train.sh` on the embedded corpus split into three sources by document length.
+Loader-level tests use 2 data-parallel ranks and 2 loader workers (streamed text; prepared shards are read in
+the training process), as the shipped configs run; the job tests run `run_train.sh` on the embedded corpus
+split into three sources by document length.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from nsa_titan.config import ConfigError, Data, Source, load_config
-from nsa_titan.data import DataError, build_dataloader, shutdown_workers
+from nsa_titan.data import DataError, build_dataloader, build_tokenizer, shutdown_workers
 from nsa_titan.data.prepare import prepare
 from nsa_titan.data.prepared import MIX_BLOCK, Mixture, file_hash
 from nsa_titan.data.tokenizer import ByteTokenizer
@@ -339,6 +340,30 @@ def test_prepare_refuses_bounds_no_document_passes_and_other_settings(tmp_path, 
     assert out.returncode == 2 and "'long': no document passes min_tokens = 10000000" in out.stderr, out.stderr[-2000:]
     out = subprocess.run([*cmd, "--docs_per_part", "7"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "holds a prepare of other settings" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_adapt_config_mixes_long_documents_at_their_share(tmp_path):
+    """m7c_32k_adapt.toml's two sources (offline: the embedded corpus for FineWeb-Edu, its long documents those
+    of 1,500 tokens or more): the long source's share of the documents within binomial bounds of its weight,
+    and each of its documents that a window holds whole at least min_tokens long."""
+    text = (ROOT / "train_configs" / "m7c_32k_adapt.toml").read_text()
+    assert 'label = "fineweb-edu-long"\nweight = 0.3\nmin_tokens = 8192' in text
+    offline = tmp_path / "adapt.toml"
+    offline.write_text(text.replace('"HuggingFaceFW/fineweb-edu"', '"data/python_docs"').replace('name = "sample-10BT"',
+                       'name = ""').replace("min_tokens = 8192", "min_tokens = 1500"))
+    cfg, _ = load_config(["--config", str(offline), "--data.tokenizer", "sentencepiece", "--data.tokenizer_path",
+                          "data/python_docs/tokenizer.model", "--data.num_workers", "0", "--data.shuffle_buffer", "0"],
+                         world_size=2)
+    tok = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    OPEN.append(build_dataloader(cfg.data, tok, 2048, 4096, 4, 0, 1))
+    docs, long_lengths = torch.zeros(2, dtype=torch.long), []
+    for _, b in zip(range(60), OPEN[-1]):
+        docs += torch.bincount(b.sources[b.inputs == tok.eos_id], minlength=2)  # each document's one <eos>
+        for ids, src in zip(b.document_ids, b.sources):
+            long_lengths += [int((ids == d).sum()) for d in ids.unique()[1:-1] if src[ids == d][0] == 1]  # whole
+    n = int(docs.sum())
+    assert abs(int(docs[1]) - 0.3 * n) <= 4 * math.sqrt(n * 0.3 * 0.7), docs.tolist()
+    assert long_lengths and min(long_lengths) >= 1500
 
 
 def test_config_refuses_a_mixture_on_the_command_line_and_duplicate_labels(tmp_path):

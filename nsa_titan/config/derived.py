@@ -61,7 +61,7 @@ def derive(cfg: JobConfig, world_size: int, tokenizer_vocab: int | None = None) 
                          ("checkpoint", "initial_load_path")):
         sec = getattr(out, section)
         setattr(sec, key, resolve_path(getattr(sec, key)))
-    out.data.sources = data_sources(out.data)
+    data_sources(out.data)  # checked here; the config keeps the sources as given (a single `path` stays one)
     if tokenizer_vocab is not None:
         out.model.vocab_size = model_vocab(out, tokenizer_vocab)
     return out

@@ -13,6 +13,7 @@ uninterrupted one. The manifest is written last: a folder without one is not rea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -26,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..cli import ArgumentParser, run_command
-from ..config import ConfigError, Data, JobConfig, Source, load_config, to_toml
+from ..config import ConfigError, Data, JobConfig, Source, data_sources, load_config, to_toml
 from .errors import DataError
 from .loader import held_out
 from .prepared import FORMAT, MANIFEST, PREPARED_AS, file_hash, fingerprint, token_dtype
@@ -102,7 +103,7 @@ def prepare_source(pool: Any, processes: int, data: Data, src: Source, folder: P
 
 def prepare(cfg: JobConfig, output: Path, processes: int, docs_per_part: int) -> dict[str, Any]:
     """Prepare every source of `cfg` into `output`; returns the manifest (also written there, last)."""
-    data = cfg.data
+    data = dataclasses.replace(cfg.data, sources=data_sources(cfg.data))
     tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_path)
     settings = {"format": FORMAT, "tokenizer": fingerprint(tokenizer), "tokenizer_path": data.tokenizer_path,
                 "dtype": token_dtype(tokenizer.vocab_size).name, "holdout": data.holdout,

@@ -206,15 +206,14 @@ class PreparedWindows(IndexedSamples):
 
 
 class PreparedLoader(StatefulDataLoader):
-    """The loader of prepared windows. Its state also holds the global sample the next batch of every rank
-    starts from, so a run resumed on another number of data-parallel ranks, loader workers or local batch
-    continues the sample sequence there (the worker states are used where the layout is the same)."""
+    """The loader of prepared windows, in the training process. Its state also holds the global sample the next
+    batch of every rank starts from, so a run resumed on another number of data-parallel ranks or another local
+    batch continues the sample sequence there."""
 
     global_order = True
 
     def layout(self) -> list[int]:
-        d = self.dataset
-        return [d.dp_size, self.num_workers, d.local_batch]
+        return [self.dataset.dp_size, self.dataset.local_batch]
 
     def next_sample(self) -> int:
         yielded = getattr(self._iterator, "_num_yielded", 0) if self._iterator is not None else 0
@@ -229,7 +228,7 @@ class PreparedLoader(StatefulDataLoader):
             self.dataset.start = state["start"]
             super().load_state_dict(state["loader"])
             return
-        logger.info("data: %s ranks x workers x batch -> %s: the prepared samples continue at global sample %d",
+        logger.info("data: %s ranks x local batch -> %s: the prepared samples continue at global sample %d",
                     state["layout"], self.layout(), state["next"])
         self.dataset.start = state["next"]
         super().load_state_dict({})
