@@ -43,20 +43,19 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
     """
     if data.num_workers > 0:
         find_dead_workers_when_waiting()
+    data = dataclasses.replace(data, sources=data_sources(data))
     if data.source == "synthetic":
         dataset = SyntheticTokens(data.seed, seq_len, vocab_size, dp_rank, dp_size, local_batch)
     elif data.source == "recall":
         layout, distances = recall_layout(recall, seq_len, vocab_size)
         dataset = RecallTokens(layout, data.seed, distances, dp_rank, dp_size, local_batch)
     elif data.prepared:
-        data = dataclasses.replace(data, sources=data_sources(data))
         dataset = PreparedWindows(open_prepared(data, tokenizer), data.sources, seq_len, tokenizer.eos_id, data.seed,
                                   dp_rank, dp_size, local_batch)
         # Read in the training process: a batch of prepared windows costs less there (~0.1 ms for M7C's) than
         # handing it over from a loader worker (~1 ms), so `num_workers` serves streamed text only.
         return PreparedLoader(dataset, batch_size=local_batch, generator=own_generator(data.seed, dp_rank))
     else:
-        data = dataclasses.replace(data, sources=data_sources(data))
         streams = [split_dataset_by_node(held_out(open_text_stream(s.path, s.name, s.split, s.text_column,
                                                                    data.read_retries, data.retry_wait_seconds),
                                                   data, s.text_column, keep=False), rank=dp_rank, world_size=dp_size)

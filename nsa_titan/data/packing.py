@@ -24,7 +24,7 @@ from ..config import Source
 from .batch import Sample, eos_documents
 from .errors import DataError
 from .retry import Retrier
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, document_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ class PackedTextDataset(IterableDataset):
 
     def _windows(self, source: int, text: str) -> Iterator[Sample]:
         self.docs_seen += 1
-        tokens = ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []) + \
-            self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+        tokens = document_tokens(self.tokenizer, text)
         self.carry.extend(tokens)
         self.carry_sources.extend([source] * len(tokens))
         n = self.seq_len + 1
@@ -76,10 +75,13 @@ class PackedTextDataset(IterableDataset):
         every document read. Recorded in the state, so that a restore mid-way finishes it."""
         self.draining = source
         while at := [k for k, (s, _) in enumerate(self.buffer) if source is None or s == source]:
-            k = at[self.rng.randrange(len(at))]
-            self.buffer[k], self.buffer[-1] = self.buffer[-1], self.buffer[k]
-            yield from self._windows(*self.buffer.pop())
+            yield from self._emit(at[self.rng.randrange(len(at))])
         self.draining = None
+
+    def _emit(self, k: int) -> Iterator[Sample]:
+        """The windows of the buffer's document k, which leaves the buffer."""
+        self.buffer[k], self.buffer[-1] = self.buffer[-1], self.buffer[k]
+        yield from self._windows(*self.buffer.pop())
 
     def __iter__(self) -> Iterator[Sample]:
         worker = get_worker_info().id if get_worker_info() else 0
@@ -101,9 +103,7 @@ class PackedTextDataset(IterableDataset):
                 continue
             self.buffer.append((i, text))
             if len(self.buffer) >= self.shuffle_buffer:
-                k = self.rng.randrange(len(self.buffer))
-                self.buffer[k], self.buffer[-1] = self.buffer[-1], self.buffer[k]
-                yield from self._windows(*self.buffer.pop())
+                yield from self._emit(self.rng.randrange(len(self.buffer)))
         yield from self._drain(None)
 
     def _documents(self, i: int, worker: int) -> Iterator[str]:
@@ -118,7 +118,7 @@ class PackedTextDataset(IterableDataset):
                 had_data = True
                 text = example[src.text_column]
                 if src.min_tokens or src.max_tokens:
-                    n = len(self.tokenizer.encode(text)) + 1 + (self.tokenizer.bos_id is not None)  # as joined
+                    n = len(document_tokens(self.tokenizer, text))
                     if n < src.min_tokens or (src.max_tokens and n > src.max_tokens):
                         continue
                 self.kept[i] += 1

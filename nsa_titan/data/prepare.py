@@ -32,7 +32,7 @@ from .errors import DataError
 from .loader import held_out
 from .prepared import FORMAT, MANIFEST, PREPARED_AS, file_hash, fingerprint, token_dtype
 from .sources import open_text_stream
-from .tokenizer import Tokenizer, build_tokenizer
+from .tokenizer import Tokenizer, build_tokenizer, document_tokens
 
 SETTINGS = "prepare.json"
 """Written first: what the folder is being prepared with; a rerun with other settings is refused."""
@@ -53,7 +53,7 @@ def write_part(texts: list[str], bounds: tuple[int, int], folder: Path, p: int, 
     """Tokenize `texts` (as the packer joins documents), keep those within `bounds` (tokens, 0: none), and write
     part `p`: its tokens, then (renamed last, the part's mark of being whole) its documents' end offsets."""
     tok, (low, high) = _tokenizer, bounds
-    docs = [([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(t) + [tok.eos_id] for t in texts]
+    docs = [document_tokens(tok, t) for t in texts]
     docs = [d for d in docs if len(d) >= low and (not high or len(d) <= high)]
     tokens, docs_file = _part_files(folder, p)
     np.fromiter(itertools.chain.from_iterable(docs), dtype=dtype).tofile(tmp := tokens.with_suffix(".tmp"))

@@ -24,6 +24,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def document_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A document as the packer (and a prepared shard) joins it: <bos> where the tokenizer has its own, its
+    tokens, <eos>."""
+    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text) + [tokenizer.eos_id]
+
+
 class ByteTokenizer:
     """UTF-8 bytes 0..255, plus <eos> = 256."""
 
