@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("no folder to prepare into: pass --output DIR (or set [data] prepared)")
         manifest = prepare(cfg, Path(output), args.processes, args.docs_per_part)
         for label, s in manifest["sources"].items():
-            print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} parts")
+            print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} part{'s' * (len(s['parts']) != 1)}")
         print(f"wrote {output}; train on it with --data.prepared {output}")
         return 0
 
