@@ -46,8 +46,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from .cli import ArgumentParser, run_command
-from .config import ConfigError, JobConfig, cp_multiple
-from .data import DataError, Tokenizer, build_validation_dataloader
+from .config import ConfigError, JobConfig, cp_multiple, validation_sets
+from .data import DataError, Tokenizer
+from .data.validation import streamed_batches
 from .data.batch import document_ids
 from .data.sources import open_text_stream
 from .data.recall import RecallLayout, recall_accuracy, recall_sample
@@ -102,8 +103,9 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     if cp > 1:  # the cp ranks of a data-parallel group neighbours, as in training
         mesh = init_device_mesh("cpu", (dp_world, cp), mesh_dim_names=("dp", "cp"))
         apply_cp(model, mesh, cp_multiple(cfg.model, cp))
-    loader = build_validation_dataloader(cfg.data, dataclasses.replace(cfg.validation, split=split), tokenizer,
-                                         cfg.training.seq_len, cfg.training.local_batch_size, dp_rank, dp_world)
+    held, = validation_sets(dataclasses.replace(cfg.data, sources=[]), dataclasses.replace(cfg.validation, split=split))
+    loader = streamed_batches(cfg.data, held, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size, dp_rank,
+                              dp_world)
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
     masking = cfg.training.document_masking  # as in training
     for k, (inputs, labels, doc_ids, _) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,

@@ -17,6 +17,7 @@ import torch
 from . import hostcpu
 from .config import DTYPES, JobConfig, Metrics, data_sources
 from .env import allocator_setup
+from .validate import ValidationLoss
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +169,16 @@ class MetricsLogger:
             for key, value in scalars.items():
                 self.writer.add_scalar(f"train/{key}", value, s.step)
 
-    def log_validation(self, step: int, loss: float, batches: int) -> None:
-        logger.info("validation at step %d: loss %.4f | perplexity %.2f | %d batches", step, loss,
-                    math.exp(min(loss, 50.0)), batches)
+    def log_validation(self, step: int, v: ValidationLoss) -> None:
+        """The validation line (a mixture's: also each source's loss) and its TensorBoard scalars."""
+        sources = "".join(f" | {label} {loss:.4f}" for label, loss in v.by_source.items())
+        logger.info("validation at step %d: loss %.4f | perplexity %.2f | %d batches%s", step, v.loss,
+                    math.exp(min(v.loss, 50.0)), v.batches, sources)
         if self.writer is not None:
-            self.writer.add_scalar("validation/loss", loss, step)
-            self.writer.add_scalar("validation/perplexity", math.exp(min(loss, 50.0)), step)
+            self.writer.add_scalar("validation/loss", v.loss, step)
+            self.writer.add_scalar("validation/perplexity", math.exp(min(v.loss, 50.0)), step)
+            for label, loss in v.by_source.items():
+                self.writer.add_scalar(f"validation/loss/{label}", loss, step)
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
         """Extra scalars (e.g. NSA statistics) to TensorBoard only."""

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from .checkpoint import CheckpointManager, TrainState
 from .cli import BAD_INPUT, make_folder, note_failure, report, run_command, setup_logging
 from .config import DTYPES, JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
-from .data import (DataError, DataUnavailable, Sample, build_dataloader, build_tokenizer, build_validation_dataloader,
-                   dead_workers, shutdown_workers)
+from .data import (DataError, DataUnavailable, HeldOutSets, Sample, build_dataloader, build_tokenizer, dead_workers,
+                   shutdown_workers)
 from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
 from .env import LAUNCHED_BY, set_deterministic
@@ -45,6 +45,7 @@ from .ownership import FolderOwner, job_key, other_holder
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
 from .stop import StopRequest
+from .validate import validate
 
 logger = logging.getLogger("nsa_titan")
 
@@ -117,6 +118,8 @@ class Trainer:
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
             self.shares = SourceShares([s.label for s in data_sources(cfg.data)], self.tokenizer.eos_id)
+            self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
+                                        self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.dp_world_size)
@@ -236,32 +239,6 @@ class Trainer:
             raise TrainingHalted(f"{self.skips_in_a_row} non-finite steps in a row (max_consecutive_skips = "
                                  f"{f.max_consecutive_skips}); last: {what}")
 
-    @torch.no_grad()
-    def validate(self) -> tuple[float, int]:
-        """Mean loss over up to `validation.steps` held-out batches (all ranks); (loss, batches)."""
-        v, t = self.cfg.validation, self.cfg.training
-        loader = build_validation_dataloader(self.cfg.data, v, self.tokenizer, t.seq_len, t.local_batch_size,
-                                             self.dp_rank, self.dp_world_size)
-        self.model.eval()
-        total = torch.zeros(3, device=self.device)  # loss sum, batch count, ranks whose source stayed unreadable
-        failure = None
-        try:
-            for _, (inputs, labels, document_ids, _) in zip(range(v.steps), loader):
-                logits = self.model(inputs.to(self.device), self.documents(document_ids))
-                total[0] += self.loss(logits, labels.to(self.device))
-                total[1] += 1
-        except DataUnavailable as e:  # the others still reduce: tell them
-            total[2], failure = 1, e.reason
-        self.model.train()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        if total[2] > 0:
-            raise DataUnavailable(failure or "another rank's validation source stayed unreadable (its line says why)")
-        if total[1] == 0:
-            held = f"[data] holdout = {self.cfg.data.holdout} of" if self.cfg.data.holdout else f"[validation] split '{v.split}' of"
-            raise DataError(f"{held} '{v.path or self.cfg.data.path}' gave no batch of seq_len {t.seq_len} on some "
-                            f"rank: hold out more (a larger split or holdout) or use a smaller seq_len")
-        return (total[0] / total[1]).item(), int(total[1].item()) // self.world_size
-
     def log_step(self, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
         """The console line and TensorBoard scalars (the loss averaged over ranks)."""
         loss = loss.detach().clone()
@@ -316,11 +293,12 @@ class Trainer:
             if v.enable and (step % v.freq == 0 or last) and not stopping:  # stopping: save first, quickly
                 with self.throughput.paused():
                     try:
-                        loss_v, batches_v = self.validate()
+                        result = validate(self.model, self.held_out, self.loss, self.documents, self.device,
+                                          self.world_size)
                     except DataUnavailable as e:
                         self.stop_for_data(e, None)
-                    self.metrics.log_validation(step, loss_v, batches_v)
-                    self.last_validation = (step, loss_v)
+                    self.metrics.log_validation(step, result)
+                    self.last_validation = (step, result.loss)
             if step % self.cfg.metrics.log_freq == 0 or step == 1 or last or stopping:
                 self.log_step(loss, norm_value, lr)
             with self.throughput.paused():

@@ -14,7 +14,7 @@ import torch
 from nsa_titan import train
 from nsa_titan.config import Data, Validation, load_config, padded_vocab
 from nsa_titan.data import (
-    DataError, build_dataloader, build_tokenizer, build_validation_dataloader,
+    DataError, HeldOutSets, build_dataloader, build_tokenizer,
 )
 from nsa_titan.data import sources
 from nsa_titan.data.batch import eos_documents
@@ -100,9 +100,9 @@ def test_restored_loader_state_gives_the_same_next_batches(corpus, workers, stop
 
 
 def test_validation_loader_is_one_ordered_pass(corpus):
-    v = Validation(enable=True, split="validation")
+    v = Validation(enable=True, split="validation", steps=1000)
     data = Data(source="datasets", path=str(corpus), tokenizer="byte")
-    batches = [list(build_validation_dataloader(data, v, ByteTokenizer(), SEQ_LEN, 1, r, 2)) for r in (0, 1)]
+    batches = [HeldOutSets(data, v, ByteTokenizer(), SEQ_LEN, 1, r, 2).batches()[0] for r in (0, 1)]
     docs = [d for b in batches for d in docs_in([sample.inputs for sample in b])]
     assert sorted(docs) == sorted(doc_text(1000 + i) for i in range(8))  # 8 docs, one pass, no repeat
 
@@ -113,8 +113,8 @@ def test_holdout_gives_validation_documents_that_training_never_reads(corpus, wo
     the training stream (2 ranks, an epoch) has the other three quarters, and resumes exactly."""
     data = Data(source="datasets", path=str(corpus), tokenizer="byte", shuffle_buffer=8, num_workers=workers, seed=7,
                 holdout=0.25)
-    v = Validation(enable=True, split="validation")  # unused with holdout: the held-out train documents are read
-    held = [d for r in (0, 1) for b in build_validation_dataloader(data, v, ByteTokenizer(), 16, 1, r, 2)
+    v = Validation(enable=True, split="validation", steps=1000)  # split unused with holdout: the held-out train documents
+    held = [d for r in (0, 1) for b in HeldOutSets(data, v, ByteTokenizer(), 16, 1, r, 2).batches()[0]
             for d in [ByteTokenizer().decode(b.inputs[0].tolist())[:DOC_BYTES]]]
     held_docs = {d for d in held if d.startswith("doc")}
     assert 6 <= len(held_docs) <= 26 and not any(d.startswith("doc1") for d in held_docs)  # ~16 of 64, train split

@@ -15,7 +15,7 @@ import torch
 
 from nsa_titan.checkpoint import inspect_folder, load_tensors
 from nsa_titan.config import ConfigError, Model, load_config, max_context
-from nsa_titan.data import build_validation_dataloader
+from nsa_titan.data import HeldOutSets
 from nsa_titan.evaluate import evaluate, token_positions
 from nsa_titan.generate import generate
 from nsa_titan.inference import load_model
@@ -181,8 +181,8 @@ def test_generate_and_evaluate_past_the_training_length_agree_with_the_forward(a
         full = model(ids).argmax(-1)[0, -len(new) - 1:-1]
     assert full.tolist() == new  # each token the forward's greedy choice at its position
     result = evaluate(str(adapted), batches=1, seq_len=512, by_position=True, bucket=128)
-    loader = build_validation_dataloader(cfg.data, cfg.validation, tokenizer, 512, cfg.training.local_batch_size, 0, 1)
-    inputs, labels, doc_ids, _ = next(iter(loader))
+    inputs, labels, doc_ids, _ = HeldOutSets(cfg.data, cfg.validation, tokenizer, 512, cfg.training.local_batch_size,
+                                             0, 1).batches()[0][0]
     with torch.no_grad():
         loss = cross_entropy_loss(model(inputs, doc_ids), labels)
     assert result["loss"] == pytest.approx(float(loss), rel=1e-6) and result["tokens"] == labels.numel()

@@ -8,6 +8,7 @@ split into three sources by document length.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,14 +24,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nsa_titan.config import ConfigError, Data, Source, load_config
-from nsa_titan.data import DataError, build_dataloader, build_tokenizer, shutdown_workers
+from nsa_titan.config import ConfigError, Data, Source, Validation, load_config
+from nsa_titan.data import DataError, HeldOutSets, build_dataloader, build_tokenizer, shutdown_workers
+from nsa_titan.data.loader import is_held_out
 from nsa_titan.data.prepare import prepare
 from nsa_titan.data.prepared import MIX_BLOCK, Mixture, file_hash
 from nsa_titan.data.tokenizer import ByteTokenizer
 
-from conftest import ROOT
+from conftest import ROOT, tb_run
 from jobs import STEPS, Job, assert_bit_equal, run_job
 
 NAMES, WEIGHTS = ("alpha", "beta", "gamma"), (5.0, 3.0, 2.0)
@@ -140,6 +143,38 @@ def test_prepared_mixture_shares_are_the_weights_in_every_block():
         assert [k for src, k in located if src == s] == list(range(sum(1 for src, _ in located if src == s)))
 
 
+def held_docs(batches) -> list[str]:
+    """The documents of validation batches of 34-token windows (each window two whole documents)."""
+    return [ByteTokenizer().decode(w.tolist())[16 * d:16 * d + 16] for b in batches for w in b.inputs for d in range(2)]
+
+
+def test_validation_reads_each_source_s_held_out_documents(corpora, tmp_path):
+    """`[data] holdout` with a mixture: one validation set per source, holding exactly that source's held-out
+    documents (2 ranks, streamed), read once and kept; prepared, the same windows as streamed (1 rank), and
+    its training parts hold none of them."""
+    data = mixture(corpora, holdout=0.25)
+    v = Validation(enable=True, steps=1000)
+    per_rank = [HeldOutSets(data, v, ByteTokenizer(), SEQ_LEN, 1, r, 2) for r in (0, 1)]
+    assert [s.label for s in per_rank[0].sets] == list(NAMES)
+    for i, name in enumerate(NAMES):
+        read = sorted(d for sets in per_rank for d in held_docs(sets.batches()[i]))
+        held = sorted(t for t in map(lambda k: doc_text(name, k), range(64)) if is_held_out(t, 0.25))
+        # One pass over them and no other document; a rank's last document may not fill a window.
+        assert len(set(read)) == len(read) and set(read) <= set(held) and len(held) - 2 <= len(read), (read, held)
+    assert per_rank[0].batches() is per_rank[0].batches()  # kept: later validations read nothing
+    cfg, _ = load_config(["--data.tokenizer", "byte"], world_size=1)
+    cfg.data = data
+    prepare(cfg, tmp_path / "held", processes=1, docs_per_part=8)
+    streamed = HeldOutSets(data, v, ByteTokenizer(), SEQ_LEN, BATCH, 0, 1).batches()
+    prepared = HeldOutSets(dataclasses.replace(data, prepared=str(tmp_path / "held")), v, ByteTokenizer(), SEQ_LEN,
+                           BATCH, 0, 1).batches()
+    for a, b in zip(streamed, prepared, strict=True):
+        assert len(a) == len(b) > 0 and all(torch.equal(x.inputs, y.inputs) for x, y in zip(a, b, strict=True))
+    trained = "".join(ByteTokenizer().decode(np.fromfile(p, np.uint16).tolist())
+                      for p in (tmp_path / "held").glob("*/part-*.bin"))
+    assert trained and not any(d in trained for d in held_docs(b for s in prepared for b in s))
+
+
 @pytest.mark.parametrize("kind", ["streamed", "prepared"])
 def test_a_restored_mixture_gives_the_same_next_batches(corpora, prepared, kind):
     """Every source's position, the buffer and the RNG (streamed) or the global position (prepared) are saved:
@@ -179,8 +214,9 @@ def test_prepared_windows_continue_on_another_number_of_ranks(corpora, prepared)
 
 def test_a_killed_prepare_continues_and_ends_identical(tmp_path):
     """SIGKILL mid-way (2 processes), then the same command again: the same files and content hashes as a
-    prepare that was never interrupted."""
-    cmd = [sys.executable, "-m", "nsa_titan.data.prepare", "--processes", "2", "--docs_per_part", "32"]
+    prepare that was never interrupted, the held-out documents' parts too."""
+    cmd = [sys.executable, "-m", "nsa_titan.data.prepare", "--processes", "2", "--docs_per_part", "32",
+           "--data.holdout", "0.05"]
     whole = tmp_path / "whole"
     subprocess.run([*cmd, "--output", str(whole)], check=True, cwd=ROOT, capture_output=True)
     killed = tmp_path / "killed"
@@ -196,8 +232,9 @@ def test_a_killed_prepare_continues_and_ends_identical(tmp_path):
     out = subprocess.run([*cmd, "--output", str(killed)], check=True, cwd=ROOT, capture_output=True, text=True)
     assert "wrote" in out.stdout
     a, b = (json.loads((f / "manifest.json").read_text()) for f in (whole, killed))
-    assert a["sources"] == b["sources"] and len(a["sources"]["python_docs"]["parts"]) > 40
-    for part in a["sources"]["python_docs"]["parts"]:
+    docs = a["sources"]["python_docs"]
+    assert a["sources"] == b["sources"] and len(docs["parts"]) > 40 and len(docs["holdout"]) > 2
+    for part in docs["parts"] + docs["holdout"]:
         assert file_hash(killed / "python_docs" / part["file"]) == part["xxh3"]
 
 
@@ -263,6 +300,32 @@ def test_sigkill_and_resume_with_a_mixture_is_bit_equal(tmp_path, three, three_p
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["streamed", "prepared"])
+def test_validation_loss_per_source_in_the_console_and_tensorboard(tmp_path, three, kind):
+    """2 ranks, 2 loader workers, `[data] holdout`: each validation reads every held-out window (the ranks hold
+    different numbers; each scores the fewest any holds, or the forwards' collectives would hang) and reports
+    each source's loss beside the mixture's, which is their mean weighted 5 : 3 : 2; also in TensorBoard."""
+    args = ["--config", str(three), "--data.holdout", "0.05", "--validation.enable", "true", "--validation.freq", "5",
+            "--validation.steps", "1000", "--training.steps", "10"]
+    if kind == "prepared":
+        subprocess.run([sys.executable, "-m", "nsa_titan.data.prepare", *args[:4], "--output", str(tmp_path / "p"),
+                        "--processes", "2", "--docs_per_part", "256"], check=True, cwd=ROOT, capture_output=True)
+        args += ["--data.prepared", str(tmp_path / "p")]
+    out = run_job(tmp_path / "out", *args, nproc=2)
+    lines = re.findall(r"validation at step (\d+): loss ([\d.]+) \| perplexity [\d.]+ \| (\d+) batches \| "
+                       r"short ([\d.]+) \| long ([\d.]+) \| all ([\d.]+)", out)
+    assert [int(line[0]) for line in lines] == [5, 10], out[-3000:]
+    for _, loss, batches, *by_source in lines:
+        assert abs(float(loss) - sum(w * float(x) for w, x in zip(WEIGHTS, by_source)) / 10) < 2e-4
+        assert int(batches) > 3
+    events = EventAccumulator(tb_run(tmp_path / "out" / "tb"))
+    events.Reload()
+    for label, x in zip(("short", "long", "all"), lines[-1][3:]):
+        last = events.Scalars(f"validation/loss/{label}")[-1]
+        assert last.step == 10 and abs(last.value - float(x)) < 1e-4
+
+
+@pytest.mark.multiprocess
 def test_a_prepared_run_saved_at_two_ranks_resumes_at_one(tmp_path, three, three_prepared):
     """The checkpoint of a 2-rank run loads at 1 rank without restarting the data: it continues at the global
     sample the 2-rank run would have read next (the loader test above compares the token ids)."""
@@ -284,6 +347,20 @@ def running(marker: str) -> list[str]:
         except OSError:  # gone meanwhile
             pass
     return pids
+
+
+@pytest.fixture(scope="module")
+def earlier(three, tmp_path_factory) -> Path:
+    """The folder of an earlier run of the mixture: checkpoints of steps 2 and 4, its config, TensorBoard."""
+    dump = tmp_path_factory.mktemp("earlier") / "out"
+    run_job(dump, "--config", str(three), "--training.steps", "4", "--checkpoint.interval", "2")
+    assert len(list(dump.glob("checkpoint/step-*"))) == 2
+    return dump
+
+
+def folder_state(folder: Path) -> dict[str, tuple[int, str]]:
+    """Every file under `folder`: its size and content hash."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, file_hash(p)) for p in folder.rglob("*") if p.is_file()}
 
 
 def bad(tmp_path, three, three_prepared, case: str) -> list[str]:
@@ -319,18 +396,21 @@ REFUSALS = [
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case,args,message", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_bad_mixture_input_is_one_line_and_exit_2(tmp_path, three, three_prepared, case, args, message):
-    """Each refusal: one line naming the key or file, exit 2, no checkpoint written."""
+def test_bad_mixture_input_is_one_line_and_exit_2(tmp_path, three, three_prepared, earlier, case, args, message):
+    """Each refusal: one line naming the key or file, exit 2, and the run's folder (an earlier run's checkpoints,
+    config and metrics) as it was: nothing written, nothing lost."""
     (tmp_path / "weight.toml").write_text(three.read_text().replace("weight = 3", "weight = 0"))
     (tmp_path / "unreadable.toml").write_text(three.read_text().replace('path = "data/python_docs"\nlabel = "long"',
                                                                         'path = "nowhere"\nlabel = "long"'))
     argv = [a.format(weight=tmp_path / "weight.toml", unreadable=tmp_path / "unreadable.toml") for a in args] or \
         bad(tmp_path, three, three_prepared, case)
+    subprocess.run(["cp", "-a", str(earlier), str(tmp_path / "out")], check=True)
+    before = folder_state(tmp_path / "out")
     rc, out = Job(tmp_path / "out", *argv, nproc=1).finish()
     assert rc == 2, out[-3000:]
     lines = [line for line in out.splitlines() if re.search(message, line)]
     assert len(lines) == 1 and lines[0].startswith("nsa_titan: "), out[-3000:]
-    assert not list((tmp_path / "out").glob("checkpoint/step-*"))
+    assert folder_state(tmp_path / "out") == before
 
 
 def test_prepare_refuses_bounds_no_document_passes_and_other_settings(tmp_path, three):

@@ -4,6 +4,7 @@ run derives from it come from `derived.py`."""
 
 from .derived import (
     ac_layers, check_context, data_sources, derive, dp_world, grad_accum_steps, load_config, max_context, padded_vocab,
+    validation_sets,
 )
 from .parsing import USAGE, parse_args, resolve_path, to_toml
 from .schema import (
@@ -17,5 +18,5 @@ __all__ = [
     "Checkpoint", "Compile", "ConfigError", "Data", "Debug", "Fault", "Job", "JobConfig", "LRScheduler", "Metrics",
     "Model", "Optimizer", "Parallelism", "Recall", "Source", "Training", "Validation", "ac_layers", "check_context", "cp_multiple",
     "data_sources", "derive", "dp_world", "grad_accum_steps", "is_remote", "load_config", "max_context", "padded_vocab", "parse_args", "resolve_path",
-    "retry_wait_total", "to_toml", "validate",
+    "retry_wait_total", "to_toml", "validate", "validation_sets",
 ]

@@ -124,10 +124,11 @@ class Validation:
     enable: bool = False
     """Validate on a held-out split during training."""
     path: str = ""
-    """The held-out source; empty means [data] path (unused with `[data] holdout`)."""
+    """The held-out source; empty means [data] path, or for a mixture each source's own, each with its loss
+    (unused with `[data] holdout`)."""
     split: str = "validation"
     """The held-out split (unused with `[data] holdout`)."""
     freq: int = 100
     """Validate every `freq` steps and after the last step."""
     steps: int = 10
-    """Batches per validation (fewer if the split runs out first)."""
+    """Batches per validation and source (fewer if the held-out text runs out first), read once a run and kept."""

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from .parsing import parse_args, resolve_path
-from .schema import ActivationCheckpoint, ConfigError, Data, JobConfig, Model, Source
+from .schema import ActivationCheckpoint, ConfigError, Data, JobConfig, Model, Source, Validation
 from .validation import dp_degrees, last_ac_layer, validate
 
 VOCAB_MULTIPLE = 64
@@ -78,6 +78,16 @@ def data_sources(data: Data) -> list[Source]:
         raise ConfigError(f"[[data.sources]] labels {labels}: each label names one source (a default label is the "
                           f"last part of the path); give the sources different labels")
     return sources
+
+
+def validation_sets(data: Data, v: Validation) -> list[Source]:
+    """The held-out sets a run validates on: for a mixture, each source's own (its `[data] holdout` documents,
+    else its `[validation] split`, within its length bounds; weighted as in the mixture), unless `[validation]
+    path` is given without a holdout; else the one set of `[data] holdout` or `[validation] path` and `split`."""
+    if data.sources and not (v.path and not data.holdout):
+        return [dataclasses.replace(s, split=s.split if data.holdout else v.split) for s in data_sources(data)]
+    path, split = (data.path, data.split) if data.holdout else (v.path or data.path, v.split)
+    return [Source(local_or_as_given(path), data.name, split, data.text_column, label="validation")]
 
 
 def local_or_as_given(path: str) -> str:

@@ -2,8 +2,9 @@
 
 from .batch import Sample
 from .errors import DataError, DataUnavailable
-from .loader import build_dataloader, build_validation_dataloader, dead_workers, shutdown_workers
+from .loader import build_dataloader, dead_workers, shutdown_workers
 from .tokenizer import Tokenizer, build_tokenizer
+from .validation import HeldOutSets
 
-__all__ = ["DataError", "DataUnavailable", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer",
-           "build_validation_dataloader", "dead_workers", "shutdown_workers"]
+__all__ = ["DataError", "DataUnavailable", "HeldOutSets", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer",
+           "dead_workers", "shutdown_workers"]

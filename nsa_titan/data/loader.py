@@ -1,4 +1,4 @@
-"""Per-rank StatefulDataLoaders (training and validation) and the tokenizer they share."""
+"""Per-rank training StatefulDataLoaders, and `[data] holdout`'s choice of documents."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data, Recall, Source, Validation, data_sources
+from ..config import Data, Recall, data_sources
 from ..stop import ignore_stop_signals
 from .packing import PackedTextDataset
 from .prepared import PreparedLoader, PreparedWindows, open_prepared
@@ -67,18 +67,6 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
                               worker_init_fn=start_worker, generator=own_generator(data.seed, dp_rank))
 
 
-def build_validation_dataloader(data: Data, v: Validation, tokenizer: Tokenizer, seq_len: int,
-                                local_batch: int, dp_rank: int, dp_size: int) -> StatefulDataLoader:
-    """One pass over the held-out split (or `[data] holdout`'s documents), in order, sharded over the dp ranks."""
-    path, split = (data.path, data.split) if data.holdout else (v.path or data.path, v.split)
-    source = Source(path, data.name, split, data.text_column, label="validation")
-    stream = open_text_stream(path, data.name, split, data.text_column, data.read_retries, data.retry_wait_seconds)
-    stream = split_dataset_by_node(held_out(stream, data, data.text_column, keep=True), rank=dp_rank, world_size=dp_size)
-    dataset = PackedTextDataset([stream], [source], tokenizer, seq_len, 0, data.seed, dp_rank, epochs=1,
-                                retry=(data.read_retries, data.retry_wait_seconds))
-    return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
-
-
 def start_worker(worker_id: int) -> None:
     """`worker_init_fn` of the training loaders' workers: the rank decides when they stop, not a stop signal
     (`stop.ignore_stop_signals`), and they die with their rank. A SIGKILLed rank's workers would otherwise live
@@ -92,9 +80,14 @@ def start_worker(worker_id: int) -> None:
         os._exit(0)
 
 
+def is_held_out(text: str, share: float) -> bool:
+    """Whether `[data] holdout = share` holds the document `text` out: its text's hash below `share` of the range."""
+    return xxhash.xxh3_64_intdigest(text.encode()) < share * 2**64
+
+
 def _select(example: dict, column: str, share: float, keep: bool) -> bool:
-    """Whether `example` stays: a held-out document (its text's hash below `share` of the range) if `keep`."""
-    return (xxhash.xxh3_64_intdigest(example[column].encode()) < share * 2**64) == keep
+    """Whether `example` stays: a held-out document if `keep`, else one that is not."""
+    return is_held_out(example[column], share) == keep
 
 
 def held_out(stream: HFIterableDataset, data: Data, column: str, keep: bool) -> HFIterableDataset:

@@ -4,7 +4,8 @@
     ./run_train.sh --config train_configs/m7c.toml --data.prepared data/prepared/m7c
 
 Every source of `[data]` (its `[[data.sources]]`, or `path`) is read in order, `[data] holdout`'s documents
-left out and each source's length bounds applied, `--docs_per_part` documents a part, tokenized by
+set apart in parts of their own (validation reads them, training never) and each source's length bounds
+applied, `--docs_per_part` documents a part, tokenized by
 `--processes` processes. A part is written to a temporary name and renamed when whole, so a prepare that is
 killed and run again continues after its last whole part and ends with the same files (and hashes) as an
 uninterrupted one. The manifest is written last: a folder without one is not read by training.
@@ -29,7 +30,7 @@ from tqdm import tqdm
 from ..cli import ArgumentParser, run_command
 from ..config import ConfigError, Data, JobConfig, Source, data_sources, load_config, to_toml
 from .errors import DataError
-from .loader import held_out
+from .loader import is_held_out
 from .prepared import FORMAT, MANIFEST, PREPARED_AS, file_hash, fingerprint, token_dtype
 from .sources import open_text_stream
 from .tokenizer import Tokenizer, build_tokenizer, document_tokens
@@ -45,17 +46,18 @@ def _load_tokenizer(kind: str, path: str) -> None:
     _tokenizer = build_tokenizer(kind, path)
 
 
-def _part_files(folder: Path, p: int) -> tuple[Path, Path]:
-    return folder / f"part-{p:05d}.bin", folder / f"part-{p:05d}.docs.npy"
+def _part_files(folder: Path, p: int, kind: str = "part") -> tuple[Path, Path]:
+    """Part `p`'s tokens and document ends; `kind` "part" (training) or "holdout" (`[data] holdout`'s)."""
+    return folder / f"{kind}-{p:05d}.bin", folder / f"{kind}-{p:05d}.docs.npy"
 
 
-def write_part(texts: list[str], bounds: tuple[int, int], folder: Path, p: int, dtype: str) -> None:
+def write_part(texts: list[str], bounds: tuple[int, int], files: tuple[Path, Path], dtype: str) -> None:
     """Tokenize `texts` (as the packer joins documents), keep those within `bounds` (tokens, 0: none), and write
-    part `p`: its tokens, then (renamed last, the part's mark of being whole) its documents' end offsets."""
+    a part: its tokens, then (renamed last, the part's mark of being whole) its documents' end offsets."""
     tok, (low, high) = _tokenizer, bounds
     docs = [document_tokens(tok, t) for t in texts]
     docs = [d for d in docs if len(d) >= low and (not high or len(d) <= high)]
-    tokens, docs_file = _part_files(folder, p)
+    tokens, docs_file = files
     np.fromiter(itertools.chain.from_iterable(docs), dtype=dtype).tofile(tmp := tokens.with_suffix(".tmp"))
     os.replace(tmp, tokens)
     with (tmp := docs_file.with_suffix(".tmp")).open("wb") as f:
@@ -63,24 +65,43 @@ def write_part(texts: list[str], bounds: tuple[int, int], folder: Path, p: int, 
     os.replace(tmp, docs_file)
 
 
-def _chunks(data: Data, src: Source, n: int) -> Iterator[list[str]]:
-    stream = held_out(open_text_stream(src.path, src.name, src.split, src.text_column, data.read_retries,
-                                       data.retry_wait_seconds), data, src.text_column, keep=False)
-    texts = (example[src.text_column] for example in stream)
-    while chunk := list(itertools.islice(texts, n)):
-        yield chunk
+def _chunks(data: Data, src: Source, n: int) -> Iterator[tuple[str, list[str]]]:
+    """`src`'s documents in order, `n` a chunk: ("part", ...) for training, ("holdout", ...) for `[data] holdout`'s
+    (each kind's last chunk may be shorter)."""
+    stream = open_text_stream(src.path, src.name, src.split, src.text_column, data.read_retries,
+                              data.retry_wait_seconds)
+    chunks: dict[str, list[str]] = {"part": [], "holdout": []}
+    for example in stream:
+        text = example[src.text_column]
+        kind = "holdout" if data.holdout and is_held_out(text, data.holdout) else "part"
+        chunks[kind].append(text)
+        if len(chunks[kind]) == n:
+            yield kind, chunks[kind]
+            chunks[kind] = []
+    yield from ((kind, texts) for kind, texts in chunks.items() if texts)
+
+
+def _entries(folder: Path, kind: str, parts: int, dtype: str) -> list[dict[str, Any]]:
+    """The manifest's entries of a kind's parts; a part whose documents all fell outside the bounds is left out."""
+    entries = []
+    for p in range(parts):
+        tokens, docs = _part_files(folder, p, kind)
+        if n := tokens.stat().st_size // np.dtype(dtype).itemsize:
+            entries.append({"file": tokens.name, "tokens": n, "documents": len(np.load(docs)), "xxh3": file_hash(tokens)})
+    return entries
 
 
 def prepare_source(pool: Any, processes: int, data: Data, src: Source, folder: Path, docs_per_part: int, dtype: str) -> dict[str, Any]:
     """Write `src`'s parts into `folder` (those already whole are kept), then describe them for the manifest."""
     folder.mkdir(parents=True, exist_ok=True)
     pending: deque = deque()
-    parts = 0
+    parts = {"part": 0, "holdout": 0}
     with tqdm(desc=f"prepare {src.label}", unit=" docs", dynamic_ncols=True) as bar:
-        for p, texts in enumerate(_chunks(data, src, docs_per_part)):
-            parts = p + 1
-            if not _part_files(folder, p)[1].is_file():
-                args = (texts, (src.min_tokens, src.max_tokens), folder, p, dtype)
+        for kind, texts in _chunks(data, src, docs_per_part):
+            files = _part_files(folder, parts[kind], kind)
+            parts[kind] += 1
+            if not files[1].is_file():
+                args = (texts, (src.min_tokens, src.max_tokens), files, dtype)
                 pending.append(pool.apply_async(write_part, args) if pool else write_part(*args))
             while pool and len(pending) > 2 * processes:  # bounded: the stream is read as parts are written
                 pending.popleft().get()
@@ -88,17 +109,13 @@ def prepare_source(pool: Any, processes: int, data: Data, src: Source, folder: P
         for job in pending:
             if pool:
                 job.get()
-    entries = []
-    for p in range(parts):
-        tokens, docs = _part_files(folder, p)
-        n = tokens.stat().st_size // np.dtype(dtype).itemsize
-        if n:  # a part whose documents all fell outside the bounds is left out
-            entries.append({"file": tokens.name, "tokens": n, "documents": len(np.load(docs)), "xxh3": file_hash(tokens)})
+    entries, held = (_entries(folder, kind, parts[kind], dtype) for kind in ("part", "holdout"))
     if not entries:
         raise DataError(f"[[data.sources]] '{src.label}': no document passes min_tokens = {src.min_tokens}, max_tokens "
                         f"= {src.max_tokens or 'any'}: widen the bounds")
-    return {"source": {k: getattr(src, k) for k in PREPARED_AS}, "parts": entries,
-            "tokens": sum(e["tokens"] for e in entries), "documents": sum(e["documents"] for e in entries)}
+    return {"source": {k: getattr(src, k) for k in PREPARED_AS}, "parts": entries, "holdout": held,
+            "tokens": sum(e["tokens"] for e in entries), "documents": sum(e["documents"] for e in entries),
+            "holdout_tokens": sum(e["tokens"] for e in held)}
 
 
 def prepare(cfg: JobConfig, output: Path, processes: int, docs_per_part: int) -> dict[str, Any]:
@@ -146,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("no folder to prepare into: pass --output DIR (or set [data] prepared)")
         manifest = prepare(cfg, Path(output), args.processes, args.docs_per_part)
         for label, s in manifest["sources"].items():
-            print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} part{'s' * (len(s['parts']) != 1)}")
+            held = f"; held out for validation: {s['holdout_tokens']:,} tokens" if s["holdout"] else ""
+            print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} "
+                  f"part{'s' * (len(s['parts']) != 1)}{held}")
         print(f"wrote {output}; train on it with --data.prepared {output}")
         return 0
 

@@ -2,7 +2,8 @@
 
 A prepared folder holds, per source, `<label>/part-NNNNN.bin` (the tokens of its documents end to end, each
 document as the packer joins it: <bos> where the tokenizer has one, its tokens, <eos>; uint16 where the
-vocabulary fits, else uint32) and `part-NNNNN.docs.npy` (each document's end offset in the part), and one
+vocabulary fits, else uint32) and `part-NNNNN.docs.npy` (each document's end offset in the part), its
+`[data] holdout` documents as `holdout-NNNNN.bin` and `.docs.npy` (validation reads them), and one
 `manifest.json` (tokenizer fingerprint, the sources as prepared, counts, each part's content hash), written
 last. Windows of seq_len + 1 tokens are cut end to end from a source's tokens; the window of global sample i
 is a function of the seed, the source's epoch and i alone (`Mixture`, `PreparedWindows`), so a run resumed on
@@ -30,7 +31,8 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+"""2: each source's `[data] holdout` documents in parts of their own (`holdout-NNNNN.bin`), read by validation."""
 MANIFEST = "manifest.json"
 MIX_BLOCK = 4096
 """Global samples per mixture block: each block holds every source's share (largest remainder), in an order
@@ -77,12 +79,12 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 class PreparedSource:
-    """One source's parts, memory-mapped on first use (in each loader worker)."""
+    """One source's parts (its training or its held-out documents), memory-mapped on first use."""
 
-    def __init__(self, folder: Path, label: str, entry: dict[str, Any], dtype: np.dtype):
+    def __init__(self, folder: Path, label: str, parts: list[dict[str, Any]], dtype: np.dtype):
         self.label, self.dtype = label, dtype
-        self.files = [folder / label / p["file"] for p in entry["parts"]]
-        self.ends = np.cumsum([p["tokens"] for p in entry["parts"]])  # each part's end in the source's tokens
+        self.files = [folder / label / p["file"] for p in parts]
+        self.ends = np.cumsum([p["tokens"] for p in parts])  # each part's end in the source's tokens
         self.tokens = int(self.ends[-1]) if len(self.ends) else 0
 
     @cached_property
@@ -101,9 +103,10 @@ class PreparedSource:
         return np.concatenate(out)
 
 
-def open_prepared(data: Data, tokenizer: Tokenizer) -> list[PreparedSource]:
-    """The prepared sources of `[data] prepared`, in the order of `[data]`'s sources, checked against the run's
-    tokenizer and sources and against the manifest's sizes and content hashes: a DataError names what differs."""
+def open_prepared(data: Data, tokenizer: Tokenizer, held_out: bool = False) -> list[PreparedSource]:
+    """The prepared sources of `[data] prepared` (their training parts, or with `held_out` their `[data] holdout`
+    documents), in the order of `[data]`'s sources, checked against the run's tokenizer and sources and against
+    the manifest's sizes and content hashes: a DataError names what differs."""
     folder = Path(data.prepared)
     manifest = read_manifest(folder)
     if manifest["tokenizer"] != (ours := fingerprint(tokenizer)):
@@ -112,7 +115,7 @@ def open_prepared(data: Data, tokenizer: Tokenizer) -> list[PreparedSource]:
                         f"is {ours} ({data.tokenizer_path}): prepare again with this tokenizer, or use that one")
     if manifest["holdout"] != data.holdout:
         raise DataError(f"[data] holdout = {data.holdout:g}, but '{folder}' was prepared with holdout = "
-                        f"{manifest['holdout']:g} (its documents are left out at preparing): prepare again, or match it")
+                        f"{manifest['holdout']:g} (prepare sets its documents apart for validation): prepare again, or match it")
     out = []
     for src in data.sources:
         entry = manifest["sources"].get(src.label)
@@ -124,13 +127,14 @@ def open_prepared(data: Data, tokenizer: Tokenizer) -> list[PreparedSource]:
             raise DataError(f"[[data.sources]] '{src.label}': {', '.join(f'{k} = {getattr(src, k)!r}' for k in differ)}"
                             f", but '{folder}' prepared it with {', '.join(repr(entry['source'][k]) for k in differ)}: "
                             f"prepare again, into a new folder")
-        for part in entry["parts"]:
+        parts = entry["holdout" if held_out else "parts"]
+        for part in parts:
             file = folder / src.label / part["file"]
             size = file.stat().st_size if file.is_file() else None
             if size != part["tokens"] * np.dtype(manifest["dtype"]).itemsize or file_hash(file) != part["xxh3"]:
                 raise DataError(f"[data] prepared: {file} is {'missing' if size is None else 'truncated or altered'} "
                                 f"(its size or content hash differs from {folder / MANIFEST}): prepare again")
-        out.append(PreparedSource(folder, src.label, entry, np.dtype(manifest["dtype"])))
+        out.append(PreparedSource(folder, src.label, parts, np.dtype(manifest["dtype"])))
     return out
 
 
