@@ -2,6 +2,10 @@
 
     python -m nsa_titan.generate outputs/debug_model/checkpoint/step-300 --prompt "The with statement" \\
         [--max_new_tokens 200] [--temperature 0.8] [--top_k 50] [--top_p 0.95] [--seed 0] [--section.key value]
+    python -m nsa_titan.generate CHECKPOINT --prompt "def" --prompt "The with" [--prompts_file F] [--batch_size 8]
+
+Several prompts are decoded in batches, each row at its own position, and printed `[i] prompt + text` when
+done; prompt i samples with seed + i, so its text does not depend on the batch it is in.
 
 The prompt is prefilled by the training forward; every new token is one incremental step over
 the per-branch KV caches (see nsa_titan/models/decode.py), whose logits equal a full forward's.
@@ -14,12 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from .cli import ArgumentParser, run_command
+from .config import ConfigError
 from .data import Tokenizer
-from .data.batch import eos_documents
+from .data.batch import document_ids
 from .inference import load_model
 from .models.decode import Decoder
 from .models.transformer import Transformer
@@ -47,27 +53,65 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt) or [tokenizer.eos_id]
 
 
+def decode_rows(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                temperature: float, top_k: int, top_p: float, seeds: list[int], document_masking: bool
+                ) -> Iterator[torch.Tensor]:
+    """Each step's new token (B,) of every prompt, the prompts (token ids) left-padded into one batch (the
+    padding a document of its own; each row decodes at its own position). Row b samples with its own
+    generator, seeded `seeds[b]`, so its tokens do not depend on the rows beside it."""
+    eos, width = tokenizer.eos_id, max(map(len, prompts))
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    decoder = Decoder(model)
+    logits = decoder.prefill(ids, document_ids(ids, mask, eos if document_masking else None))[:, -1]
+    for k in range(max_new_tokens):
+        token = torch.cat([sample_next(logits[b:b + 1], temperature, top_k, top_p, g) for b, g in enumerate(gens)])
+        yield token
+        if k + 1 < max_new_tokens:
+            logits = decoder.step(token[:, None])[:, -1]
+
+
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
              top_k: int = 50, top_p: float = 1.0, seed: int = 0, document_masking: bool = False) -> Iterator[int]:
     """Yield new token ids one at a time (stops at <eos>). With `document_masking` (as the model was
     trained), an <eos> in the prompt ends a document and the new tokens continue the last one."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt_ids(tokenizer, prompt)])
-    decoder = Decoder(model)
-    logits = decoder.prefill(ids, eos_documents(ids, tokenizer.eos_id) if document_masking else None)[:, -1]
-    for _ in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, gen)
+    for token in decode_rows(model, tokenizer, [prompt_ids(tokenizer, prompt)], max_new_tokens, temperature, top_k,
+                             top_p, [seed], document_masking):
         if int(token) == tokenizer.eos_id:
             return
         yield int(token)
-        logits = decoder.step(token.view(1, 1))[:, -1]
+
+
+def generate_batch(model: Transformer, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
+                   temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0, seed: int = 0,
+                   document_masking: bool = False, batch_size: int = 8) -> list[list[int]]:
+    """The new token ids of each prompt (up to <eos>), `batch_size` prompts decoded at once; prompt i samples
+    with seed `seed + i`, so each row's tokens are those of `generate(prompt, seed=seed + i)`."""
+    out: list[list[int]] = []
+    for first in range(0, len(prompts), batch_size):
+        chunk = [prompt_ids(tokenizer, p) for p in prompts[first:first + batch_size]]
+        rows: list[list[int]] = [[] for _ in chunk]
+        done = torch.zeros(len(chunk), dtype=torch.bool)
+        seeds = [seed + first + i for i in range(len(chunk))]
+        for token in decode_rows(model, tokenizer, chunk, max_new_tokens, temperature, top_k, top_p, seeds,
+                                 document_masking):
+            done |= token == tokenizer.eos_id
+            for b in (~done).nonzero().flatten().tolist():
+                rows[b].append(int(token[b]))
+            if bool(done.all()):
+                break
+        out += rows
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.generate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step-N checkpoint folder or an exported .pt file")
-    parser.add_argument("--prompt", default="")
+    parser.add_argument("--prompt", action="append", help="a prompt; repeat it for several, decoded in batches")
+    parser.add_argument("--prompts_file", help="a text file of prompts, one a line (with or beside --prompt)")
+    parser.add_argument("--batch_size", type=int, default=8, help="prompts decoded at once")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=50)
@@ -78,21 +122,39 @@ def main(argv: list[str] | None = None) -> int:
     for bad, why in ((args.max_new_tokens < 1, "--max_new_tokens must be >= 1"),
                      (args.temperature < 0, "--temperature must be >= 0 (0: greedy)"),
                      (args.top_k < 0, "--top_k must be >= 0 (0: off)"),
-                     (not 0 < args.top_p <= 1, "--top_p must lie in (0, 1]")):
+                     (not 0 < args.top_p <= 1, "--top_p must lie in (0, 1]"),
+                     (args.batch_size < 1, "--batch_size must be >= 1")):
         if bad:
             parser.error(why)
     return run_command("nsa_titan.generate", lambda: _generate(args, overrides))
 
 
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of --prompt and --prompts_file, in that order (one empty prompt if none)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            prompts += Path(args.prompts_file).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"--prompts_file {args.prompts_file}: {e.strerror}: give a text file, one prompt a line")
+    return prompts or [""]
+
+
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
-    context = lambda tok: len(prompt_ids(tok, args.prompt)) + args.max_new_tokens  # noqa: E731
+    prompts = _prompts(args)
+    context = lambda tok: max(len(prompt_ids(tok, p)) for p in prompts) + args.max_new_tokens  # noqa: E731
     model, tokenizer, cfg = load_model(args.checkpoint, args.config, overrides,
                                        context=("the prompt and --max_new_tokens", context))
+    sampling = (args.temperature, args.top_k, args.top_p, args.seed, cfg.training.document_masking)
+    if len(prompts) > 1:
+        rows = generate_batch(model, tokenizer, prompts, args.max_new_tokens, *sampling, batch_size=args.batch_size)
+        for i, (prompt, row) in enumerate(zip(prompts, rows)):
+            print(f"[{i}] {prompt}{tokenizer.decode(row)}")
+        return 0
     ids: list[int] = []
     shown = ""
-    print(args.prompt, end="", flush=True)
-    for token in generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          args.top_p, args.seed, cfg.training.document_masking):
+    print(prompts[0], end="", flush=True)
+    for token in generate(model, tokenizer, prompts[0], args.max_new_tokens, *sampling):
         ids.append(token)
         text = tokenizer.decode(ids)
         print(text[len(shown):], end="", flush=True)  # stream what the new token added

@@ -3,10 +3,12 @@
 
     python tests/hf_check.py REQUEST.json RESULT.pt
 
-REQUEST.json: {"folders": {name: {"dir", "ids": [[...]], "prompt": [...]}}, "new_tokens": N, "texts": [...]}.
+REQUEST.json: {"folders": {name: {"dir", "ids": [[...]], "prompt": [...]}}, "new_tokens": N, "texts": [...],
+"batch_texts": [...]}.
 Per folder: the class's module, the logits of `ids`, greedy generate() of `prompt` with the tokens the
 blocks ran through a full forward and the incremental steps taken, the logits of one more token after a
-prefilled cache (and whether the prefix was recomputed for it), and AutoTokenizer's ids of `texts`.
+prefilled cache (and whether the prefix was recomputed for it), AutoTokenizer's ids of `texts`, and greedy
+generate() of `batch_texts` in one left-padded batch and each alone.
 """
 
 from __future__ import annotations
@@ -58,12 +60,35 @@ def _record(model, tokenizer, ids: torch.Tensor, prompt: torch.Tensor, req: dict
         one = model(ids[:1, :1], cache=cache).logits
         after = {k: counts[k] - before[k] for k in counts}
         full = model(torch.cat([prompt, ids[:1, :1]], 1)).logits[:, -1:]
-    return {"module": type(model).__module__, "dtype": str(model.dtype), "logits": logits,
+        batched, alone = _batched_and_alone(model, tokenizer, req["batch_texts"], req["new_tokens"])
+    return {"batched": batched, "alone": alone, "module": type(model).__module__, "dtype": str(model.dtype), "logits": logits,
             "generated": out[0, prompt.shape[1]:].tolist(), "generate_counts": generated, "n_layers": n_layers,
             "one_token_counts": after, "one_token_logits": one, "one_token_full": full,
             "eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id,
             "encoded": [tokenizer(t, add_special_tokens=False).input_ids for t in req["texts"]],
             "decoded": [tokenizer.decode(tokenizer(t, add_special_tokens=False).input_ids) for t in req["texts"]]}
+
+
+def _batched_and_alone(model, tokenizer, texts: list[str], new_tokens: int) -> tuple[list, list]:
+    """Greedy generate() of `texts` in one left-padded batch, and of each alone: the new tokens of each."""
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batch = tokenizer(texts, return_tensors="pt", padding=True) if tokenizer.pad_token_id is not None else \
+        _left_padded([tokenizer(t).input_ids for t in texts], pad)
+    out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    batched = out[:, batch["input_ids"].shape[1]:].tolist()
+    alone = []
+    for t in texts:
+        ids = torch.tensor([tokenizer(t).input_ids])
+        alone.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    do_sample=False, pad_token_id=pad)[0, ids.shape[1]:].tolist())
+    return batched, alone
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
+    width = max(map(len, rows))
+    return {"input_ids": torch.tensor([[pad] * (width - len(r)) + r for r in rows]),
+            "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])}
 
 
 def main() -> None:

@@ -48,6 +48,8 @@ YARN = ["--model.rope_scaling", "yarn", "--model.rope_factor", "4", "--model.rop
 """Trained at 64 (the MODEL's seq_len) from 32: declared for 4 x 32 = 128 tokens, twice the training length."""
 SCALED = {"nsa-yarn": YARN}
 PROMPT = "The with statement"
+BATCH_TEXTS = ["The with statement", "def", "Raised when an operation is applied", "A list"]
+"""Prompts of different lengths for one left-padded batch."""
 
 
 def texts(n: int, split: str = "validation") -> list[str]:
@@ -97,7 +99,8 @@ def loaded(exported, tmp_path_factory) -> dict[str, dict]:
         rows = ids[:, :120 if name in SCALED else 60] % tok.vocab_size  # past the training length, if declared
         rows[:, 25] = tok.eos_id  # a document ends here (the configs' document masking)
         folders[name] = {"dir": str(exported / name), "ids": rows.tolist(), "prompt": tok.encode(PROMPT)}
-    request = {"folders": folders, "new_tokens": 12, "texts": texts(6) + [" odd  spacing\t\n", "é 日本"]}
+    request = {"folders": folders, "new_tokens": 12, "texts": texts(6) + [" odd  spacing\t\n", "é 日本"],
+               "batch_texts": BATCH_TEXTS}
     (work / "request.json").write_text(json.dumps(request))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hf_check.py"), str(work / "request.json"),
                            str(work / "result.pt")], cwd=work, env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -148,6 +151,16 @@ def test_greedy_generate_equals_nsa_titans_through_the_cache(exported, loaded, n
     # One more token on a prefilled cache: no block recomputes the prefix, and the logits are a full forward's.
     assert got["one_token_counts"] == {"block_tokens": 0, "steps": 1}
     torch.testing.assert_close(got["one_token_logits"], got["one_token_full"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_batched_generate_of_prompts_of_different_lengths_equals_each_alone(loaded, name):
+    """transformers' generate() of 4 prompts of different lengths in one left-padded batch: each row's new tokens
+    are those of its prompt generated alone (up to the end-of-text token where a row stops early)."""
+    got = loaded[name]
+    assert len(got["batched"]) == len(BATCH_TEXTS) and any(len(a) >= 3 for a in got["alone"])
+    for row, alone in zip(got["batched"], got["alone"]):
+        assert row[:len(alone)] == alone
 
 
 @pytest.mark.parametrize("name", ["nsa", "nsa-sentencepiece", "dense-bytes"])
@@ -257,7 +270,11 @@ LM_EVAL_TASKS = {
                           "doc_to_choice": "{{choices}}", "doc_to_target": "answer", "metric_list": [{"metric": "acc"}]},
     "nsa_titan_ppl.yaml": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
                            "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]},
+    "nsa_titan_gen.yaml": {"output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{target}}",
+                           "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False},
+                           "metric_list": [{"metric": "exact_match"}]},
 }
+GEN_PROMPTS = ["The with statement", "def", "Raised when an operation or function is applied", "A", "class C:"]
 
 
 def local_tasks(folder: Path) -> Path:
@@ -270,8 +287,9 @@ def local_tasks(folder: Path) -> Path:
                  {"question": "The statement that leaves a loop is", "choices": ["break", "import", "yield"], "answer": 0}]
     (folder / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     (folder / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts(4)))
+    (folder / "gen.jsonl").write_text("".join(json.dumps({"prompt": p, "target": "x"}) + "\n" for p in GEN_PROMPTS))
     for name, task in LM_EVAL_TASKS.items():
-        data = folder / ("mc.jsonl" if "mc" in name else "ppl.jsonl")
+        data = folder / f"{name.removeprefix('nsa_titan_').removesuffix('.yaml')}.jsonl"
         (folder / name).write_text(json.dumps({"task": name.removesuffix(".yaml"), "dataset_path": "json",
                                                "dataset_kwargs": {"data_files": {"test": str(data)}},
                                                "test_split": "test", **task}, indent=1))  # YAML reads JSON
@@ -292,6 +310,25 @@ def test_lm_eval_runs_local_tasks_and_its_perplexity_equals_evaluates(hf_run, tm
     assert ours["documents"] == 4 and ours["tokens"] > 4 * 64
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         assert results["nsa_titan_ppl"][f"{metric},none"] == pytest.approx(ours[metric], rel=1e-5), metric
+
+
+def test_lm_eval_generate_until_in_batches_of_4_equals_batches_of_1(hf_run, tmp_path):
+    """lm-eval's generate_until over 5 prompts of different lengths: batch size 4 (left-padded rows, each at its
+    own position) gives every prompt the continuation that batch size 1 gives it."""
+    folder, tasks = hf_run / "checkpoint" / "model-step-16-hf", local_tasks(tmp_path / "tasks")
+    responses = []
+    for batch in (1, 4):
+        out = tmp_path / f"results-{batch}"
+        proc = subprocess.run(["lm_eval", "--model", "hf", "--model_args", f"pretrained={folder},trust_remote_code=True",
+                               "--tasks", "nsa_titan_gen", "--include_path", str(tasks), "--device", "cpu",
+                               "--batch_size", str(batch), "--output_path", str(out), "--log_samples"], cwd=tmp_path,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+                              capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        samples = [json.loads(line) for line in next(out.rglob("samples_nsa_titan_gen_*.jsonl")).read_text().splitlines()]
+        responses.append({s["doc"]["prompt"]: s["resps"][0][0] for s in samples})
+    assert sorted(responses[0]) == sorted(GEN_PROMPTS) and sum(map(len, responses[0].values())) > 10
+    assert responses[1] == responses[0]
 
 
 def test_rolling_windows_score_every_token_once_with_at_most_seq_len_inputs():

@@ -14,7 +14,8 @@ from nsa_titan import generate as generate_cli
 from nsa_titan.config import Model
 from nsa_titan.evaluate import evaluate
 from nsa_titan.inference import load_model
-from nsa_titan.models.decode import Decoder
+from nsa_titan.data.batch import document_ids
+from nsa_titan.models.decode import DecodeCache, Decoder
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT, tb_run, torchrun
@@ -60,9 +61,46 @@ def test_decoding_with_documents_equals_the_packed_forward(attention, prompt):
             decoder.reset()  # the fourth document
         steps.append(decoder.step(tokens[:, t:t + 1]))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
-    assert decoder.t == 30
-    with pytest.raises(ValueError, match="last documents start at positions"):
-        decoder.prefill(tokens[:, :prompt], torch.stack([ids[0, :prompt], torch.zeros(prompt, dtype=torch.long)]))
+    assert decoder.t.tolist() == [30, 30]
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(attention, documents):
+    """4 prompts of 5, 19, 33 and 48 tokens, left-padded into one batch (the padding a document of its own,
+    as transformers pads for `generate`; with `documents`, an end-of-text token inside some prompts, so
+    that rows' last documents start at different places), greedily extended by 40 tokens: each row's
+    logits equal that prompt decoded alone and the full forward of that row's tokens (fp32, 1e-5)."""
+    model, eos = small_model(attention), 96
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (5, 19, 33, 48)]
+    if documents:
+        prompts[1][6], prompts[3][30] = eos, eos
+    T = max(len(p) for p in prompts)
+    tokens = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.arange(T) >= T - len(p) for p in prompts]).long()
+    batched = Decoder(model)
+    logits = [batched.prefill(tokens, document_ids(tokens, mask, eos))[:, -1:]]
+    for _ in range(40):
+        logits.append(batched.step(logits[-1].argmax(-1)))
+    logits = torch.cat(logits, 1)  # (4, 41, V): each row's next-token logits
+    new = logits.argmax(-1)[:, :-1]
+    for b, p in enumerate(prompts):
+        alone = Decoder(model)
+        ids = p[None]
+        row = [alone.prefill(ids, document_ids(ids, None, eos))[:, -1:]] + \
+            [alone.step(new[b:b + 1, k:k + 1]) for k in range(40)]
+        torch.testing.assert_close(logits[b:b + 1], torch.cat(row, 1), rtol=1e-5, atol=1e-5)
+        whole = torch.cat([p, new[b]])[None]
+        with torch.no_grad():
+            full = model(whole, document_ids(whole, None, eos))[:, len(p) - 1:]
+        torch.testing.assert_close(logits[b:b + 1], full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_right_padded_prompt_is_refused_with_the_fix():
+    cache = DecodeCache(small_model("nsa"))
+    with pytest.raises(ValueError, match=r"right padding.*padding_side = 'left'"):
+        cache.forward(torch.ones(2, 6, dtype=torch.long), torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
 
 
 def test_decoding_reads_the_papers_key_count():
@@ -115,6 +153,28 @@ def test_generate_is_reproducible_with_a_seed(trained, capsys):
     model, tokenizer, _ = load_model(ckpt)
     greedy = [list(generate_cli.generate(model, tokenizer, "import", 10, temperature=0)) for _ in range(2)]
     assert greedy[0] == greedy[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_generate_in_batches_gives_each_prompt_its_text_alone(trained, capsys, tmp_path, temperature):
+    """5 prompts of different lengths in batches of 4 (so also a batch of 1): each prompt's text is the one
+    `generate` gives it alone with seed + its index; the CLI prints them `[i] prompt text`."""
+    ckpt = str(trained / "checkpoint" / "step-6")
+    model, tokenizer, cfg = load_model(ckpt)
+    prompts = ["def ", "The with statement", "import", "x", "Raised when an operation"]
+    rows = generate_cli.generate_batch(model, tokenizer, prompts, 20, temperature, seed=7, batch_size=4,
+                                       document_masking=cfg.training.document_masking)
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        assert row == list(generate_cli.generate(model, tokenizer, prompt, 20, temperature, seed=7 + i,
+                                                 document_masking=cfg.training.document_masking))
+    assert sum(map(len, rows)) > 20
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts[2:]) + "\n")
+    argv = [ckpt, "--prompt", prompts[0], "--prompt", prompts[1], "--prompts_file", str(tmp_path / "prompts.txt"),
+            "--max_new_tokens", "20", "--temperature", str(temperature), "--seed", "7", "--batch_size", "4"]
+    assert generate_cli.main(argv) == 0
+    expected = "".join(f"[{i}] {p}{tokenizer.decode(r)}\n" for i, (p, r) in enumerate(zip(prompts, rows)))
+    assert capsys.readouterr().out == expected
 
 
 @pytest.mark.multiprocess

@@ -9,9 +9,11 @@ A decoding step for the token at position t reads:
 projections; `step` then extends one token at a time through the same layer pieces (projections,
 compression, gates, the branch mix, the block's residuals). Both equal a full forward pass.
 
-With documents (a prompt packed from several, `document_ids`), the caches hold the last document
-only, at positions from its start, so that new tokens continue it; `reset` starts a new document
-(fresh caches, position 0). Both equal the packed forward pass.
+With documents (a prompt packed from several, `document_ids`), the caches hold each row's last
+document only, at positions from its start, so that new tokens continue it; `reset` starts a new
+document (fresh caches, position 0). Rows decode at positions of their own: prompts of different
+lengths (left padding is a document of its own) and last documents starting anywhere. All equal the
+packed forward pass, and each row decoded alone.
 """
 
 from __future__ import annotations
@@ -20,128 +22,160 @@ import torch
 
 from ..data.batch import document_ids
 from .attention import Documents, masked_attention, mix_branches, select_blocks
-from .attention.common import selected_keys
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
 
+def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Entries `index` (B, K) of each row of `buf` (B, S, ...): (B, K, ...)."""
+    return buf.gather(1, index.view(*index.shape, *[1] * (buf.dim() - 2)).expand(-1, -1, *buf.shape[2:]))
+
+
 class LayerCache:
-    """Keys/values (B, S, G, D) per name, in buffers that grow by doubling: appending a token
-    writes in place, reading returns a view of the filled part."""
+    """Keys/values (B, S, G, D) per name, each row's entry i its position i (in its document), in buffers
+    that grow by doubling; `width` (on the host) is the longest row's length, so reading needs no sync."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self.length: dict[str, int] = {}
+        self.width: dict[str, int] = {}
+        self.n_cmp: torch.Tensor | None = None  # (B,) complete compression blocks of each row
 
-    def append(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        n = self.length.get(name, 0)
-        need = n + x.shape[1]
+    def put(self, name: str, x: torch.Tensor) -> None:
+        """The entries (B, S, G, D) of a prefill, each row's from position 0 (its longer part unused)."""
+        self.buffers[name] = torch.cat([x, x.new_zeros(x.shape[0], max(16, x.shape[1]), *x.shape[2:])], 1)
+        self.width[name] = x.shape[1]
+
+    def write(self, name: str, at: torch.Tensor, x: torch.Tensor, width: int, where: torch.Tensor | None = None
+              ) -> None:
+        """Each row's entry x (B, 1, G, D) at its position `at` (B,) (only rows `where`, if given); `width`:
+        the longest row's length after it."""
         buf = self.buffers.get(name)
-        if buf is None or buf.shape[1] < need:
-            grown = x.new_empty(x.shape[0], max(need, 2 * n, 16), *x.shape[2:])
+        if buf is None or buf.shape[1] < width:
+            grown = x.new_zeros(x.shape[0], max(2 * width, 16), *x.shape[2:])  # zeros: read masked, never NaN
             if buf is not None:
-                grown[:, :n] = buf[:, :n]
+                grown[:, :buf.shape[1]] = buf
             self.buffers[name] = buf = grown
-        buf[:, n:need] = x
-        self.length[name] = need
-        return buf[:, :need]
+        rows = torch.arange(x.shape[0], device=x.device)
+        if where is not None:  # the other rows write back what they hold
+            at = at.clamp(max=buf.shape[1] - 1)
+        new = x[:, 0] if where is None else torch.where(where[:, None, None], x[:, 0], buf[rows, at])
+        buf[rows, at] = new
+        self.width[name] = width
 
     def get(self, name: str) -> torch.Tensor | None:
-        return self.buffers[name][:, :self.length[name]] if name in self.buffers else None
+        return self.buffers[name][:, :self.width[name]] if name in self.buffers else None
 
 
-def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: LayerCache, t: int,
-                 rope_t: torch.Tensor) -> torch.Tensor:
-    """Attention output of the one new token at position t (x: (B, 1, dim)), extending `cache`."""
-    B = x.shape[0]
+def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
+    """`spec.num_cmp_blocks` of each row's length (B,)."""
+    return torch.where(length >= spec.l, torch.div(length - spec.l, spec.d, rounding_mode="floor") + 1, 0)
+
+
+def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: LayerCache, t: torch.Tensor,
+                 at: list[int], rope_t: torch.Tensor) -> torch.Tensor:
+    """Attention output of each row's new token at its position t (B,) (x: (B, 1, dim)), extending `cache`;
+    `at`: the same positions on the host."""
+    B, device, t_max = x.shape[0], x.device, max(at)
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
     for name, value in kv.items():
-        cache.append(name, value)
-    every = lambda k: torch.ones(1, k.shape[1], dtype=torch.bool, device=x.device)  # noqa: E731
+        cache.write(name, t, value, t_max + 1)
     if isinstance(attn, DenseAttention):
         k, v = cache.get("k"), cache.get("v")
-        return attn.wo(masked_attention(q, k, v, every(k))[0].reshape(B, 1, -1))
+        seen = torch.arange(k.shape[1], device=device) <= t[:, None]  # (B, S)
+        return attn.wo(masked_attention(q, k, v, seen[:, None, None, None])[0].reshape(B, 1, -1))
     spec = attn.spec
-    if t >= spec.l - 1 and (t - spec.l + 1) % spec.d == 0:  # block i = (t - l + 1) / d is complete now
-        start = t - spec.l + 1
-        kc, vc = attn.compress(cache.get("k_cmp")[:, start:t + 1], cache.get("v_cmp")[:, start:t + 1])
-        cache.append("kc", kc)
-        cache.append("vc", vc)
+    if cache.n_cmp is None:
+        cache.n_cmp = torch.zeros_like(t)
+    # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys.
+    if any(p >= spec.l - 1 and (p - spec.l + 1) % spec.d == 0 for p in at):
+        first = t - spec.l + 1
+        complete = (first >= 0) & (first % spec.d == 0)
+        keys = torch.minimum(first.clamp(min=0)[:, None] + torch.arange(spec.l, device=device), t[:, None])  # (B, l)
+        kc, vc = attn.compress(_rows(cache.get("k_cmp"), keys), _rows(cache.get("v_cmp"), keys))
+        for name, value in (("kc", kc), ("vc", vc)):
+            cache.write(name, cache.n_cmp, value, spec.num_cmp_blocks(t_max + 1), where=complete)
+        cache.n_cmp = cache.n_cmp + complete.long()
+    n_cmp = cache.n_cmp
     kc, vc = cache.get("kc"), cache.get("vc")
-    if kc is None:  # no complete compression block yet
+    if kc is None:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
-    o_cmp, p_cmp = masked_attention(q, kc, vc, every(kc))
-    idx, valid = select_blocks(p_cmp, spec, attn.n_groups, t0=t, T=t + 1)
-    pos, ok = selected_keys(idx, valid, spec, torch.tensor([t], device=x.device))  # (B, G, 1, S)
-    pos = pos.clamp(max=t)[:, :, 0]  # (B, G, S): only the selected keys are read
-    gather = lambda y: y.transpose(1, 2).gather(2, pos[..., None].expand(-1, -1, -1, y.shape[-1])).transpose(1, 2)  # noqa: E731
-    o_sel, _ = masked_attention(q, gather(cache.get("k_sel")), gather(cache.get("v_sel")), ok[:, :, None])
-    lo = max(0, t - spec.w + 1)
-    kw, vw = cache.get("k_win")[:, lo:], cache.get("v_win")[:, lo:]
-    o_win, _ = masked_attention(q, kw, vw, every(kw))
+    visible = torch.arange(kc.shape[1], device=device) < n_cmp[:, None]  # (B, Nc)
+    o_cmp, p_cmp = masked_attention(q, kc, vc, visible[:, None, None, None])
+    idx, valid = select_blocks(p_cmp, spec, attn.n_groups, T=t_max + 1, positions=t[:, None])
+    at = t.view(B, 1, 1, 1)
+    pos = (idx[..., None] * spec.l_sel + torch.arange(spec.l_sel, device=device)).flatten(-2)  # (B, G, 1, S)
+    ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= at)  # causal inside the current block
+    pos = torch.minimum(pos, at)[:, :, 0]  # (B, G, S): only the selected keys are read
+    ks, vs = (y.transpose(1, 2).gather(2, pos[..., None].expand(-1, -1, -1, y.shape[-1])).transpose(1, 2)
+              for y in (cache.get("k_sel"), cache.get("v_sel")))
+    o_sel, _ = masked_attention(q, ks, vs, ok[:, :, None])
+    window = t[:, None] - spec.w + 1 + torch.arange(spec.w, device=device)  # (B, w): the last w positions
+    kw, vw = _rows(cache.get("k_win"), window.clamp(min=0)), _rows(cache.get("v_win"), window.clamp(min=0))
+    o_win, _ = masked_attention(q, kw, vw, (window >= 0)[:, None, None, None])
     o = mix_branches(attn.gates(x).to(q.dtype), o_cmp, o_sel, o_win)
     return attn.wo(o.reshape(B, 1, -1))
 
 
 class Decoder:
-    """Caches for one batch of sequences; `prefill(prompt)` then `step(token)`, each -> logits."""
+    """Caches for one batch of sequences; `prefill(prompt)` then `step(token)`, each -> logits. Each row
+    decodes at its own position: prompts of different lengths (left padding, a mask's change starting a
+    document) and rows whose last documents start at different places."""
 
     def __init__(self, model: Transformer):
         self.model = model
-        self.caches = [LayerCache() for _ in model.layers]
-        self.t = 0  # the next position (in the current document)
-        self.last: torch.Tensor | None = None  # the last token (B, 1) given, read by `smear`
+        self.reset()
 
     def reset(self) -> None:
-        """Start a new document: the next token is at position 0 and reads nothing before it."""
+        """Start new documents: the next token of every row is at position 0 and reads nothing before it."""
         self.caches = [LayerCache() for _ in self.model.layers]
-        self.t = 0
-        self.last = None
+        t = getattr(self, "t", None)
+        self.t = None if t is None else torch.zeros_like(t)  # (B,) each row's next position (in its document)
+        self.at = [0] * len(t) if t is not None else []  # the same on the host
+        self.last: torch.Tensor | None = None  # the last token (B, 1) given, read by `smear`
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of the prompt by the training forward, which also hands each layer's keys
         and values (per branch, and compressed) to its cache. With `document_ids` (B, T) the forward
-        masks documents and the caches keep the last one, which must start at the same position in
-        every row."""
-        m, T = self.model, tokens.shape[1]
+        masks documents and the caches keep each row's last one, from its start."""
+        m, (B, T) = self.model, tokens.shape
         m.check_length(T)
         self.reset()
         docs, rope = m.positions(document_ids)
-        s = 0
-        if docs is not None:
-            starts = docs.start[:, -1]
-            s = int(starts[0])
-            if not bool((starts == s).all()):
-                raise ValueError(f"the prompts' last documents start at positions {starts.tolist()}: decoding "
-                                 f"continues one document per row from a common position; decode rows whose "
-                                 f"last documents start elsewhere separately")
+        device = tokens.device
+        start = torch.zeros(B, dtype=torch.long, device=device) if docs is None else docs.start[:, -1]
+        length = T - start  # (B,) each row's last document so far
+        self.at = length.tolist()
+        longest = max(self.at)
+        own = (start[:, None] + torch.arange(longest, device=device)).clamp(max=T - 1)  # (B, longest)
         h = m.embed(tokens, previous_tokens(tokens, docs))
         for block, cache in zip(m.layers.values(), self.caches):
             kv: dict[str, torch.Tensor] = {}
             h = block(h, rope, kv_out=kv, docs=docs)
             for name, value in kv.items():
-                cache.append(name, value if docs is None else self._last_document(name, value, docs, s))
-        self.t, self.last = T - s, tokens[:, -1:]
+                if name not in ("kc", "vc"):
+                    cache.put(name, value if docs is None else _rows(value, own))
+                else:
+                    spec = block.attention.spec
+                    cache.n_cmp = _num_cmp_blocks(spec, length)
+                    if docs is not None:  # each row's own slots, from its last document's first
+                        first = docs.first_slot.gather(1, start[:, None])
+                        slots = first + torch.arange(spec.num_cmp_blocks(longest), device=device)
+                        value = _rows(value, slots.clamp(max=max(value.shape[1] - 1, 0)))
+                    cache.put(name, value)
+        self.t, self.last = length, tokens[:, -1:]
         return m.output(m.norm(h))
-
-    def _last_document(self, name: str, x: torch.Tensor, docs: Documents, s: int) -> torch.Tensor:
-        """The part of a layer's keys / values (B, T, G, D), or compressed slots (B, Nc, G, D), that
-        belongs to the document starting at s (each row's own slots)."""
-        if name not in ("kc", "vc"):
-            return x[:, s:]
-        n = next(iter(self.model.layers.values())).attention.spec.num_cmp_blocks(docs.start.shape[1] - s)
-        slots = docs.first_slot[:, s, None] + torch.arange(n, device=x.device)  # (B, n)
-        return x.gather(1, slots[:, :, None, None].expand(-1, -1, *x.shape[2:]))
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Logits (B, 1, V) after appending `token` (B, 1) at the next position."""
+        """Logits (B, 1, V) after appending `token` (B, 1) at each row's next position."""
         m, t = self.model, self.t
-        m.check_length(t + 1)
-        h = m.embed(token, self.last if t else torch.full_like(token, -1))
+        m.check_length(max(self.at) + 1)
+        prev = torch.full_like(token, -1) if self.last is None else torch.where(t[:, None] > 0, self.last, -1)
+        h = m.embed(token, prev)
+        rope = m.rope[t][:, None]  # (B, 1, head_dim): each row's own position
         for block, cache in zip(m.layers.values(), self.caches):
-            h = block.residual(h, _attend_last(block.attention, block.attention_norm(h), cache, t, m.rope[t:t + 1]))
-        self.t, self.last = t + 1, token
+            h = block.residual(h, _attend_last(block.attention, block.attention_norm(h), cache, t, self.at, rope))
+        self.t, self.at, self.last = t + 1, [p + 1 for p in self.at], token
         return m.output(m.norm(h))
 
     def keys_read(self, t: int) -> dict[str, int]:
@@ -176,6 +210,9 @@ class DecodeCache:
         (documents from the mask's padding and, given `eos_id`, its end-of-text tokens), then one
         incremental step per token."""
         if self.seen == 0:
+            if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+                raise ValueError("a prompt ends in padding (right padding): new tokens would follow the padding. "
+                                 "Pad on the left (tokenizer.padding_side = 'left'), as for any decoder-only model")
             logits = self.decoder.prefill(tokens, document_ids(tokens, attention_mask, eos_id))
         else:
             logits = torch.cat([self.decoder.step(tokens[:, i:i + 1]) for i in range(tokens.shape[1])], 1)

@@ -98,17 +98,19 @@ def masked_softmax(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def select_blocks(p_cmp: torch.Tensor, spec: NSASpec, n_groups: int, t0: int = 0, T: int | None = None,
-                  docs: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  docs: Documents | None = None, positions: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the top-n sel blocks per (query, KV group) from the cmp probabilities.
 
     p_cmp: (B, H, C, Nc) softmax probabilities of the cmp branch (0 where not visible) for the
-    queries t0 .. t0 + C - 1 of a sequence of T keys (default: C, from 0). Scores are summed
-    over the query heads of a group (Eq. 10), then `choose_blocks`.
+    queries t0 .. t0 + C - 1 of a sequence of T keys (default: C, from 0), or at `positions` (B, C)
+    of each row's own (decoding rows of different lengths). Scores are summed over the query heads
+    of a group (Eq. 10), then `choose_blocks`.
     """
     B, H, C, Nc = p_cmp.shape
     with torch.no_grad():
         p_group = p_cmp.view(B, n_groups, H // n_groups, C, Nc).sum(2)  # (B, G, C, Nc)
-    return choose_blocks(p_group, spec, t0, C if T is None else T, docs)
+    return choose_blocks(p_group, spec, t0, C if T is None else T, docs, positions=positions)
 
 
 def top_n(scores: torch.Tensor, n: int) -> torch.Tensor:
@@ -186,7 +188,7 @@ def forced_blocks(j: torch.Tensor, t: torch.Tensor, spec: NSASpec) -> torch.Tens
 
 
 def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: Documents | None = None,
-                  slot0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  slot0: int = 0, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-n sel blocks from group-summed cmp probabilities p_group (B, G, C, Nv), where the
     first Nv <= Nc cmp blocks (or, with `docs`, the slots slot0 .. slot0 + Nv - 1) are all that
     queries t0 .. t0 + C - 1 can see.
@@ -196,10 +198,11 @@ def choose_blocks(p_group: torch.Tensor, spec: NSASpec, t0: int, T: int, docs: D
     `docs`, t and j count from the query's document start and a block's cmp members are the
     slots of that document. Block 0 and the 2 local blocks are forced. Ties keep the lower
     block index (a stable sort), so every implementation picks the same set. No gradient
-    flows through the choice.
+    flows through the choice. `positions` (B, C), without `docs`: each row's own query positions.
     """
     with torch.no_grad():
         scores, t = block_scores(p_group, spec, t0, T, docs, slot0)
+        t = t if positions is None else positions
         Ns = scores.shape[-1]
         j = torch.arange(Ns, device=p_group.device)[None, None, :]
         candidate = (j <= torch.div(t, spec.l_sel, rounding_mode="floor")[:, :, None])[:, None]  # (B or 1, 1, C, Ns)
