@@ -5,7 +5,8 @@
 A model of M7C width (dim 768, 12 heads, 2 KV groups, head dim 64; NSA l=32, d=16, l'=64, n=16,
 w=512) with `--layers` blocks and random weights, fp32 on the CPU: prefill a context of C
 tokens, then time `--steps` single-token decoding steps. Keys read per token and KV group are
-counted from the cache layout (cmp + sel + win for NSA, all C for dense).
+counted from the cache layout (cmp + sel + win for NSA, all C for dense); the cache's bytes per position and
+layer are its buffers', allocated once for the model's declared maximum context (C + steps + 1), over it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nsa_titan.models.decode import Decoder  # noqa: E402
 from nsa_titan.models.transformer import Transformer  # noqa: E402
 
 
-def run(attention: str, context: int, steps: int, layers: int) -> tuple[float, int]:
+def run(attention: str, context: int, steps: int, layers: int) -> tuple[float, int, float]:
     cfg = Model(attention=attention, attn_impl="fast", dim=768, n_layers=layers, n_heads=12, n_kv_groups=2,
                 head_dim=64, vocab_size=4096)
     model = Transformer(cfg, context + steps + 1)
@@ -36,7 +37,9 @@ def run(attention: str, context: int, steps: int, layers: int) -> tuple[float, i
     start = time.perf_counter()
     for t in range(context, context + steps):
         decoder.step(tokens[:, t:t + 1])
-    return steps / (time.perf_counter() - start), sum(decoder.keys_read(context).values())
+    tokens_per_s = steps / (time.perf_counter() - start)
+    cache = sum(c.nbytes() for c in decoder.caches) / model.max_seq_len / layers  # per position and layer
+    return tokens_per_s, sum(decoder.keys_read(context).values()), cache
 
 
 def main() -> None:
@@ -46,13 +49,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    print("| context | NSA tokens/s | dense tokens/s | NSA / dense speed | keys read per token: NSA | dense | dense / NSA |")
-    print("|---|---|---|---|---|---|---|")
+    print("| context | NSA tokens/s | dense tokens/s | NSA / dense speed | keys read per token: NSA | dense | dense / NSA "
+          "| cache bytes per position and layer: NSA | dense | NSA / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in args.contexts:
-        nsa_tps, nsa_keys = run("nsa", c, args.steps, args.layers)
-        dense_tps, dense_keys = run("dense", c, args.steps, args.layers)
+        nsa_tps, nsa_keys, nsa_cache = run("nsa", c, args.steps, args.layers)
+        dense_tps, dense_keys, dense_cache = run("dense", c, args.steps, args.layers)
         print(f"| {c:,} | {nsa_tps:.1f} | {dense_tps:.1f} | {nsa_tps / dense_tps:.2f}x | {nsa_keys:,} | {dense_keys:,} | "
-              f"{dense_keys / nsa_keys:.1f}x |", flush=True)
+              f"{dense_keys / nsa_keys:.1f}x | {nsa_cache:,.0f} | {dense_cache:,.0f} | {nsa_cache / dense_cache:.2f}x |",
+              flush=True)
 
 
 if __name__ == "__main__":

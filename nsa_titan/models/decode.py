@@ -31,38 +31,56 @@ def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class LayerCache:
-    """Keys/values (B, S, G, D) per name, each row's entry i its position i (in its document), in buffers
-    that grow by doubling; `width` (on the host) is the longest row's length, so reading needs no sync."""
+    """One layer's keys and values (B, size, G, D) per name, each buffer allocated once, at its first write, for
+    the model's declared maximum context (no growth copies): a ring (`size` below that context) holds position
+    p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
         self.buffers: dict[str, torch.Tensor] = {}
-        self.width: dict[str, int] = {}
-        self.n_cmp: torch.Tensor | None = None  # (B,) complete compression blocks of each row
+        self.n_cmp: torch.Tensor | None = None
 
-    def put(self, name: str, x: torch.Tensor) -> None:
-        """The entries (B, S, G, D) of a prefill, each row's from position 0 (its longer part unused)."""
-        self.buffers[name] = torch.cat([x, x.new_zeros(x.shape[0], max(16, x.shape[1]), *x.shape[2:])], 1)
-        self.width[name] = x.shape[1]
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        if name not in self.buffers:  # zeros: slots not yet written are read masked, never NaN
+            self.buffers[name] = like.new_zeros(like.shape[0], self.sizes[name], *like.shape[2:])
+        return self.buffers[name]
 
-    def write(self, name: str, at: torch.Tensor, x: torch.Tensor, width: int, where: torch.Tensor | None = None
-              ) -> None:
-        """Each row's entry x (B, 1, G, D) at its position `at` (B,) (only rows `where`, if given); `width`:
-        the longest row's length after it."""
-        buf = self.buffers.get(name)
-        if buf is None or buf.shape[1] < width:
-            grown = x.new_zeros(x.shape[0], max(2 * width, 16), *x.shape[2:])  # zeros: read masked, never NaN
-            if buf is not None:
-                grown[:, :buf.shape[1]] = buf
-            self.buffers[name] = buf = grown
-        rows = torch.arange(x.shape[0], device=x.device)
+    def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:
+        """A prefill's entries x (B, S, G, D): row b's positions 0 .. length[b] - 1 (a ring keeps the last)."""
+        buf, size, S = self._buffer(name, x), self.sizes[name], x.shape[1]
+        if S <= size:
+            buf[:, :S] = x
+            return
+        slot = torch.arange(size, device=x.device)
+        last = slot + size * torch.div((length[:, None] - 1 - slot).clamp(min=0), size, rounding_mode="floor")
+        buf.copy_(_rows(x, last.clamp(max=S - 1)))  # slot s: the last position p < length with p % size == s
+
+    def write(self, name: str, at: torch.Tensor, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Each row's entry x (B, 1, G, D) at its position `at` (B,) (only the rows `where`, if given)."""
+        buf = self._buffer(name, x)
+        rows, slot = torch.arange(x.shape[0], device=x.device), at % self.sizes[name]
         if where is not None:  # the other rows write back what they hold
-            at = at.clamp(max=buf.shape[1] - 1)
-        new = x[:, 0] if where is None else torch.where(where[:, None, None], x[:, 0], buf[rows, at])
-        buf[rows, at] = new
-        self.width[name] = width
+            slot = slot.clamp(max=buf.shape[1] - 1)
+        buf[rows, slot] = x[:, 0] if where is None else torch.where(where[:, None, None], x[:, 0], buf[rows, slot])
 
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.buffers[name][:, :self.width[name]] if name in self.buffers else None
+    def get(self, name: str, width: int | None = None) -> torch.Tensor | None:
+        """The buffer, or its first `width` slots."""
+        buf = self.buffers.get(name)
+        return buf if buf is None or width is None else buf[:, :width]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def cache_sizes(attn: NSAAttention | DenseAttention, context: int) -> dict[str, int]:
+    """Slots per name for a context of `context` positions: every position of the keys that any later token may
+    read (sel's, dense's), the compressed blocks, and rings for what only the last positions need (the window's
+    w keys; the cmp branch's l raw keys, until their block is compressed)."""
+    if isinstance(attn, DenseAttention):
+        return {"k": context, "v": context}
+    spec, full = attn.spec, max(1, attn.spec.num_cmp_blocks(context))
+    return {"k_sel": context, "v_sel": context, "kc": full, "vc": full, "k_win": min(spec.w, context),
+            "v_win": min(spec.w, context), "k_cmp": min(spec.l, context), "v_cmp": min(spec.l, context)}
 
 
 def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
@@ -77,40 +95,40 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
     B, device, t_max = x.shape[0], x.device, max(at)
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
     for name, value in kv.items():
-        cache.write(name, t, value, t_max + 1)
+        cache.write(name, t, value)
     if isinstance(attn, DenseAttention):
-        k, v = cache.get("k"), cache.get("v")
+        k, v = cache.get("k", t_max + 1), cache.get("v", t_max + 1)
         seen = torch.arange(k.shape[1], device=device) <= t[:, None]  # (B, S)
         return attn.wo(masked_attention(q, k, v, seen[:, None, None, None])[0].reshape(B, 1, -1))
     spec = attn.spec
     if cache.n_cmp is None:
         cache.n_cmp = torch.zeros_like(t)
-    # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys.
+    # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys (the ring's).
     if any(p >= spec.l - 1 and (p - spec.l + 1) % spec.d == 0 for p in at):
         first = t - spec.l + 1
         complete = (first >= 0) & (first % spec.d == 0)
-        keys = torch.minimum(first.clamp(min=0)[:, None] + torch.arange(spec.l, device=device), t[:, None])  # (B, l)
-        kc, vc = attn.compress(_rows(cache.get("k_cmp"), keys), _rows(cache.get("v_cmp"), keys))
+        ring = (first[:, None] + torch.arange(spec.l, device=device)) % cache.sizes["k_cmp"]  # (B, l) in order
+        kc, vc = attn.compress(_rows(cache.get("k_cmp"), ring), _rows(cache.get("v_cmp"), ring))
         for name, value in (("kc", kc), ("vc", vc)):
-            cache.write(name, cache.n_cmp, value, spec.num_cmp_blocks(t_max + 1), where=complete)
+            cache.write(name, cache.n_cmp, value, where=complete)
         cache.n_cmp = cache.n_cmp + complete.long()
-    n_cmp = cache.n_cmp
-    kc, vc = cache.get("kc"), cache.get("vc")
-    if kc is None:  # no complete compression block in any row yet
+    n_cmp, width = cache.n_cmp, spec.num_cmp_blocks(t_max + 1)
+    if width == 0 or cache.get("kc") is None:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
+    else:
+        kc, vc = cache.get("kc", width), cache.get("vc", width)
     visible = torch.arange(kc.shape[1], device=device) < n_cmp[:, None]  # (B, Nc)
     o_cmp, p_cmp = masked_attention(q, kc, vc, visible[:, None, None, None])
     idx, valid = select_blocks(p_cmp, spec, attn.n_groups, T=t_max + 1, positions=t[:, None])
-    at = t.view(B, 1, 1, 1)
+    here = t.view(B, 1, 1, 1)
     pos = (idx[..., None] * spec.l_sel + torch.arange(spec.l_sel, device=device)).flatten(-2)  # (B, G, 1, S)
-    ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= at)  # causal inside the current block
-    pos = torch.minimum(pos, at)[:, :, 0]  # (B, G, S): only the selected keys are read
+    ok = valid.repeat_interleave(spec.l_sel, dim=-1) & (pos <= here)  # causal inside the current block
+    pos = torch.minimum(pos, here)[:, :, 0]  # (B, G, S): only the selected keys are read
     ks, vs = (y.transpose(1, 2).gather(2, pos[..., None].expand(-1, -1, -1, y.shape[-1])).transpose(1, 2)
               for y in (cache.get("k_sel"), cache.get("v_sel")))
     o_sel, _ = masked_attention(q, ks, vs, ok[:, :, None])
-    window = t[:, None] - spec.w + 1 + torch.arange(spec.w, device=device)  # (B, w): the last w positions
-    kw, vw = _rows(cache.get("k_win"), window.clamp(min=0)), _rows(cache.get("v_win"), window.clamp(min=0))
-    o_win, _ = masked_attention(q, kw, vw, (window >= 0)[:, None, None, None])
+    kw, vw = cache.get("k_win"), cache.get("v_win")  # the ring of the last w positions, in any order
+    o_win, _ = masked_attention(q, kw, vw, (torch.arange(kw.shape[1], device=device) <= t[:, None])[:, None, None, None])
     o = mix_branches(attn.gates(x).to(q.dtype), o_cmp, o_sel, o_win)
     return attn.wo(o.reshape(B, 1, -1))
 
@@ -126,7 +144,8 @@ class Decoder:
 
     def reset(self) -> None:
         """Start new documents: the next token of every row is at position 0 and reads nothing before it."""
-        self.caches = [LayerCache() for _ in self.model.layers]
+        self.caches = [LayerCache(cache_sizes(block.attention, self.model.max_seq_len))
+                       for block in self.model.layers.values()]
         t = getattr(self, "t", None)
         self.t = None if t is None else torch.zeros_like(t)  # (B,) each row's next position (in its document)
         self.at = [0] * len(t) if t is not None else []  # the same on the host
@@ -153,7 +172,7 @@ class Decoder:
             h = block(h, rope, kv_out=kv, docs=docs)
             for name, value in kv.items():
                 if name not in ("kc", "vc"):
-                    cache.put(name, value if docs is None else _rows(value, own))
+                    cache.put(name, value if docs is None else _rows(value, own), length)
                 else:
                     spec = block.attention.spec
                     cache.n_cmp = _num_cmp_blocks(spec, length)
@@ -161,7 +180,7 @@ class Decoder:
                         first = docs.first_slot.gather(1, start[:, None])
                         slots = first + torch.arange(spec.num_cmp_blocks(longest), device=device)
                         value = _rows(value, slots.clamp(max=max(value.shape[1] - 1, 0)))
-                    cache.put(name, value)
+                    cache.put(name, value, cache.n_cmp)
         self.t, self.last = length, tokens[:, -1:]
         return m.output(m.norm(h))
 
