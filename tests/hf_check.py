@@ -8,7 +8,7 @@ REQUEST.json: {"folders": {name: {"dir", "ids": [[...]], "prompt": [...]}}, "new
 Per folder: the class's module, the logits of `ids`, greedy generate() of `prompt` with the tokens the
 blocks ran through a full forward and the incremental steps taken, the logits of one more token after a
 prefilled cache (and whether the prefix was recomputed for it), AutoTokenizer's ids of `texts`, and greedy
-generate() of `batch_texts` in one left-padded batch and each alone.
+generate() of `batch_texts` in one left-padded batch and each alone, and what a right-padded batch gets.
 """
 
 from __future__ import annotations
@@ -61,7 +61,13 @@ def _record(model, tokenizer, ids: torch.Tensor, prompt: torch.Tensor, req: dict
         after = {k: counts[k] - before[k] for k in counts}
         full = model(torch.cat([prompt, ids[:1, :1]], 1)).logits[:, -1:]
         batched, alone = _batched_and_alone(model, tokenizer, req["batch_texts"], req["new_tokens"])
-    return {"batched": batched, "alone": alone, "module": type(model).__module__, "dtype": str(model.dtype), "logits": logits,
+        try:  # right padding: refused
+            model.generate(torch.cat([prompt, prompt]), attention_mask=torch.tensor([[1] * prompt.shape[1]] * 2)
+                           .index_fill(1, torch.tensor([prompt.shape[1] - 1]), 0), max_new_tokens=2, do_sample=False)
+            right_padded = "not refused"
+        except ValueError as e:
+            right_padded = str(e)
+    return {"batched": batched, "alone": alone, "right_padded": right_padded, "module": type(model).__module__, "dtype": str(model.dtype), "logits": logits,
             "generated": out[0, prompt.shape[1]:].tolist(), "generate_counts": generated, "n_layers": n_layers,
             "one_token_counts": after, "one_token_logits": one, "one_token_full": full,
             "eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id,

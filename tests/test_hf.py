@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +162,7 @@ def test_batched_generate_of_prompts_of_different_lengths_equals_each_alone(load
     assert len(got["batched"]) == len(BATCH_TEXTS) and any(len(a) >= 3 for a in got["alone"])
     for row, alone in zip(got["batched"], got["alone"]):
         assert row[:len(alone)] == alone
+    assert re.search(r"right padding.*padding_side = 'left'", got["right_padded"]), got["right_padded"]
 
 
 @pytest.mark.parametrize("name", ["nsa", "nsa-sentencepiece", "dense-bytes"])

@@ -15,7 +15,7 @@ from nsa_titan.config import Model
 from nsa_titan.evaluate import evaluate
 from nsa_titan.inference import load_model
 from nsa_titan.data.batch import document_ids
-from nsa_titan.models.decode import DecodeCache, Decoder, cache_sizes
+from nsa_titan.models.decode import Decoder, cache_sizes
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT, tb_run, torchrun
@@ -97,10 +97,6 @@ def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(atte
         torch.testing.assert_close(logits[b:b + 1], full, rtol=1e-5, atol=1e-5)
 
 
-def test_a_right_padded_prompt_is_refused_with_the_fix():
-    cache = DecodeCache(small_model("nsa"))
-    with pytest.raises(ValueError, match=r"right padding.*padding_side = 'left'"):
-        cache.forward(torch.ones(2, 6, dtype=torch.long), torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
 
 
 def test_the_cache_is_allocated_once_and_holds_little_more_than_dense_s():

@@ -70,8 +70,13 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             cache = DecodeCache(self.model)
         if cache is None:
             logits = self.model(input_ids, document_ids(input_ids, attention_mask, eos))
+        elif cache.seen == 0:
+            if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+                raise ValueError("a prompt ends in padding (right padding): new tokens would follow the padding. "
+                                 "Pad on the left (tokenizer.padding_side = 'left'), as for any decoder-only model")
+            logits = cache.forward(input_ids, document_ids(input_ids, attention_mask, eos))
         else:
-            logits = cache.forward(input_ids, attention_mask, eos)
+            logits = cache.forward(input_ids)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)

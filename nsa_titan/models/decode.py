@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batch import document_ids
 from .attention import Documents, masked_attention, mix_branches, select_blocks
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
@@ -223,16 +222,12 @@ class DecodeCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, eos_id: int | None = None
-                ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, S, V) of the new tokens (B, S): the prompt's by the training forward the first time
-        (documents from the mask's padding and, given `eos_id`, its end-of-text tokens), then one
-        incremental step per token."""
+        (its `document_ids`, as the model takes them: a change starts a document), then one incremental step
+        per token."""
         if self.seen == 0:
-            if attention_mask is not None and not bool(attention_mask[:, -1].all()):
-                raise ValueError("a prompt ends in padding (right padding): new tokens would follow the padding. "
-                                 "Pad on the left (tokenizer.padding_side = 'left'), as for any decoder-only model")
-            logits = self.decoder.prefill(tokens, document_ids(tokens, attention_mask, eos_id))
+            logits = self.decoder.prefill(tokens, document_ids)
         else:
             logits = torch.cat([self.decoder.step(tokens[:, i:i + 1]) for i in range(tokens.shape[1])], 1)
         self.seen += tokens.shape[1]
