@@ -17,3 +17,14 @@ def require_hf(what: str) -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise MissingExtra(f"{what} needs transformers, which is not installed: {HF_EXTRA}") from None
+
+
+WANDB_EXTRA = "pip install 'nsa_titan[wandb]'   (from a checkout: pip install -e '.[wandb]')"
+
+
+def require_wandb(what: str) -> None:
+    """Raise MissingExtra, naming the pip command, when wandb cannot be imported."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise MissingExtra(f"{what} needs wandb, which is not installed: {WANDB_EXTRA}") from None

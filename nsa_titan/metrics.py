@@ -18,6 +18,7 @@ from . import hostcpu
 from .config import DTYPES, JobConfig, Metrics, data_sources
 from .env import allocator_setup
 from .validate import ValidationLoss
+from .wandb_run import WandbRun
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +135,10 @@ class Throughput:
 
 
 class MetricsLogger:
-    """Formats and writes the step metrics; TensorBoard is written by rank 0 only."""
+    """Formats the step metrics for the console; writes them to TensorBoard and W&B (rank 0 only)."""
 
-    def __init__(self, m: Metrics, tb_root: Path, rank: int, total_steps: int):
+    def __init__(self, m: Metrics, tb_root: Path, rank: int, total_steps: int, root: Path, config: dict):
+        """`root`, `config`: the run's folder, where W&B keeps its files and run id, and the config W&B records."""
         self.total_steps = total_steps
         self.writer = None
         if m.enable_tensorboard and rank == 0:
@@ -145,6 +147,7 @@ class MetricsLogger:
             log_dir = tb_run_folder(tb_root)
             self.writer = SummaryWriter(log_dir=str(log_dir))
             logger.info("TensorBoard logs in %s", log_dir)
+        self.wandb = WandbRun(m, root, config, rank)
 
     def log(self, s: StepStats) -> None:
         width = len(str(self.total_steps))
@@ -159,36 +162,31 @@ class MetricsLogger:
             parts.append(f"mfu {100 * s.mfu:5.2f}%")
         parts += [f"data {100 * s.data_wait:.1f}%", f"mem {s.memory_gib:.2f}GiB", f"eta {timedelta(seconds=round(s.step_time_s * (self.total_steps - s.step)))}"]
         logger.info(" | ".join(parts))
-        if self.writer is not None:
-            scalars = {
-                "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr, "tokens_per_s": s.tokens_per_s,
-                "memory_gib": s.memory_gib, "step_time_s": s.step_time_s, "data_wait": s.data_wait,
-            }
-            if s.mfu is not None:
-                scalars["mfu"] = s.mfu
-            for key, value in scalars.items():
-                self.writer.add_scalar(f"train/{key}", value, s.step)
+        scalars = {"loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr, "tokens_per_s": s.tokens_per_s,
+                   "memory_gib": s.memory_gib, "step_time_s": s.step_time_s, "data_wait": s.data_wait}
+        if s.mfu is not None:
+            scalars["mfu"] = s.mfu
+        self.log_scalars(s.step, {f"train/{key}": value for key, value in scalars.items()})
 
     def log_validation(self, step: int, v: ValidationLoss) -> None:
-        """The validation line (a mixture's: also each source's loss) and its TensorBoard scalars."""
+        """The validation line (a mixture's: also each source's loss) and its scalars."""
         sources = "".join(f" | {label} {loss:.4f}" for label, loss in v.by_source.items())
         logger.info("validation at step %d: loss %.4f | perplexity %.2f | %d batches%s", step, v.loss,
                     math.exp(min(v.loss, 50.0)), v.batches, sources)
-        if self.writer is not None:
-            self.writer.add_scalar("validation/loss", v.loss, step)
-            self.writer.add_scalar("validation/perplexity", math.exp(min(v.loss, 50.0)), step)
-            for label, loss in v.by_source.items():
-                self.writer.add_scalar(f"validation/loss/{label}", loss, step)
+        self.log_scalars(step, {"validation/loss": v.loss, "validation/perplexity": math.exp(min(v.loss, 50.0)),
+                                **{f"validation/loss/{label}": loss for label, loss in v.by_source.items()}})
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
-        """Extra scalars (e.g. NSA statistics) to TensorBoard only."""
+        """Scalars to TensorBoard and W&B (not the console)."""
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, step)
+        self.wandb.log(scalars, step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        self.wandb.close()
 
 
 class SourceShares:

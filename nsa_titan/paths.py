@@ -5,6 +5,7 @@
       <checkpoint.folder>/     step-N/ checkpoints (each with its config.toml), model-step-N.pt exports
       <metrics.save_tb_folder>/<start time>/   TensorBoard events of one run
       heartbeat/rank<R>.jsonl  one record per step per rank
+      wandb/, wandb_run_id     W&B's files ([metrics] enable_wandb) and the run id a resumed run continues
       fault/                   watchdog stack dumps (and NCCL traces on GPUs)
       profile/                 profiler traces and memory snapshots of chosen steps
 

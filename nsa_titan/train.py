@@ -12,6 +12,7 @@ step, 4 the run's last save failed, 75 the data source stayed unreadable (saved:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
 from .env import LAUNCHED_BY, set_deterministic
 from .export import export_trained
-from .extras import require_hf
+from .extras import require_hf, require_wandb
 from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, TrainingHalted, announce, exit_now, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
@@ -62,6 +63,8 @@ class Trainer:
         make_folder(self.paths.root, "[job] dump_folder")
         if cfg.checkpoint.export_at_end and cfg.checkpoint.export_format == "hf":  # found out now, not at the end
             require_hf("[checkpoint] export_format = 'hf' (set 'pt' to do without)")
+        if cfg.metrics.enable_wandb and cfg.metrics.wandb_mode != "disabled":
+            require_wandb("[metrics] enable_wandb = true")
         self.owns_stop, self.stop = stop is None, stop or StopRequest()
         self.started = time.monotonic()
         self.stopped_by: str | None = None  # the stop signal that ended the run early
@@ -140,7 +143,8 @@ class Trainer:
                             os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
                             f"resumed from {resumed} at step {self.state.step}" if resumed
                             else "no complete checkpoint yet: starting from step 0")
-            self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps)
+            self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps, self.paths.root,
+                                         dataclasses.asdict(cfg))
             if self.rank == 0:
                 self.paths.config.write_text(self.checkpointer.config_toml)
             logger.info("training %d steps%s: global batch %d = %d data-parallel ranks x %d local x %d accumulation, "

@@ -263,6 +263,22 @@ class Metrics:
     """Peak FLOP/s of one device for MFU; 0 means look it up from the GPU name (no MFU on CPU)."""
     nsa_stats: bool = False
     """Per-layer gate and selection statistics to TensorBoard at log steps (one extra forward)."""
+    enable_wandb: bool = False
+    """Log the same scalars as TensorBoard, and the config, to Weights & Biases (rank 0; needs `wandb`)."""
+    wandb_project: str = "nsa_titan"
+    """The W&B project."""
+    wandb_entity: str = ""
+    """The W&B entity (user or team); empty: the account's default."""
+    wandb_group: str = ""
+    """The W&B group (e.g. a sweep's name); empty: none."""
+    wandb_name: str = ""
+    """The W&B run's display name; empty: W&B's own."""
+    wandb_start_timeout_seconds: float = 60.0
+    """How long W&B may take to start (in a thread of its own: training does not wait) before it is given up
+    with one warning; the end of a run shorter than that waits for it as long."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """`auto`: online where W&B credentials are configured (WANDB_API_KEY or `wandb login`), else offline
+    (files under <dump_folder>/wandb, sent later by `wandb sync`); `disabled`: nothing logged."""
 
 
 @dataclass

@@ -102,6 +102,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(0 < s.decay_ratio <= 1, f"[lr_scheduler] decay_ratio = {s.decay_ratio}: must lie in (0, 1]")
     _require(0 <= s.min_lr_factor <= 1, f"[lr_scheduler] min_lr_factor = {s.min_lr_factor}: must lie in [0, 1]")
     _require(m.vocab_size >= 0, f"[model] vocab_size = {m.vocab_size}: must be >= 0 (0: from the tokenizer)")
+    _require(cfg.metrics.wandb_start_timeout_seconds > 0, f"[metrics] wandb_start_timeout_seconds = "
+             f"{cfg.metrics.wandb_start_timeout_seconds}: must be > 0")
     dt = cfg.data
     _require(dt.num_workers >= 0, f"[data] num_workers = {dt.num_workers}: must be >= 0")
     _require(dt.shuffle_buffer >= 0, f"[data] shuffle_buffer = {dt.shuffle_buffer}: must be >= 0")

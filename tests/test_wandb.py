@@ -1,0 +1,128 @@
+"""Weights & Biases as users run it, without network: offline runs whose files hold the logged scalars and the
+config (read back here), one W&B run id across a SIGKILL and restart, `disabled` writing nothing, and a W&B
+that cannot start costing one warning and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+from wandb.proto import wandb_internal_pb2 as pb
+
+from conftest import free_port, tb_losses
+from jobs import STEPS, Job, run_job
+
+OFFLINE = ["--metrics.enable_wandb", "true", "--metrics.wandb_mode", "offline"]
+
+
+def records(run: Path) -> list[pb.Record]:
+    """The records of an offline run's `.wandb` file: W&B's log format (a 7-byte file header, then blocks of
+    32 KiB holding records, each a 7-byte header of checksum, length and kind before its protobuf bytes)."""
+    data = next(run.glob("*.wandb")).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, out, part = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        part, pos = part + data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(part)
+            out.append(record)
+            part = b""
+    return out
+
+
+def history(run: Path) -> dict[int, dict[str, float]]:
+    """{step: {key: value}} of the scalars an offline run logged."""
+    out = {}
+    for r in records(run):
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            out[int(items["_step"])] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return out
+
+
+def runs(dump: Path) -> list[Path]:
+    return sorted((dump / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.multiprocess
+def test_an_offline_run_holds_the_scalars_and_the_config(tmp_path):
+    """20 steps, 2 ranks: one offline run (rank 0's), named by the id kept in the dump folder, with the
+    project and group asked for, the whole config, and every step's scalars equal to TensorBoard's."""
+    dump = tmp_path / "out"
+    run_job(dump, "--training.steps", "20", *OFFLINE, "--metrics.wandb_project", "proj", "--metrics.wandb_group",
+            "sweep-1", nproc=2)
+    [run] = runs(dump)
+    run_id = (dump / "wandb_run_id").read_text()
+    assert run.name.endswith(run_id)
+    [meta] = [r.run for r in records(run) if r.WhichOneof("record_type") == "run"]
+    assert (meta.run_id, meta.project, meta.run_group) == (run_id, "proj", "sweep-1")
+    config = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in meta.config.update}
+    assert config["model"]["dim"] == 64 and config["training"]["steps"] == 20
+    logged, tb = history(run), tb_losses(dump / "tb")
+    assert sorted(logged) == list(range(1, 21)) == sorted(tb)
+    for step, loss in tb.items():
+        assert logged[step]["train/loss"] == pytest.approx(loss, rel=1e-6)
+        assert {"train/grad_norm", "train/lr", "train/tokens_per_s", "train/data_wait"} <= set(logged[step])
+
+
+@pytest.mark.multiprocess
+def test_a_killed_and_restarted_run_continues_the_same_wandb_run(tmp_path):
+    """A rank SIGKILLed after the step-10 save, the job restarted by MAX_RESTARTS: a second offline run with the
+    same id, holding the steps after the checkpoint it resumed from."""
+    dump = tmp_path / "out"
+    job = Job(dump, *OFFLINE, "--checkpoint.interval", "10", nproc=2, env={"MAX_RESTARTS": "1"})
+    job.wait_for(r"checkpoint \S+/step-10: ")
+    os.kill(job.rank_pid(0), signal.SIGKILL)
+    rc, out = job.finish()
+    assert rc == 0 and "restart 1 of 1" in out, out[-3000:]
+    first, second = runs(dump)
+    run_id = (dump / "wandb_run_id").read_text()
+    assert first.name.endswith(run_id) and second.name.endswith(run_id)
+    after = history(second)
+    assert min(after) == 11 and max(after) == STEPS
+
+
+@pytest.mark.multiprocess
+def test_disabled_logs_nothing(tmp_path):
+    dump = tmp_path / "out"
+    run_job(dump, "--training.steps", "3", "--metrics.enable_wandb", "true", "--metrics.wandb_mode", "disabled")
+    assert not (dump / "wandb").exists() and not (dump / "wandb_run_id").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_wandb_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path):
+    """Online without credentials (no API key, no netrc): one warning line, the run ends as it would."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "WANDB_API_KEY": "", "NETRC": str(home / ".netrc")}
+    out = run_job(tmp_path / "out", "--training.steps", "5", "--metrics.enable_wandb", "true", "--metrics.wandb_mode",
+                  "online", env=env)
+    warnings = [line for line in out.splitlines() if "W&B" in line]
+    assert len(warnings) == 1 and "W&B did not start (UsageError: No API key configured" in warnings[0], out[-3000:]
+    assert "run summary: reached step 5 of 5" in out
+
+
+@pytest.mark.multiprocess
+def test_an_unreachable_wandb_server_does_not_hold_training(tmp_path):
+    """Online, with credentials, to a server that does not answer: training runs while W&B tries to start (in
+    its own thread), then one warning, and the run ends as it would."""
+    env = {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}"}
+    job = Job(tmp_path / "out", "--training.steps", "8", "--metrics.enable_wandb", "true", "--metrics.wandb_mode",
+              "online", "--metrics.wandb_start_timeout_seconds", "20", env=env)
+    job.wait_for(r"step +1/8")
+    first = job.times[-1]
+    job.wait_for(r"step +8/8")
+    assert job.times[-1] - first < 15  # the steps did not wait for W&B's 20 s
+    rc, out = job.finish()
+    assert rc == 0 and "run summary: reached step 8 of 8" in out, out[-3000:]
+    warnings = [line for line in out.splitlines() if "W&B" in line]
+    assert len(warnings) == 1 and "W&B did not start" in warnings[0], out[-3000:]
