@@ -90,3 +90,29 @@ def test_gpu_prediction_calibrates_then_predicts_every_kernel_fitted_and_pessimi
     assert float(total[2]) >= float(total[1]) > 0 and total[7] in ("yes / yes", "yes / no", "no / yes", "no / no")
     training = [r for r in rows if len(r) == 7]
     assert [r[1] for r in training] == ["1,024", "4,096"]  # against Flex with documents of both mean lengths
+
+def test_line_chart_draws_each_series_its_band_and_marks(tmp_path):
+    """matplotlib's chart of two series (one with a band) and a mark: an 820 x 500 PNG holding both lines'
+    colours, the band's lighter shade of the first, and nothing drawn by pyplot's global state."""
+    import numpy as np
+    from matplotlib import colors
+    from PIL import Image
+
+    from nsa_titan.plots import line_chart
+
+    a, b = {1: 0.1, 2: 0.5, 4: 0.9}, {1: 0.2, 2: 0.3, 4: 0.4}
+    band = ({x: y - 0.1 for x, y in a.items()}, {x: y + 0.1 for x, y in a.items()})
+    line_chart({"a": a, "b": b}, tmp_path / "c.png", "t", "x", "y", (0.0, 1.0), {"w": 2}, {"a": band})
+    image = np.asarray(Image.open(tmp_path / "c.png").convert("RGB")).astype(int)
+    assert image.shape == (500, 820, 3)
+
+    def pixels(color: str, tolerance: int = 8) -> int:
+        rgb = np.array(colors.to_rgb(color)) * 255
+        return int((np.abs(image - rgb).max(-1) <= tolerance).sum())
+
+    assert pixels("C0") > 500 and pixels("C1") > 500  # the two lines (and their markers)
+    shade = 255 - 0.2 * (255 - np.array(colors.to_rgb("C0")) * 255)  # C0 at alpha 0.2 over white
+    assert int((np.abs(image - shade).max(-1) <= 8).sum()) > 5000  # the band
+    import matplotlib.pyplot as plt
+
+    assert plt.get_fignums() == []
