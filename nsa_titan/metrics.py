@@ -213,6 +213,13 @@ class SourceShares:
         return {f"data/share_{what}/{label}": float(share[i, s]) for i, what in enumerate(("tokens", "documents"))
                 for s, label in enumerate(self.labels)}
 
+    def batch_line(self, sources: list[torch.Tensor]) -> str:
+        """`, tokens from web 60%, code 40%`: the sources of one step's micro-batches, by token share."""
+        counts = torch.bincount(torch.cat([s.flatten() for s in sources]), minlength=len(self.labels)) if sources \
+            else torch.zeros(len(self.labels))
+        share = counts / counts.sum().clamp(min=1)
+        return ", tokens from " + ", ".join(f"{label} {share[s]:.0%}" for s, label in enumerate(self.labels) if share[s])
+
     def line(self) -> str:
         """`shares (rank 0, tokens / documents): web 70.1% / 69.8%, ...`"""
         share = self.shares()
@@ -222,9 +229,10 @@ class SourceShares:
 
 def run_summary(step: int, steps: int, steps_in_run: int, wall_s: float, stopped_by: str | None,
                 history: list[StepStats], validation: tuple[int, float] | None, saved: Path | None,
-                resumed_from: Path | None, failure: tuple[int, str] | None, shares: SourceShares | None = None) -> str:
+                resumed_from: Path | None, failure: tuple[int, str] | None, shares: SourceShares | None = None,
+                spikes: tuple[int, int] = (0, 0)) -> str:
     """A run in one line: the step reached (or the signal that stopped it), this run's steps and wall time,
-    the final training and validation losses, a mixture's realized shares (this rank's), the last checkpoint
+    the final training and validation losses, loss spikes, a mixture's realized shares (this rank's), the last checkpoint
     it committed (and a failed last save)."""
     how = f"stopped by {stopped_by} at" if stopped_by else "reached"
     parts = [f"run summary: {how} step {step} of {steps} ({steps_in_run} steps in this run, "
@@ -233,6 +241,9 @@ def run_summary(step: int, steps: int, steps_in_run: int, wall_s: float, stopped
         parts.append(f"loss {history[-1].loss:.4f}")
     if validation is not None:
         parts.append(f"validation loss {validation[1]:.4f} (step {validation[0]})")
+    if spikes[0]:
+        parts.append(f"{spikes[0]} loss spike{'s' * (spikes[0] != 1)} ({spikes[1]} update{'s' * (spikes[1] != 1)} "
+                     f"skipped)")
     if shares is not None and len(shares.labels) > 1:
         parts.append(shares.line())
     resumed = f" (it resumed from {resumed_from})" if resumed_from else ""

@@ -34,7 +34,7 @@ from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_m
 from .env import LAUNCHED_BY, set_deterministic
 from .export import export_trained
 from .extras import require_hf, require_wandb
-from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, TrainingHalted, announce, exit_now, report_failure
+from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup, peak_flops,
@@ -45,6 +45,7 @@ from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .ownership import FolderOwner, job_key, other_holder
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
+from .guard import UpdateGuard
 from .stop import StopRequest
 from .validate import validate
 
@@ -71,7 +72,7 @@ class Trainer:
         self.last_validation: tuple[int, float] | None = None
         self.history: list[StepStats] = []
         self.last_batch: tuple | None = None  # the NSA statistics' forward: inputs, labels, document ids (or None)
-        self.skips_in_a_row = self.skips_total = 0
+        self.last_batch_sources: list[torch.Tensor] = []  # the step's micro-batches' sources (a spike's line)
         self.loader_at_step_start: dict | None = None  # the loader's position before this step's batches
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
@@ -121,6 +122,7 @@ class Trainer:
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
             self.shares = SourceShares([s.label for s in data_sources(cfg.data)], self.tokenizer.eos_id)
+            self.guard = UpdateGuard(cfg.fault, self.rank, self.world_size)
             self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
                                         self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
 
@@ -173,6 +175,7 @@ class Trainer:
             with self.throughput.data_wait():
                 inputs, labels, document_ids, sources = next(batches)
                 self.shares.add(inputs, sources)
+                self.last_batch_sources.append(sources)
         except StopIteration:
             raise DataError(f"rank {self.rank} ran out of training data: its share of the [data] sources is empty "
                             f"(fewer shard files or documents than ranks x workers?)") from None
@@ -183,6 +186,7 @@ class Trainer:
         """This step's micro-batches, all fetched before any compute. A file source's reading is agreed by every
         rank first (one small all-reduce): a source that stayed unreadable on any rank is DataUnavailable on
         all, before the step changes anything, with the loader's position before the step kept for the save."""
+        self.last_batch_sources = []
         if self.cfg.data.source != "datasets":
             return [self.next_batch(batches) for _ in range(self.grad_accum_steps)]
         self.loader_at_step_start = self.dataloader.state_dict()
@@ -216,32 +220,22 @@ class Trainer:
                 p.grad = torch.zeros_like(p)
         grad_norm = clip_grad_norm_(self.params, self.cfg.training.max_norm)
         loss = torch.stack(losses).mean()
-        loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-        if math.isfinite(norm_value):  # the global norm: every rank takes the same branch
+        loss_value, norm_value, mean_loss = self.guard.values(loss, grad_norm)
+        if not math.isfinite(norm_value):  # the global norm: every rank takes the same branch
+            where, step = first_nonfinite_grad(self.model), self.state.step
+            self.optimizer.zero_grad(set_to_none=True)  # soon after a resume: suspect that checkpoint
+            self.guard.nonfinite(step, loss_value, norm_value, where, self.checkpointer.suspect(step - self.first_step + 1))
+        elif self.guard.spike_allows(self.state.step, mean_loss, norm_value, self.batch_line):
             self.optimizer.step()
-            self.skips_in_a_row = 0
-        else:
-            self.on_nonfinite(loss_value, norm_value)
         self.lr_scheduler.step()
         return loss, loss_value, norm_value
 
-    def on_nonfinite(self, loss_value: float, norm_value: float) -> None:
-        """`halt`: stop with a report (saving nothing); `skip`: drop this update, count it."""
-        f, step = self.cfg.fault, self.state.step
-        where = first_nonfinite_grad(self.model)
-        what = (f"step {step}: non-finite gradient norm {norm_value} (rank {self.rank} loss {loss_value}); first "
-                f"parameter with a non-finite gradient: {where or 'none (the loss itself)'}")
-        self.optimizer.zero_grad(set_to_none=True)
-        what += self.checkpointer.suspect(step - self.first_step + 1)  # soon after a resume: that checkpoint
-        if f.nonfinite == "halt":
-            raise TrainingHalted(f"{what}. Halted without saving: the existing checkpoints are the last good "
-                                 f"state. Lower the lr, check the data, or set [fault] nonfinite = 'skip'")
-        self.skips_in_a_row += 1
-        self.skips_total += 1
-        logger.warning("%s: update skipped (%d in a row, %d in total)", what, self.skips_in_a_row, self.skips_total)
-        if self.skips_in_a_row >= f.max_consecutive_skips:
-            raise TrainingHalted(f"{self.skips_in_a_row} non-finite steps in a row (max_consecutive_skips = "
-                                 f"{f.max_consecutive_skips}); last: {what}")
+    def batch_line(self) -> str:
+        """The step's batch for a spike's line: this rank's sources, and a prepared run's global samples."""
+        where, state = self.shares.batch_line(self.last_batch_sources), self.loader_at_step_start or {}
+        if "next" in state:
+            where += f", prepared global samples {state['next']}..{state['next'] + self.cfg.training.global_batch_size - 1}"
+        return where
 
     def log_step(self, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
         """The console line and TensorBoard scalars (the loss averaged over ranks)."""
@@ -291,7 +285,7 @@ class Trainer:
                                      tokens_per_s=round(tokens_per_s),
                                      memory_gib=round(peak_memory_gib(self.device), 3),
                                      rss_gib=round(current_rss_gib(), 4),
-                                     data_wait_s=round(self.throughput.data_wait_s, 4), skipped=self.skips_in_a_row > 0)
+                                     data_wait_s=round(self.throughput.data_wait_s, 4), skipped=self.guard.skipped)
             self.watchdog.beat(step, "validation, logging and checkpointing", first_step_done=True)
             stopping = self.stop.agreed(self.device)  # a stop signal on any rank, agreed by all
             if v.enable and (step % v.freq == 0 or last) and not stopping:  # stopping: save first, quickly
@@ -318,8 +312,8 @@ class Trainer:
         if self.cfg.checkpoint.export_at_end and self.state.step == t.steps:
             export_trained(self.model, self.cfg.checkpoint, self.paths.checkpoints, self.state.step,
                            self.checkpointer.config_toml)
-        if self.skips_total:
-            logger.warning("%d non-finite step(s) were skipped in this run", self.skips_total)
+        if self.guard.skips_total:
+            logger.warning("%d non-finite step(s) were skipped in this run", self.guard.skips_total)
         return self.history
 
     def stop_for_data(self, error: DataUnavailable, loader_state: dict | None) -> NoReturn:
@@ -336,7 +330,7 @@ class Trainer:
         c = self.checkpointer
         return run_summary(self.state.step, self.cfg.training.steps, self.state.step - self.first_step + 1,
                            time.monotonic() - self.started, self.stopped_by, self.history, self.last_validation,
-                           c.last_saved, c.resumed_from, c.failure, self.shares)
+                           c.last_saved, c.resumed_from, c.failure, self.shares, self.guard.counts())
 
     def close(self) -> None:
         """Finish what is in flight (an async save), then release threads, files, groups and the folder."""

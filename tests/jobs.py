@@ -74,17 +74,19 @@ def run_job(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -> 
     return out
 
 
-def final_tensors(dump: Path) -> dict[str, dict[str, torch.Tensor]]:
-    path = dump / "checkpoint" / f"step-{STEPS}"
-    assert inspect_folder(path) is None, f"{path}: {inspect_folder(path)}"
-    return {prefix: load_tensors(path, prefix) for prefix in ("model", "optimizer")}
+def assert_states_equal(a: Path, b: Path) -> None:
+    """The model and optimizer tensors of two step folders (each complete and verified), bit for bit."""
+    for path in (a, b):
+        assert inspect_folder(path) is None, f"{path}: {inspect_folder(path)}"
+    for prefix in ("model", "optimizer"):
+        ta, tb = load_tensors(a, prefix), load_tensors(b, prefix)
+        assert ta.keys() == tb.keys() and len(ta) > 10
+        for k in ta:
+            assert torch.equal(ta[k], tb[k]), f"{prefix}.{k} differs: {a} against {b}"
 
 
 def assert_bit_equal(a: Path, b: Path) -> None:
-    ta, tb = final_tensors(a), final_tensors(b)
-    for prefix in ta:
-        assert ta[prefix].keys() == tb[prefix].keys() and len(ta[prefix]) > 10
-        for k in ta[prefix]:
-            assert torch.equal(ta[prefix][k], tb[prefix][k]), f"{prefix}.{k} differs from the uninterrupted run"
+    """The final (step STEPS) model and optimizer of two runs' dump folders, bit for bit."""
+    assert_states_equal(a / "checkpoint" / f"step-{STEPS}", b / "checkpoint" / f"step-{STEPS}")
 
 

@@ -299,6 +299,15 @@ class Fault:
     """A non-finite loss or gradient norm: `halt` with a report, or `skip` the update."""
     max_consecutive_skips: int = 5
     """With `skip`: halt after this many non-finite steps in a row."""
+    spikes: Literal["off", "warn", "skip"] = "warn"
+    """A loss spike (the loss, averaged over the ranks, more than spike_threshold standard deviations above its
+    running mean): `warn` with one line (step, loss, how far out, grad norm, the batch); `skip` also drops the
+    update (the batch counts as read, the optimizer does not step); `off`: not watched (no per-step all-reduce)."""
+    spike_threshold: float = 6.0
+    """Standard deviations above the running mean that make a spike."""
+    spike_window: int = 100
+    """The running estimate's span in steps (an exponentially weighted mean and variance); spikes are looked
+    for once this many steps have been folded in."""
     failure_save_wait_seconds: float = 15.0
     """A rank that fails waits up to this long (at most half the step timeout) for an async save in flight to
     be written and committed (then it is complete under its step name; else it stays aside) before it exits."""
@@ -327,6 +336,8 @@ class Debug:
     """Fault injection for tests: hang in the forward pass or in the optimizer step."""
     fault_nan_step: int = 0
     """Fault injection for tests: rank 0's loss becomes NaN at this step."""
+    fault_spike_step: int = 0
+    """Fault injection for tests: every rank's logits are scaled by 30 at this step (a loss spike)."""
     fault_kill_in_save_step: int = 0
     """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
     fault_fail_commit_step: int = 0

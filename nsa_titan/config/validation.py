@@ -139,6 +139,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              f"step_timeout_seconds = {f.step_timeout_seconds}: a rank waiting in a collective for a stuck peer "
              f"would time out before the watchdog reports where the peer is stuck")
     _require(f.max_consecutive_skips >= 1, f"[fault] max_consecutive_skips = {f.max_consecutive_skips}: must be >= 1")
+    _require(f.spike_threshold > 0 and f.spike_window >= 1, f"[fault] spike_threshold = {f.spike_threshold}, "
+             f"spike_window = {f.spike_window}: the threshold must be > 0 and the window >= 1")
     _require(f.failure_save_wait_seconds >= 0,
              f"[fault] failure_save_wait_seconds = {f.failure_save_wait_seconds:g}: must be >= 0 (0: do not wait)")
     d = cfg.debug

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import Documents, masked_attention, mix_branches, select_blocks
+from .attention import masked_attention, mix_branches, select_blocks
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
 

@@ -1,0 +1,61 @@
+"""Loss spikes (`nsa_titan/guard.py`) as a run meets them: an injected spike flagged on every rank with its
+batch, `skip` leaving the model and optimizer of the step before bit for bit, and the detector's rules.
+Exact resume with spike detection on is every resume test's (`warn` is the default)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from nsa_titan.config import Fault
+from nsa_titan.guard import SpikeDetector, UpdateGuard
+
+from jobs import assert_states_equal, run_job
+
+
+def test_the_detector_flags_only_what_stands_far_above_its_running_mean():
+    detector = SpikeDetector(threshold=6.0, window=10)
+    gen = torch.Generator().manual_seed(0)
+    losses = (5.0 - 0.01 * torch.arange(60) + 0.02 * torch.randn(60, generator=gen)).tolist()
+    assert [detector.check(x, 1.0) for x in losses[:10]] == [None] * 10  # not before `window` steps
+    assert all(detector.check(x, 1.0) is None for x in losses[10:])  # a falling, noisy loss: no spike
+    spike = detector.check(losses[-1] + 2.0, 9.0)
+    assert spike is not None and (spike.loss - spike.loss_mean) / spike.loss_sd > 6 and detector.spikes == 1
+    before = (detector.mean["loss"], detector.seen)
+    assert detector.check(losses[-1] + 2.0, 9.0) is not None and (detector.mean["loss"], detector.seen) == before
+    assert detector.check(losses[-1] - 2.0, 1.0) is None  # far below is no spike
+
+
+def test_off_watches_nothing():
+    guard = UpdateGuard(Fault(spikes="off"), 0, 1)
+    assert guard.spikes is None and guard.spike_allows(1, 1e9, 1.0, lambda: "") and guard.counts() == (0, 0)
+
+
+@pytest.mark.multiprocess
+def test_an_injected_spike_is_flagged_on_every_rank_with_its_batch(tmp_path):
+    """2 ranks, the shipped settings (loader workers): the spike of step 30 (logits scaled by 30 on every rank)
+    is one warning line a rank, naming its batch; no other step is flagged; the summary counts it."""
+    out = run_job(tmp_path / "out", "--debug.fault_spike_step", "30", "--fault.spike_window", "10", nproc=2)
+    lines = [line for line in out.splitlines() if "loss spike at step" in line]
+    assert len(lines) == 2, out[-3000:]
+    for rank in (0, 1):
+        [line] = [line for line in lines if line.startswith(f"[rank{rank}]")]
+        m = re.search(r"loss spike at step 30: loss ([\d.]+), ([\d.]+) sd above its running mean ([\d.]+) \(sd [\d.]+\); "
+                      rf"grad norm [\d.]+ \(running mean [\d.]+\); batch: rank {rank}'s of step 30, tokens from "
+                      r"python_docs 100%$", line)
+        assert m and float(m.group(2)) > 6 and float(m.group(1)) > float(m.group(3)), line
+    assert "1 loss spike (0 updates skipped)" in out
+
+
+@pytest.mark.multiprocess
+def test_skip_leaves_the_model_and_optimizer_of_the_step_before(tmp_path):
+    """`skip` at an injected spike in the run's last step: its checkpoint holds, bit for bit, the model and
+    optimizer state of a run that stopped one step earlier (the update never happened)."""
+    args = ["--fault.spike_window", "5", "--fault.spikes", "skip"]
+    out = run_job(tmp_path / "a", *args, "--debug.fault_spike_step", "12", "--training.steps", "12",
+                  "--checkpoint.interval", "12")
+    assert "update skipped" in out and "1 loss spike (1 update skipped)" in out, out[-3000:]
+    run_job(tmp_path / "b", *args, "--training.steps", "11", "--checkpoint.interval", "11")
+    assert_states_equal(tmp_path / "a" / "checkpoint" / "step-12", tmp_path / "b" / "checkpoint" / "step-11")
