@@ -1,7 +1,9 @@
 """Incremental decoding with per-branch KV caches: what each new token reads follows NSA's count.
 
-Per layer the cache holds the keys and values of every branch for the positions so far, and
-the compressed blocks; a new compressed block is formed every d tokens, once its l keys exist.
+Per layer the cache holds sel's keys and values for every position (any later token may choose any
+block), the compressed blocks, and rings of what only the end is read of: the window's last w keys
+and the cmp branch's last l raw keys; a new compressed block is formed every d tokens, once its l keys
+exist. Every buffer is allocated once, for the model's declared maximum context (no growth copies).
 A decoding step for the token at position t reads:
   cmp: the Nc(t) compressed keys; sel: the n chosen blocks of l' keys; win: the last w keys;
   dense: all t + 1 keys.
