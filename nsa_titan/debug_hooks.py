@@ -5,7 +5,8 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
   fault_hang_rank / fault_hang_step / fault_hang_where  a rank sleeps forever in the forward pass
                                                         or the optimizer step (the watchdog's test)
   fault_nan_step                                        rank 0's logits, and so its loss, become NaN
-  fault_spike_step                                      every rank's logits are scaled by 30 (a loss spike)
+  fault_spike_step                                      every rank's logits are scaled by 30 (a loss spike),
+                                                        the first time the run reaches that step
   fault_kill_in_save_step                               the last rank SIGKILLs itself once its files
                                                         of that step's checkpoint are written
   fault_fail_commit_step                                that step's save folder vanishes once written
@@ -140,9 +141,15 @@ def install_debug_hooks(d: Debug, *, model: nn.Module, optimizer: torch.optim.Op
             lambda module, args, out: out * float("nan")
             if current_step() == d.fault_nan_step and torch.is_grad_enabled() else None)
     if d.fault_spike_step > 0:
-        model.register_forward_hook(
-            lambda module, args, out: out * 30.0
-            if current_step() == d.fault_spike_step and torch.is_grad_enabled() else None)
+        fired: list[int] = []  # once: a rolled-back run reaches that step again, on other batches
+
+        def spike(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            if current_step() != d.fault_spike_step or not torch.is_grad_enabled() or len(fired) >= batches_per_step:
+                return None
+            fired.append(1)
+            return out * 30.0
+
+        model.register_forward_hook(spike)
     if rank == world_size - 1 and d.fault_kill_in_save_step > 0:
         plain = checkpointer.storage_writer
 

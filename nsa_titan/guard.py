@@ -5,7 +5,8 @@ A loss spike: the loss averaged over the ranks more than `[fault] spike_threshol
 its running mean, an exponentially weighted mean and variance over `spike_window` steps, looked for once that
 many steps have been folded in (a spike is not). Its warning names the step, the loss, how far out it is, the
 gradient norm and the batch (this rank's sources, and a prepared run's global samples); `skip` drops its
-update (the batch counts as read, the optimizer does not step).
+update (the batch counts as read, the optimizer does not step); `rollback` drops it too and, after enough
+spikes close together, has the trainer reload the newest checkpoint while the data goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,19 @@ from .config import Fault
 from .failure import TrainingHalted
 
 logger = logging.getLogger("nsa_titan")
+
+SUSPECT_AFTER_RESUME = 10
+"""A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
+
+
+def suspect(resumed_from: Path | None, steps_since_resume: int) -> str:
+    """For a non-finite step's report: the checkpoint this run resumed from, named as a suspect when the step
+    came within SUSPECT_AFTER_RESUME steps of the resume; else nothing."""
+    if resumed_from is None or steps_since_resume > SUSPECT_AFTER_RESUME:
+        return ""
+    return (f". This run resumed from {resumed_from} {steps_since_resume} step(s) before: that checkpoint is a "
+            f"suspect (check it with `python -m nsa_titan.checkpoint verify {resumed_from}`, or resume from an "
+            f"older one with --checkpoint.load_step)")
 
 
 @dataclass
@@ -67,6 +82,8 @@ class UpdateGuard:
         self.f, self.rank, self.world_size = f, rank, world_size
         self.skips_in_a_row = self.skips_total = self.spikes_skipped = 0
         self.skipped = False  # whether the last step's update was dropped
+        self.recent: list[int] = []  # the steps of the spikes within spike_rollback_steps
+        self.roll_back_due = ""  # why the trainer is to reload the newest checkpoint now (`rollback`)
         self.spikes = SpikeDetector(f.spike_threshold, f.spike_window) if f.spikes != "off" else None
 
     def values(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float]:
@@ -96,11 +113,16 @@ class UpdateGuard:
     def spike_allows(self, step: int, mean_loss: float, norm_value: float, batch: Callable[[], str]) -> bool:
         """Whether the update goes ahead: not for a spike under `skip` (warned with the step's `batch()`)."""
         spike = self.spikes.check(mean_loss, norm_value) if self.spikes is not None else None
-        skip = spike is not None and self.f.spikes == "skip"
+        skip = spike is not None and self.f.spikes in ("skip", "rollback")
         if spike is not None:
             self.spikes_skipped += skip
             logger.warning("%s; batch: rank %d's of step %d%s%s", spike.line(step), self.rank, step, batch(),
                            "; update skipped" if skip else "")
+            self.recent = [s for s in self.recent if s > step - self.f.spike_rollback_steps] + [step]
+            if self.f.spikes == "rollback" and len(self.recent) >= self.f.spike_rollback_count:
+                self.recent = []
+                self.roll_back_due = (f"{self.f.spike_rollback_count} loss spike(s) within "
+                                      f"{self.f.spike_rollback_steps} steps, the last at step {step}")
         if not skip:
             self.skips_in_a_row = 0
         self.skipped = skip

@@ -45,7 +45,7 @@ from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .ownership import FolderOwner, job_key, other_holder
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
-from .guard import UpdateGuard
+from .guard import UpdateGuard, suspect
 from .stop import StopRequest
 from .validate import validate
 
@@ -224,11 +224,22 @@ class Trainer:
         if not math.isfinite(norm_value):  # the global norm: every rank takes the same branch
             where, step = first_nonfinite_grad(self.model), self.state.step
             self.optimizer.zero_grad(set_to_none=True)  # soon after a resume: suspect that checkpoint
-            self.guard.nonfinite(step, loss_value, norm_value, where, self.checkpointer.suspect(step - self.first_step + 1))
+            self.guard.nonfinite(step, loss_value, norm_value, where,
+                                 suspect(self.checkpointer.resumed_from, step - self.first_step + 1))
         elif self.guard.spike_allows(self.state.step, mean_loss, norm_value, self.batch_line):
             self.optimizer.step()
         self.lr_scheduler.step()
         return loss, loss_value, norm_value
+
+    def roll_back(self) -> bool:
+        """Spikes enough for `[fault] spikes = "rollback"`: the newest checkpoint's state, the data going on from
+        here. Whether there was one to roll back to."""
+        why, self.guard.roll_back_due = self.guard.roll_back_due, ""
+        target = self.checkpointer.roll_back()
+        self.throughput.start(self.state.step)
+        logger.warning("%s: %s", why, f"rolled back to {target}; training goes on from step {self.state.step} "
+                       f"with the next batches" if target else "no checkpoint to roll back to yet: going on")
+        return target is not None
 
     def batch_line(self) -> str:
         """The step's batch for a spike's line: this rank's sources, and a prepared run's global samples."""
@@ -273,7 +284,10 @@ class Trainer:
             except DataUnavailable as e:  # the step did not run: save the one before, with the data position then
                 self.state.step -= 1
                 self.stop_for_data(e, self.loader_at_step_start)
+
             self.state.tokens_seen += t.global_batch_size * t.seq_len
+            if self.guard.roll_back_due and self.roll_back():
+                continue
             if step == self.first_step:
                 set_collective_timeout(self.cfg.fault.collective_timeout_seconds)
                 if d.dtype_report:

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from nsa_titan.checkpoint.folders import verify
 from nsa_titan.config import Fault
 from nsa_titan.guard import SpikeDetector, UpdateGuard
 
@@ -59,3 +60,22 @@ def test_skip_leaves_the_model_and_optimizer_of_the_step_before(tmp_path):
     assert "update skipped" in out and "1 loss spike (1 update skipped)" in out, out[-3000:]
     run_job(tmp_path / "b", *args, "--training.steps", "11", "--checkpoint.interval", "11")
     assert_states_equal(tmp_path / "a" / "checkpoint" / "step-12", tmp_path / "b" / "checkpoint" / "step-11")
+
+
+@pytest.mark.multiprocess
+def test_rollback_reloads_the_newest_checkpoint_and_goes_on_past_the_batches(tmp_path):
+    """`rollback` after 1 spike (the one injected at step 25), 2 ranks, saves every 10 steps: the state of
+    step 20 is reloaded, steps 21-25 run again on the next batches (other losses than the first time), and the
+    run ends at step 40 with a checkpoint that verifies."""
+    dump = tmp_path / "out"
+    out = run_job(dump, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "1", "--fault.spike_window",
+                  "10", "--debug.fault_spike_step", "25", "--checkpoint.interval", "10", nproc=2)
+    assert re.search(r"1 loss spike\(s\) within 100 steps, the last at step 25: rolled back to \S+/step-20; "
+                     r"training goes on from step 20 with the next batches", out), out[-3000:]
+    losses = {}
+    for m in re.finditer(r"\[rank0\] .* step (\d+)/40 \| loss +([\d.]+)", out):
+        losses.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+    assert [len(losses[s]) for s in range(21, 27)] == [2, 2, 2, 2, 1, 1]  # step 25's first run: rolled back
+    assert all(a != b for a, b in (losses[s] for s in range(21, 25)))  # other batches the second time
+    assert "run summary: reached step 40 of 40" in out and "1 loss spike (1 update skipped)" in out
+    assert verify(dump / "checkpoint" / "step-40") is None

@@ -44,10 +44,6 @@ from .states import FixedState, ModelState, Opaque, OptimizerState, RNGState, Tr
 
 logger = logging.getLogger(__name__)
 
-SUSPECT_AFTER_RESUME = 10
-"""A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
-
-
 def _tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor in a nested state dict."""
     if isinstance(state, torch.Tensor):
@@ -127,14 +123,15 @@ class CheckpointManager:
                                "not used or removed: %s", step, len(moved), ", ".join(str(p) for p in moved))
         dist.barrier(group=self.pg)
 
-    def suspect(self, steps_since_resume: int) -> str:
-        """For a non-finite step's report: the checkpoint this run resumed from, named as a suspect when the
-        step came within SUSPECT_AFTER_RESUME steps of the resume; else nothing."""
-        if self.resumed_from is None or steps_since_resume > SUSPECT_AFTER_RESUME:
-            return ""
-        return (f". This run resumed from {self.resumed_from} {steps_since_resume} step(s) before: that checkpoint is "
-                f"a suspect (check it with `python -m nsa_titan.checkpoint verify {self.resumed_from}`, or resume "
-                f"from an older one with --checkpoint.load_step)")
+    def roll_back(self) -> Path | None:
+        """Reload the newest complete checkpoint (model, optimizer, schedule, train state, RNG), not the data
+        position, which goes on; the step folders after it are set aside. None if there is none."""
+        self.wait()  # an async save in flight is the newest
+        target = self.latest()
+        if target is not None:
+            self._load(target, {"dataloader"})
+            self._own_steps_after(self.train_state.step)
+        return target
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint in the folder (this run's or an earlier one's), if any."""

@@ -299,10 +299,16 @@ class Fault:
     """A non-finite loss or gradient norm: `halt` with a report, or `skip` the update."""
     max_consecutive_skips: int = 5
     """With `skip`: halt after this many non-finite steps in a row."""
-    spikes: Literal["off", "warn", "skip"] = "warn"
+    spikes: Literal["off", "warn", "skip", "rollback"] = "warn"
     """A loss spike (the loss, averaged over the ranks, more than spike_threshold standard deviations above its
     running mean): `warn` with one line (step, loss, how far out, grad norm, the batch); `skip` also drops the
-    update (the batch counts as read, the optimizer does not step); `off`: not watched (no per-step all-reduce)."""
+    update (the batch counts as read, the optimizer does not step); `rollback` skips too, and after
+    spike_rollback_count spikes within spike_rollback_steps steps reloads the newest checkpoint (not the data
+    position: training goes on past those batches); `off`: not watched (no per-step all-reduce)."""
+    spike_rollback_count: int = 3
+    """With `rollback`: the spikes that trigger it..."""
+    spike_rollback_steps: int = 100
+    """... within this many steps."""
     spike_threshold: float = 6.0
     """Standard deviations above the running mean that make a spike."""
     spike_window: int = 100

@@ -141,6 +141,10 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(f.max_consecutive_skips >= 1, f"[fault] max_consecutive_skips = {f.max_consecutive_skips}: must be >= 1")
     _require(f.spike_threshold > 0 and f.spike_window >= 1, f"[fault] spike_threshold = {f.spike_threshold}, "
              f"spike_window = {f.spike_window}: the threshold must be > 0 and the window >= 1")
+    _require(f.spike_rollback_count >= 1 and f.spike_rollback_steps >= 1, f"[fault] spike_rollback_count = "
+             f"{f.spike_rollback_count}, spike_rollback_steps = {f.spike_rollback_steps}: both must be >= 1")
+    _require(f.spikes != "rollback" or cfg.checkpoint.enable, "[fault] spikes = 'rollback' reloads checkpoints: "
+             "set [checkpoint] enable = true, or choose spikes = 'skip'")
     _require(f.failure_save_wait_seconds >= 0,
              f"[fault] failure_save_wait_seconds = {f.failure_save_wait_seconds:g}: must be >= 0 (0: do not wait)")
     d = cfg.debug
