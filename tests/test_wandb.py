@@ -100,10 +100,11 @@ def test_disabled_logs_nothing(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_wandb_that_cannot_start_is_one_warning_and_the_run_goes_on(tmp_path):
-    """Online without credentials (no API key, no netrc): one warning line, the run ends as it would."""
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {"HOME": str(home), "WANDB_API_KEY": "", "NETRC": str(home / ".netrc")}
+    """Online without credentials (no API key, an empty netrc, no W&B settings): one warning line, the run ends
+    as it would. (HOME stays: a new one would rebuild the C++ kernel and refill the caches.)"""
+    (tmp_path / "netrc").write_text("")
+    (tmp_path / "wandb-config").mkdir()
+    env = {"WANDB_API_KEY": "", "NETRC": str(tmp_path / "netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
     out = run_job(tmp_path / "out", "--training.steps", "5", "--metrics.enable_wandb", "true", "--metrics.wandb_mode",
                   "online", env=env)
     warnings = [line for line in out.splitlines() if "W&B" in line]
