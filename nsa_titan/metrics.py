@@ -215,8 +215,7 @@ class SourceShares:
 
     def batch_line(self, sources: list[torch.Tensor]) -> str:
         """`, tokens from web 60%, code 40%`: the sources of one step's micro-batches, by token share."""
-        counts = torch.bincount(torch.cat([s.flatten() for s in sources]), minlength=len(self.labels)) if sources \
-            else torch.zeros(len(self.labels))
+        counts = torch.bincount(torch.cat([s.flatten() for s in sources]), minlength=len(self.labels))
         share = counts / counts.sum().clamp(min=1)
         return ", tokens from " + ", ".join(f"{label} {share[s]:.0%}" for s, label in enumerate(self.labels) if share[s])
 

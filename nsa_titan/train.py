@@ -36,6 +36,7 @@ from .export import export_trained
 from .extras import require_hf, require_wandb
 from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
+from .guard import UpdateGuard, suspect
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup, peak_flops,
                       peak_memory_gib, run_summary)
@@ -45,7 +46,6 @@ from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .ownership import FolderOwner, job_key, other_holder
 from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .paths import RunPaths
-from .guard import UpdateGuard, suspect
 from .stop import StopRequest
 from .validate import validate
 
@@ -223,8 +223,8 @@ class Trainer:
         loss_value, norm_value, mean_loss = self.guard.values(loss, grad_norm)
         if not math.isfinite(norm_value):  # the global norm: every rank takes the same branch
             where, step = first_nonfinite_grad(self.model), self.state.step
-            self.optimizer.zero_grad(set_to_none=True)  # soon after a resume: suspect that checkpoint
-            self.guard.nonfinite(step, loss_value, norm_value, where,
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.nonfinite(step, loss_value, norm_value, where,  # soon after a resume: suspect that checkpoint
                                  suspect(self.checkpointer.resumed_from, step - self.first_step + 1))
         elif self.guard.spike_allows(self.state.step, mean_loss, norm_value, self.batch_line):
             self.optimizer.step()
@@ -284,7 +284,6 @@ class Trainer:
             except DataUnavailable as e:  # the step did not run: save the one before, with the data position then
                 self.state.step -= 1
                 self.stop_for_data(e, self.loader_at_step_start)
-
             self.state.tokens_seen += t.global_batch_size * t.seq_len
             if self.guard.roll_back_due and self.roll_back():
                 continue

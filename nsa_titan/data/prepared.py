@@ -23,7 +23,7 @@ import torch
 import xxhash
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data, Source
+from ..config import Data, Source, data_sources
 from .batch import Sample, eos_documents
 from .errors import DataError
 from .synthetic import IndexedSamples
@@ -105,7 +105,7 @@ class PreparedSource:
 
 def open_prepared(data: Data, tokenizer: Tokenizer, held_out: bool = False) -> list[PreparedSource]:
     """The prepared sources of `[data] prepared` (their training parts, or with `held_out` their `[data] holdout`
-    documents), in the order of `[data]`'s sources, checked against the run's tokenizer and sources and against
+    documents), in the order of `[data]`'s sources (`config.data_sources`), checked against the run's tokenizer and sources and against
     the manifest's sizes and content hashes: a DataError names what differs."""
     folder = Path(data.prepared)
     manifest = read_manifest(folder)
@@ -117,7 +117,7 @@ def open_prepared(data: Data, tokenizer: Tokenizer, held_out: bool = False) -> l
         raise DataError(f"[data] holdout = {data.holdout:g}, but '{folder}' was prepared with holdout = "
                         f"{manifest['holdout']:g} (prepare sets its documents apart for validation): prepare again, or match it")
     out = []
-    for src in data.sources:
+    for src in data_sources(data):
         entry = manifest["sources"].get(src.label)
         if entry is None:
             raise DataError(f"[[data.sources]] '{src.label}' is not in [data] prepared = '{folder}' (it holds "

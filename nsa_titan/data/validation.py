@@ -4,7 +4,6 @@ once a run, so that every validation scores the same tokens without reading the 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data, Source, Validation, data_sources, validation_sets
+from ..config import Data, Source, Validation, validation_sets
 from .batch import Sample, eos_documents
 from .loader import held_out, own_generator
 from .packing import PackedTextDataset
@@ -62,8 +61,7 @@ class HeldOutSets:
         """Each set's batches on this rank (up to `[validation] steps`), read on the first call and kept."""
         if self.read is None:
             if self.prepared:
-                data = dataclasses.replace(self.data, sources=data_sources(self.data))  # as training opens them
-                sources = open_prepared(data, self.tokenizer, held_out=True)
+                sources = open_prepared(self.data, self.tokenizer, held_out=True)
                 loaders = [prepared_batches(s, self.shape[0], self.tokenizer.eos_id, *self.shape[1:]) for s in sources]
             else:
                 loaders = [streamed_batches(self.data, s, self.tokenizer, *self.shape) for s in self.sets]

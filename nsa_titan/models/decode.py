@@ -141,15 +141,15 @@ class Decoder:
 
     def __init__(self, model: Transformer):
         self.model = model
+        self.t: torch.Tensor | None = None  # (B,) each row's next position (in its document), once prefilled
         self.reset()
 
     def reset(self) -> None:
         """Start new documents: the next token of every row is at position 0 and reads nothing before it."""
         self.caches = [LayerCache(cache_sizes(block.attention, self.model.max_seq_len))
                        for block in self.model.layers.values()]
-        t = getattr(self, "t", None)
-        self.t = None if t is None else torch.zeros_like(t)  # (B,) each row's next position (in its document)
-        self.at = [0] * len(t) if t is not None else []  # the same on the host
+        self.t = None if self.t is None else torch.zeros_like(self.t)
+        self.at = [0] * len(self.t) if self.t is not None else []  # the same on the host
         self.last: torch.Tensor | None = None  # the last token (B, 1) given, read by `smear`
 
     @torch.no_grad()
