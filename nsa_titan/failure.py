@@ -38,6 +38,9 @@ summary names the last checkpoint it committed); stopped, after saving, by data 
 retries (EX_TEMPFAIL: resume it). Bad input is `cli.EXIT_BAD_INPUT`, a hang `fault.EXIT_HANG`."""
 CONSEQUENT = re.compile(r"^nsa_titan: rank \d+ stopped .*after")
 """The line of a rank that stopped because another rank failed (the launcher prints it after the cause)."""
+RELAYED = re.compile(r"^nsa_titan: data unavailable: another rank's")
+"""The line of a rank whose own source read fine while another rank's did not (`relayed`): the launcher prints
+the reading rank's line instead."""
 WORKER_KILLED = re.compile(r"DataLoader worker \(pid\(?s?\)? ?([\d, ]+)\) (?:is killed by signal: ([^.]+)|exited)")
 WORKER_RAISED = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
@@ -142,6 +145,11 @@ def explain(error: BaseException, rank: int, step: int, phase: str, dead_workers
         who = f"rank {first[0]}" if first[0] >= 0 else "the rank hosting the job's store"
         return f"nsa_titan: rank {rank} stopped {where} after the failure of {who}"
     return f"nsa_titan: rank {rank} failed {where}: {cause_of(error, dead_workers)}. Its traceback: {trace_path}"
+
+
+def relayed(what: str) -> str:
+    """The DataUnavailable reason of a rank told by the others that their `what` source stayed unreadable."""
+    return f"another rank's {what} source stayed unreadable (its line says why)"
 
 
 def verdict(error: BaseException, rank: int, step: int, phase: str, dead_workers: list[tuple[int, int]],

@@ -41,7 +41,7 @@ from .cli import EXIT_BAD_INPUT, make_folder, run_command
 from .config import load_config, resolve_path
 from .env import set_launcher_env
 from .config import parse_args as parse_config
-from .failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED
+from .failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED, RELAYED
 from .fault import EXIT_HANG
 from .ownership import FolderOwner, job_key
 from .paths import RunPaths
@@ -152,7 +152,8 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
 
     A rank that stopped on bad input, a non-finite step or a hang comes first; then one that failed
     with a line of its own (rank, step, cause); then ranks killed by a signal; last, ranks that
-    stopped because another one failed (`failure.CONSEQUENT`). Within each, the earliest. After the
+    stopped because another one failed (`failure.CONSEQUENT`). Within each, the earliest, and a rank whose source
+    stayed unreadable before the ranks it told (`failure.RELAYED`). After the
     first, ranks that halted or stopped on bad input themselves are left out: their line repeats the first's.
     """
     def code(f: Any) -> int:
@@ -161,10 +162,10 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
     def message(f: Any) -> str:
         return f.message if isinstance(f.message, str) and f.message.startswith("nsa_titan") else ""
 
-    def priority(item: tuple[int, Any]) -> tuple[int, int]:
+    def priority(item: tuple[int, Any]) -> tuple[int, int, int]:
         f = item[1]
         rank = 0 if code(f) in (*VERDICTS, EXIT_HANG) else 3 if CONSEQUENT.match(message(f)) else 1 if message(f) else 2
-        return rank, f.timestamp
+        return rank, bool(RELAYED.match(message(f))), f.timestamp  # a rank's own unreadable source before the relay
 
     def line(rank: int, failure: Any) -> str:
         if message(failure).startswith((f"nsa_titan: rank {rank} ", "nsa_titan: data", "nsa_titan: halted")) or (

@@ -34,7 +34,7 @@ from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_m
 from .env import LAUNCHED_BY, set_deterministic
 from .export import export_trained
 from .extras import require_hf, require_wandb
-from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, report_failure
+from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, relayed, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
 from .guard import UpdateGuard, suspect
 from .loss import IGNORE_INDEX, cross_entropy_loss
@@ -197,7 +197,7 @@ class Trainer:
         failed = torch.tensor([failure is not None], device=self.device, dtype=torch.int32)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
-            raise DataUnavailable(failure or "another rank's data source stayed unreadable (its line says why)")
+            raise DataUnavailable(failure or relayed("data"))
         return micro
 
     def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:

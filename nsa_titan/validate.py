@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .data import DataError, DataUnavailable, HeldOutSets
+from .failure import relayed
 
 
 @dataclass
@@ -37,7 +38,7 @@ def validate(model: torch.nn.Module, sets: HeldOutSets, loss: Callable[[torch.Te
     dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
     counts = fewest.tolist()
     if counts[n] < 0:
-        raise DataUnavailable(failure or "another rank's validation source stayed unreadable (its line says why)")
+        raise DataUnavailable(failure or relayed("validation"))
     if empty := [i for i in range(n) if counts[i] == 0]:
         raise DataError(f"{sets.describe(empty[0])} gave no batch of seq_len {sets.shape[0]} on some rank: hold out "
                         f"more (a larger split or holdout), widen the source's length bounds, or use a smaller seq_len")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nsa_titan.checkpoint.folders import commit, scan, verify
-from nsa_titan.failure import CONSEQUENT, cause_of, explain
+from nsa_titan.failure import CONSEQUENT, EXIT_RETRY, cause_of, explain, relayed
 from nsa_titan.launch import failures
 
 
@@ -73,6 +73,16 @@ def test_the_launcher_prints_the_cause_first_then_signals_then_consequences():
     assert [code for code, _ in lines] == [1, 137, 1]
     assert lines[0][1] == cause and lines[2][1] == consequence
     assert lines[1][1] == "nsa_titan: rank 1 failed with exit code 137: Signal 9 (SIGKILL)"
+
+
+def test_the_launcher_prints_the_rank_whose_source_failed_not_the_rank_it_told():
+    told = f"nsa_titan: data unavailable: {relayed('data')}. Stopped after step 7 with checkpoint /c/step-7; ..."
+    own = ("nsa_titan: data unavailable: [data] path = 'http://h/' could not be read after 3 retries over 1.4 s "
+           "(last: ClientOSError). Stopped after step 7 with checkpoint /c/step-7; ...")
+    for told_first in (True, False):  # the same second, either rank first: the reading rank's line wins
+        e = SimpleNamespace(failures={0: SimpleNamespace(exitcode=EXIT_RETRY, message=told, timestamp=100),
+                                      1: SimpleNamespace(exitcode=EXIT_RETRY, message=own, timestamp=100 + told_first)})
+        assert failures(e) == [(EXIT_RETRY, own)]  # the told rank's line repeats nothing: left out
 
 
 def test_a_commit_interrupted_at_any_point_leaves_no_step_folder_and_a_finished_one_verifies(tmp_path, monkeypatch):
