@@ -6,6 +6,7 @@
     python -m nsa_titan.evaluate CHECKPOINT --task recall --ablate     # ... with each NSA branch of each layer off
     python -m nsa_titan.evaluate CHECKPOINT --task documents --path docs.jsonl [--documents 100]
     python -m nsa_titan.evaluate CHECKPOINT --seq_len 4096 --by_position [--bucket 512]   # loss by position
+    python -m nsa_titan.evaluate CHECKPOINT --task lm_eval --tasks TASK ... [--include_path DIR] [--limit N]
 
 The loss reads the split the way training validates (same packing, same batches, rank shards under
 torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so at
@@ -23,36 +24,34 @@ perplexity and bits per byte, which equal the harness's on a Hugging Face export
 `--seq_len` sets the context of every task (default: the training length), up to the model's
 declared maximum (`[model] max_seq_len`, or the RoPE scaling's reach; docs/long-context.md);
 `--by_position` splits the loss by the position of the predicted token (in its document, with
-document masking) in buckets of `--bucket` tokens.
+document masking) in buckets of `--bucket` tokens. The lm_eval task runs lm-evaluation-harness's
+loglikelihood tasks on the model in this process (`lm_harness.py`), as a run's `[eval]` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import math
 import os
 import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from .cli import ArgumentParser, run_command
 from .config import ConfigError, JobConfig, cp_multiple, validation_sets
 from .data import DataError, Tokenizer
-from .data.validation import streamed_batches
-from .data.batch import document_ids
 from .data.sources import open_text_stream
-from .data.recall import RecallLayout, recall_accuracy, recall_sample
+from .data.validation import streamed_batches
+from .evals import eval_layout, evaluate_recall, position_sums, recall_batch
 from .inference import load_model
+from .lm_harness import Harness, rolling_windows, score
 from .loss import IGNORE_INDEX, cross_entropy_loss
 from .models.transformer import NSAAttention, Transformer
 from .parallel import apply_cp
@@ -67,17 +66,6 @@ def load_at(checkpoint: str, config: str | None, overrides: list[str] | None, se
     model, tokenizer, cfg = load_model(checkpoint, config, overrides, context_parallel=context_parallel, context=context)
     return model, tokenizer, dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                                   seq_len=seq_len or cfg.training.seq_len))
-
-
-def token_positions(document_ids: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
-    """(B, T): each token's position in its row, or in its document (ids change where one starts)."""
-    B, T = shape
-    index = torch.arange(T).expand(B, T)
-    if document_ids is None:
-        return index
-    starts = torch.ones(B, T, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
 
 
 @torch.no_grad()
@@ -115,12 +103,7 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
         logits = model(inputs, doc_ids if masking else None)
         loss = cross_entropy_loss(logits, labels) if model.cp is None else model.cp.loss(logits, labels)
         if by_position:
-            losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                     reduction="none")
-            where = token_positions(doc_ids if masking else None, labels.shape).flatten() // bucket
-            counted = (labels.flatten() != IGNORE_INDEX).double()
-            buckets[0].index_add_(0, where, losses.double() * counted)
-            buckets[1].index_add_(0, where, counted)
+            buckets += position_sums(model, logits, labels, doc_ids if masking else None, bucket, buckets.shape[1])
         text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())
         # Each of the cp ranks adds 1 / cp of its group's batch: its loss share averages to the batch's.
         totals += torch.tensor([loss.item(), 1, labels.numel(), text_bytes], dtype=torch.float64) / cp
@@ -139,21 +122,6 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     return result
 
 
-def rolling_windows(ids: list[int], prefix: int, seq_len: int) -> Iterator[tuple[list[int], list[int]]]:
-    """(inputs, targets): windows that score every token of `ids` once, the last len(targets) logits of
-    `inputs` predicting `targets`; the first reads `prefix` then ids, each later one the seq_len tokens
-    before its last target (lm-evaluation-harness's rolling windows with a context of 1)."""
-    if not ids:
-        return
-    first = min(seq_len, len(ids))
-    yield [prefix] + ids[:first - 1], ids[:first]
-    done = first
-    while done < len(ids):
-        end = min(len(ids), done + seq_len)
-        yield ids[end - seq_len - 1:end - 1], ids[done:end]
-        done = end
-
-
 @torch.no_grad()
 def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation", documents: int = 0,
                        config: str | None = None, overrides: list[str] | None = None, seq_len: int = 0
@@ -170,9 +138,7 @@ def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation
     for example in itertools.islice(stream, documents or None):
         text = example[column]
         for inputs, targets in rolling_windows(tokenizer.encode(text), prefix, cfg.training.seq_len):
-            x = torch.tensor([inputs])
-            logp = torch.log_softmax(model(x, document_ids(x, None, eos))[0, -len(targets):].float(), -1)
-            nll -= float(logp.gather(-1, torch.tensor(targets)[:, None]).sum())
+            nll -= score(model, inputs, targets, eos, torch.device("cpu"))[0]
             tokens += len(targets)
         words += len(re.split(r"\s+", text))
         text_bytes += len(text.encode("utf-8"))
@@ -184,45 +150,6 @@ def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation
             "bits_per_byte": nll / text_bytes / math.log(2)}
 
 
-def _eval_layout(cfg: JobConfig) -> RecallLayout:
-    """The recall rows the evaluation reads: `[recall]`'s sizes, each pair asked once, no drill."""
-    r = cfg.recall
-    return RecallLayout(cfg.training.seq_len, cfg.model.vocab_size, r.key_tokens, r.value_tokens, r.pairs,
-                        distinct=r.distinct)
-
-
-def _recall_batches(cfg: JobConfig, layout: RecallLayout, distance: int, batches: int
-                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, labels) of `batches` batches of held-out recall samples (seed [data] seed + 1), every
-    pair `distance` tokens before its query."""
-    layout.check(distance)
-    for b in range(batches):
-        yield _recall_batch(layout, cfg.data.seed + 1, cfg.training.local_batch_size, distance, b)
-
-
-@functools.lru_cache(maxsize=256)
-def _recall_batch(layout: RecallLayout, seed: int, B: int, distance: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch b of `_recall_batches`, made once: an ablation or routing pass over the same distances reads it again."""
-    samples = [recall_sample(layout, seed, b * B + i, [distance])[0] for i in range(B)]
-    return torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
-
-
-@torch.no_grad()
-def evaluate_recall(model: torch.nn.Module, cfg: JobConfig, distances: list[int], batches: int
-                    ) -> dict[int, tuple[int, int]]:
-    """{distance: (queries recalled exactly, queries)} over `batches` batches of held-out recall
-    samples with every pair at that distance."""
-    layout = _eval_layout(cfg)
-    results = {}
-    for d in distances:
-        correct = total = 0
-        for inputs, labels in _recall_batches(cfg, layout, d, batches):
-            c, n = recall_accuracy(model(inputs), labels, layout)
-            correct, total = correct + c, total + n
-        results[d] = (correct, total)
-    return results
-
-
 @torch.no_grad()
 def recall_routing(model: torch.nn.Module, cfg: JobConfig, distances: list[int], batches: int
                    ) -> dict[int, dict[str, float]]:
@@ -231,7 +158,7 @@ def recall_routing(model: torch.nn.Module, cfg: JobConfig, distances: list[int],
     block holding the pair's copy of that token ("layer i found"), which is where the selection
     has to read it from. A value token labelled at position t is input token t + 1; its copy sits
     `distance` tokens earlier."""
-    layout, attns = _eval_layout(cfg), [m for m in model.modules() if isinstance(m, NSAAttention)]
+    layout, attns = eval_layout(cfg), [m for m in model.modules() if isinstance(m, NSAAttention)]
     for m in attns:
         m.record_selection = True
     results: dict[int, dict[str, float]] = {}
@@ -239,7 +166,8 @@ def recall_routing(model: torch.nn.Module, cfg: JobConfig, distances: list[int],
         for d in distances:
             counts = torch.zeros(1 + len(attns))
             asked = 0
-            for inputs, labels in _recall_batches(cfg, layout, d, batches):
+            for inputs, labels in (recall_batch(layout, cfg.data.seed + 1, cfg.training.local_batch_size, d, b)
+                                   for b in range(batches)):
                 mask = labels != IGNORE_INDEX  # (B, T)
                 counts[0] += (model(inputs).argmax(-1) == labels)[mask].sum()
                 copy = torch.arange(labels.shape[1]) + 1 - d  # (T,) the copy's position
@@ -295,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="nsa_titan.evaluate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a step-N checkpoint folder, an exported .pt file or a Hugging Face export")
-    parser.add_argument("--task", choices=("loss", "recall", "documents"), default="loss")
+    parser.add_argument("--task", choices=("loss", "recall", "documents", "lm_eval"), default="loss")
     parser.add_argument("--split", default="validation")
     parser.add_argument("--path", default="", help="documents: the text source (default: the validation source)")
     parser.add_argument("--documents", type=int, default=0, help="documents: at most this many (0: all)")
@@ -312,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--by_position", action="store_true",
                         help="loss: also by the position of the predicted token, in buckets of --bucket tokens")
     parser.add_argument("--bucket", type=int, default=0, help="--by_position's bucket width (default: seq_len / 8)")
+    parser.add_argument("--tasks", nargs="+", default=[], help="lm_eval: the harness's task names")
+    parser.add_argument("--include_path", default="", help="lm_eval: a folder of task YAML files (local tasks)")
+    parser.add_argument("--limit", type=int, default=0, help="lm_eval: documents per task (0: all)")
     parser.add_argument("--context_parallel", type=int, default=1,
                         help="loss: split each sequence across this many ranks (under torchrun; default 1)")
     args, overrides = parser.parse_known_args(argv)
@@ -321,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--distances must be >= 1")
     if args.seq_len < 0 or args.bucket < 0:
         parser.error("--seq_len and --bucket must be >= 0 (0: the training length, and seq_len / 8)")
-    if args.by_position and (args.task != "loss" or args.context_parallel > 1):
-        parser.error("--by_position splits the loss task's tokens in one process: use it with --task loss and "
-                     "without --context_parallel")
+    if args.by_position and args.task != "loss":
+        parser.error("--by_position splits the loss task's tokens: use it with --task loss")
+    if (args.task == "lm_eval") != bool(args.tasks) or args.limit < 0:
+        parser.error("--task lm_eval needs --tasks (and --tasks needs --task lm_eval); --limit must be >= 0")
     if args.context_parallel < 1 or (args.task != "loss" and args.context_parallel > 1):
         parser.error("--context_parallel must be >= 1, and 1 for --task recall or documents (one process)")
     if "WORLD_SIZE" in os.environ:  # under torchrun: each rank evaluates its shard
@@ -342,6 +274,13 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"{r['documents']} documents, {r['tokens']:,} tokens: loss {r['loss']:.4f} | perplexity "
               f"{r['perplexity']:.3f} | word perplexity {r['word_perplexity']:.3f} | byte perplexity "
               f"{r['byte_perplexity']:.4f} | bits/byte {r['bits_per_byte']:.4f}")
+        return 0
+    if args.task == "lm_eval":
+        model, tokenizer, cfg = load_at(args.checkpoint, args.config, overrides, args.seq_len)
+        scores = Harness(args.tasks, args.include_path, args.limit).run(
+            model, tokenizer, cfg.training.seq_len, tokenizer.eos_id if cfg.training.document_masking else None,
+            torch.device("cpu"))
+        print("\n".join(f"{name}: {value:.4f}" for name, value in scores.items()))
         return 0
     if args.task == "recall":
         model, _, cfg = load_at(args.checkpoint, args.config, overrides, args.seq_len)

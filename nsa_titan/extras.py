@@ -28,3 +28,11 @@ def require_wandb(what: str) -> None:
         import wandb  # noqa: F401
     except ImportError:
         raise MissingExtra(f"{what} needs wandb, which is not installed: {WANDB_EXTRA}") from None
+
+
+def require_lm_eval(what: str) -> None:
+    """Raise MissingExtra, naming the pip command, when lm-evaluation-harness cannot be imported."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise MissingExtra(f"{what} need lm-eval, which is not installed: {HF_EXTRA}") from None

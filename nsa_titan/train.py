@@ -33,6 +33,7 @@ from .debug_hooks import install_debug_hooks
 from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
 from .env import LAUNCHED_BY, set_deterministic
 from .export import export_trained
+from .evals import InRunEvals
 from .extras import require_hf, require_wandb
 from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, relayed, report_failure
 from .fault import Heartbeat, StepWatchdog, set_collective_timeout
@@ -125,6 +126,7 @@ class Trainer:
             self.guard = UpdateGuard(cfg.fault, self.rank, self.world_size)
             self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
                                         self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
+            self.evals = InRunEvals(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world_size)
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.dp_world_size)
@@ -310,6 +312,13 @@ class Trainer:
                         self.stop_for_data(e, None)
                     self.metrics.log_validation(step, result)
                     self.last_validation = (step, result.loss)
+            if self.evals.due(step, last) and not stopping:  # new shapes compile: the first step's time limit
+                self.watchdog.beat(step, "the evaluations", first_step_done=False)
+                with self.throughput.paused():
+                    try:
+                        self.evals.run(self.model, step, time.monotonic() - self.started, self.metrics)
+                    except DataUnavailable as e:
+                        self.stop_for_data(e, None)
             if step % self.cfg.metrics.log_freq == 0 or step == 1 or last or stopping:
                 self.log_step(loss, norm_value, lr)
             with self.throughput.paused():

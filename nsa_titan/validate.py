@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .data import DataError, DataUnavailable, HeldOutSets
+from .data import DataError, DataUnavailable, HeldOutSets, Sample
 from .failure import relayed
 
 
@@ -22,26 +22,34 @@ class ValidationLoss:
     """A mixture's mean batch loss per source label (empty for one set)."""
 
 
+def agreed_batches(sets: HeldOutSets, device: torch.device, what: str) -> tuple[list[list[Sample]], list[int]]:
+    """Each set's batches on this rank and how many of them every rank scores (a forward is collective: the
+    fewest any rank holds). A source unreadable on any rank is DataUnavailable on all; a set some rank has no
+    batch of, a DataError naming it. `what`: the source's role, for the line of a rank that read fine."""
+    n = len(sets.sets)
+    try:
+        read, failure = sets.batches(), None
+    except DataUnavailable as e:  # the others still reduce: tell them
+        read, failure = [[]] * n, e.reason
+    fewest = torch.tensor([len(b) for b in read] + [-int(failure is not None)], device=device)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    counts = fewest.tolist()
+    if counts[n] < 0:
+        raise DataUnavailable(failure or relayed(what))
+    if empty := [i for i in range(n) if counts[i] == 0]:
+        raise DataError(f"{sets.describe(empty[0])} gave no batch of seq_len {sets.shape[0]} on some rank: hold out "
+                        f"more (a larger split or holdout), widen the source's length bounds, or use a smaller seq_len")
+    return read, counts[:n]
+
+
 @torch.no_grad()
 def validate(model: torch.nn.Module, sets: HeldOutSets, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              documents: Callable[[torch.Tensor], torch.Tensor | None], device: torch.device,
              world_size: int) -> ValidationLoss:
     """Score every set's batches on every rank (as many on each); a set some rank has no batch of is a DataError
     naming it."""
-    n = len(sets.sets)
-    try:
-        read, failure = sets.batches(), None
-    except DataUnavailable as e:  # the others still reduce: tell them
-        read, failure = [[]] * n, e.reason
-    # Every rank scores as many batches of a set (a forward is collective): the fewest any rank holds.
-    fewest = torch.tensor([len(b) for b in read] + [-int(failure is not None)], device=device)
-    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
-    counts = fewest.tolist()
-    if counts[n] < 0:
-        raise DataUnavailable(failure or relayed("validation"))
-    if empty := [i for i in range(n) if counts[i] == 0]:
-        raise DataError(f"{sets.describe(empty[0])} gave no batch of seq_len {sets.shape[0]} on some rank: hold out "
-                        f"more (a larger split or holdout), widen the source's length bounds, or use a smaller seq_len")
+    read, counts = agreed_batches(sets, device, "validation")
+    n = len(read)
     total = torch.zeros(n, device=device)  # per set: the sum of its batch losses
     model.eval()
     try:

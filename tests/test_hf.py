@@ -4,7 +4,6 @@ start from it, and its bad input. CPU and offline; the HF tokenizer is trained h
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -25,15 +24,16 @@ from nsa_titan.config import Source
 from nsa_titan.data.packing import PackedTextDataset
 from nsa_titan.data.sources import open_text_stream
 from nsa_titan.data.train_tokenizer import train_tokenizer
-from nsa_titan.evaluate import evaluate_documents, rolling_windows
+from nsa_titan.evaluate import evaluate_documents
+from nsa_titan.lm_harness import rolling_windows
 from nsa_titan.generate import generate
 from nsa_titan.inference import load_model
 from nsa_titan.models.rope import SCALED as SCALED_KEYS, hf_rope_parameters
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
+from lm_tasks import CORPUS, GEN_PROMPTS, local_tasks, texts
 
-CORPUS = ROOT / "data" / "python_docs"
 MODEL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_groups", "2",
          "--model.head_dim", "16", "--model.cmp_block_size", "8", "--model.cmp_stride", "4",
          "--model.sel_block_size", "8", "--model.sel_top_n", "4", "--model.window_size", "16",
@@ -51,10 +51,6 @@ SCALED = {"nsa-yarn": YARN}
 PROMPT = "The with statement"
 BATCH_TEXTS = ["The with statement", "def", "Raised when an operation is applied", "A list"]
 """Prompts of different lengths for one left-padded batch."""
-
-
-def texts(n: int, split: str = "validation") -> list[str]:
-    return [ex["text"] for ex in itertools.islice(open_text_stream(str(CORPUS), "", split, "text"), n)]
 
 
 def variant_args(name: str, tokenizer_dir: Path) -> list[str]:
@@ -265,37 +261,6 @@ def test_warm_start_from_the_hf_folder_gives_the_models_logits(exported, tokeniz
     ids = torch.randint(0, tok.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(warm(ids), model(ids), rtol=1e-5, atol=1e-5)
-
-
-LM_EVAL_TASKS = {
-    "nsa_titan_mc.yaml": {"output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
-                          "doc_to_choice": "{{choices}}", "doc_to_target": "answer", "metric_list": [{"metric": "acc"}]},
-    "nsa_titan_ppl.yaml": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                           "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]},
-    "nsa_titan_gen.yaml": {"output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{target}}",
-                           "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False},
-                           "metric_list": [{"metric": "exact_match"}]},
-}
-GEN_PROMPTS = ["The with statement", "def", "Raised when an operation or function is applied", "A", "class C:"]
-
-
-def local_tasks(folder: Path) -> Path:
-    """lm-eval tasks over local JSON files: 3 multiple-choice questions, and 4 validation documents of
-    the shipped corpus to score (each longer than seq_len 64: several rolling windows)."""
-    folder.mkdir()
-    questions = [{"question": "In Python, the keyword that defines a function is", "choices": ["def", "class", "pass"],
-                  "answer": 0},
-                 {"question": "A list is written with", "choices": ["square brackets", "braces", "slashes"], "answer": 0},
-                 {"question": "The statement that leaves a loop is", "choices": ["break", "import", "yield"], "answer": 0}]
-    (folder / "mc.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
-    (folder / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts(4)))
-    (folder / "gen.jsonl").write_text("".join(json.dumps({"prompt": p, "target": "x"}) + "\n" for p in GEN_PROMPTS))
-    for name, task in LM_EVAL_TASKS.items():
-        data = folder / f"{name.removeprefix('nsa_titan_').removesuffix('.yaml')}.jsonl"
-        (folder / name).write_text(json.dumps({"task": name.removesuffix(".yaml"), "dataset_path": "json",
-                                               "dataset_kwargs": {"data_files": {"test": str(data)}},
-                                               "test_split": "test", **task}, indent=1))  # YAML reads JSON
-    return folder
 
 
 def test_lm_eval_runs_local_tasks_and_its_perplexity_equals_evaluates(hf_run, tmp_path):

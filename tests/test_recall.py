@@ -49,7 +49,7 @@ def test_pairs_sit_at_their_distance_and_only_values_are_labelled():
 def test_a_perfect_oracle_scores_100_percent():
     samples = [recall_sample(LAYOUT, 1, k, [9, 100, 240])[0] for k in range(16)]
     inputs, labels = torch.stack([s.inputs for s in samples]), torch.stack([s.labels for s in samples])
-    correct, total = recall_accuracy(oracle_logits(inputs, LAYOUT), labels, LAYOUT)
+    correct, total = recall_accuracy(oracle_logits(inputs, LAYOUT).argmax(-1), labels, LAYOUT)
     assert total >= 16 and correct == total
 
 
@@ -58,7 +58,7 @@ def test_accuracy_counts_a_query_only_when_every_value_token_is_right():
     logits = oracle_logits(sample.inputs[None], LAYOUT)
     first = int((sample.labels != IGNORE).nonzero()[0])
     logits[0, first] = 0  # one value token of the first query is now wrong (argmax 0 = KEY)
-    correct, total = recall_accuracy(logits, sample.labels[None], LAYOUT)
+    correct, total = recall_accuracy(logits.argmax(-1), sample.labels[None], LAYOUT)
     assert correct == total - 1
 
 
@@ -87,6 +87,23 @@ def test_the_evaluation_on_models_that_always_and_never_copy():
     assert all(c == 0 and n >= 6 for c, n in never.values())
     with pytest.raises(ValueError, match="does not fit in seq_len 256"):
         evaluate_recall(Copier(True), cfg, [250], batches=1)
+
+
+def test_the_recall_probe_shared_out_among_ranks_counts_what_one_process_counts():
+    """Batches shared out among data-parallel ranks (5 batches on 2 ranks: one rank runs its last again, for the
+    collectives, and counts it once), summed, against one process; on a model that recalls some rows only."""
+    cfg, _ = load_config(["--data.source", "recall", "--training.seq_len", "256", "--model.vocab_size", "64",
+                          "--training.local_batch_size", "3", "--recall.key_tokens", "3", "--recall.value_tokens", "2"],
+                         world_size=1)
+
+    class Some(torch.nn.Module):  # recalls the rows whose token sum is even
+        def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+            return oracle_logits(tokens, LAYOUT) * (tokens.sum(1) % 2 == 0)[:, None, None]
+
+    one = evaluate_recall(Some(), cfg, [10, 100], batches=5)
+    parts = [evaluate_recall(Some(), cfg, [10, 100], batches=5, dp_rank=r, dp_world=2) for r in range(2)]
+    assert {d: tuple(map(sum, zip(*(p[d] for p in parts)))) for d in one} == one
+    assert all(0 < c < n == 5 * 3 * 4 for c, n in one.values()), one  # some recalled, some not: 5 x 3 rows x 4 pairs
 
 
 @pytest.mark.parametrize("top_n", [3, 8])
@@ -184,7 +201,7 @@ def test_distinct_rows_make_the_one_token_lookup_exact(distinct):
         tokens = [t for pair in kv for t in pair]
         shared += len(tokens) - len(set(tokens))
         assert len(placed) == 2 * len(kv) >= 4
-        c, n = recall_accuracy(one_token_lookup(sample.inputs[None], 64), sample.labels[None], layout)
+        c, n = recall_accuracy(one_token_lookup(sample.inputs[None], 64).argmax(-1), sample.labels[None], layout)
         correct, total = correct + c, total + n
     if distinct:
         assert shared == 0 and correct == total

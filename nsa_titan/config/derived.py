@@ -28,11 +28,12 @@ def padded_vocab(tokenizer_vocab: int) -> int:
 def model_vocab(cfg: JobConfig, tokenizer_vocab: int) -> int:
     """`[model] vocab_size`, or the tokenizer's padded up when it is 0. A set size must hold every
     token id, except for the synthetic and recall sources, which draw ids below the model's vocabulary
-    (their validation, if enabled, still reads tokenized text)."""
+    (their validation and loss by position, if enabled, still read tokenized text)."""
     configured = cfg.model.vocab_size
     if configured == 0:
         return padded_vocab(tokenizer_vocab)
-    if (cfg.data.source == "datasets" or cfg.validation.enable) and configured < tokenizer_vocab:
+    reads_text = cfg.validation.enable or (cfg.eval.enable and cfg.eval.position_batches > 0)
+    if (cfg.data.source == "datasets" or reads_text) and configured < tokenizer_vocab:
         raise ConfigError(f"[model] vocab_size = {configured} is smaller than the tokenizer's {tokenizer_vocab} "
                           f"tokens; set it to 0 to use the tokenizer's ({padded_vocab(tokenizer_vocab)})")
     return configured

@@ -45,8 +45,8 @@ def _field_types(section_cls: type) -> dict[str, Any]:
 def _allowed(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if tp == list[str]:
-        return "a list of strings (on the command line: comma-separated)"
+    if tp in (list[str], list[int]):
+        return f"a list of {'strings' if tp == list[str] else 'integers'} (on the command line: comma-separated)"
     if tp in TABLES:
         return "an array of tables"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
@@ -79,6 +79,15 @@ def _coerce(where: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if from_cli and isinstance(value, str):
             return [v for v in value.split(",") if v]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise bad
+    if tp == list[int]:
+        if from_cli and isinstance(value, str):
+            try:
+                return [int(v) for v in value.split(",") if v]
+            except ValueError:
+                raise bad from None
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return list(value)
         raise bad
     if tp is str:

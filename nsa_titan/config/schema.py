@@ -282,6 +282,33 @@ class Metrics:
 
 
 @dataclass
+class Eval:
+    """Evaluations inside the run (`nsa_titan/evals.py`) on the model being trained, by every rank, each equal
+    to `python -m nsa_titan.evaluate` on that step's checkpoint."""
+
+    enable: bool = False
+    """Run the evaluations every `freq` steps and after the last step."""
+    freq: int = 500
+    """Steps between evaluations."""
+    position_batches: int = 2
+    """Batches a data-parallel rank scores for the loss by position (the `[validation]` source and split, as
+    `evaluate --by_position` reads it; read once a run); 0: no loss by position."""
+    bucket: int = 0
+    """Width in tokens of the position buckets (0: seq_len / 8)."""
+    recall_distances: list[int] = field(default_factory=list)
+    """The recall probe's pair-to-query distances (`[recall]` sizes; `evaluate --task recall`); empty: no probe."""
+    recall_batches: int = 1
+    """Batches of the recall probe per distance, shared out among the data-parallel ranks."""
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks run in-process on the model (`evaluate --task lm_eval`; needs `lm-eval`);
+    empty: none. Loglikelihood tasks (multiple choice, perplexity); not generation."""
+    lm_eval_include_path: str = ""
+    """A folder of task YAML files (local tasks) for lm_eval_tasks; empty: lm-eval's own tasks."""
+    lm_eval_limit: int = 0
+    """Documents per lm-eval task (0: all)."""
+
+
+@dataclass
 class Fault:
     step_timeout_seconds: float = 600.0
     """A training step that makes no progress for this long is a hang."""
@@ -373,5 +400,6 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    eval: Eval = field(default_factory=Eval)
     fault: Fault = field(default_factory=Fault)
     debug: Debug = field(default_factory=Debug)

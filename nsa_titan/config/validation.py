@@ -45,6 +45,7 @@ _POSITIVE = {
     "activation_checkpoint": ("every_n_layers",),
     "metrics": ("log_freq",),
     "validation": ("freq", "steps"),
+    "eval": ("freq", "recall_batches"),
     "checkpoint": ("interval",),
 }
 """Integer keys that must be > 0."""
@@ -122,6 +123,7 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              "[data] path is empty: give a hub dataset id or a local file or folder, or set source = 'synthetic'")
     if dt.source == "recall":
         _validate_recall(cfg.recall, t.seq_len, cfg.model.vocab_size)
+    _validate_eval(cfg)
     f = cfg.fault
     _require(dt.read_retries >= 0 and dt.retry_wait_seconds > 0,
              f"[data] read_retries = {dt.read_retries}, retry_wait_seconds = {dt.retry_wait_seconds:g}: must be >= 0 "
@@ -264,6 +266,23 @@ def dp_degrees(cfg: JobConfig, world_size: int) -> tuple[int, int]:
              ("" if cp == 1 else f" per context-parallel rank (world size / context_parallel_degree {cp})") +
              ": the degrees must multiply to the number of ranks (set the shard degree to -1 to infer it)")
     return replicate, shard
+
+
+def _validate_eval(cfg: JobConfig) -> None:
+    """`[eval]`: counts >= 0, and the recall probe's distances within one sequence of the `[recall]` sizes."""
+    e = cfg.eval
+    _require(e.position_batches >= 0 and e.bucket >= 0 and e.lm_eval_limit >= 0,
+             f"[eval] position_batches = {e.position_batches}, bucket = {e.bucket}, lm_eval_limit = {e.lm_eval_limit}: "
+             f"must be >= 0 (0: no loss by position, seq_len / 8, every document)")
+    if e.enable and e.recall_distances:
+        r, longest = cfg.recall, cfg.training.seq_len + 1 - 2 * (1 + cfg.recall.key_tokens + cfg.recall.value_tokens)
+        bad = [d for d in e.recall_distances if not 1 + r.key_tokens + r.value_tokens <= d <= longest]
+        _require(not bad, f"[eval] recall_distances = {e.recall_distances}: {bad} do not fit a pair and its query "
+                          f"in seq_len = {cfg.training.seq_len} with the [recall] sizes; use distances in "
+                          f"[{1 + r.key_tokens + r.value_tokens}, {longest}]")
+    _require(not e.lm_eval_include_path or Path(resolve_path(e.lm_eval_include_path)).is_dir(),
+             f"[eval] lm_eval_include_path = '{e.lm_eval_include_path}' is not a folder: give the folder of your "
+             f"task YAML files, or leave it empty for lm-eval's own tasks")
 
 
 def _validate_recall(r: Recall, seq_len: int, vocab_size: int) -> None:

@@ -166,10 +166,10 @@ def oracle_logits(inputs: torch.Tensor, layout: RecallLayout) -> torch.Tensor:
     return logits
 
 
-def recall_accuracy(logits: torch.Tensor, labels: torch.Tensor, layout: RecallLayout) -> tuple[int, int]:
-    """(queries recalled exactly, queries) of a batch: a query counts when the argmax at every one
-    of its value tokens' positions is the value token."""
-    hit = (logits.argmax(-1) == labels) | (labels == IGNORE)  # (B, T)
+def recall_accuracy(predicted: torch.Tensor, labels: torch.Tensor, layout: RecallLayout) -> tuple[int, int]:
+    """(queries recalled exactly, queries) of a batch: a query counts when the prediction (B, T), the logits'
+    argmax, at every one of its value tokens' positions is the value token."""
+    hit = (predicted == labels) | (labels == IGNORE)  # (B, T)
     asked = labels != IGNORE
     # The value tokens of one query are V consecutive labelled positions; queries never touch.
     starts = asked & ~torch.cat([torch.zeros_like(asked[:, :1]), asked[:, :-1]], 1)

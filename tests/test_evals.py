@@ -1,0 +1,130 @@
+"""Evaluations inside a run (`[eval]`, `nsa_titan/evals.py`): at 2 ranks under FSDP (run_train.sh, the shipped
+settings) and with context parallelism 2, the loss by position, the recall probe and lm-eval's local tasks of
+step N equal `python -m nsa_titan.evaluate` on step N's checkpoint, to printed precision, in the metrics
+files; and a run with them trains exactly as one without."""
+
+from __future__ import annotations
+
+import re
+import sys
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nsa_titan.config import ConfigError, load_config
+
+from conftest import TINY, tb_losses, torchrun
+from jobs import run_job
+from lm_tasks import local_tasks
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 10
+EVAL = ["--eval.enable", "true", "--eval.freq", "5", "--eval.bucket", "32", "--eval.position_batches", "2",
+        "--eval.recall_distances", "16,40", "--eval.recall_batches", "3", "--eval.lm_eval_tasks",
+        "nsa_titan_mc,nsa_titan_ppl"]
+# Each cp rank's sequence: seq_len 72, padded to 96 (the split's multiple), as test_context_parallel.py runs it.
+CP = [*TINY[:TINY.index("--training.mixed_precision_param")], "--training.mixed_precision_param", "float32",
+      "--model.vocab_size", "0", "--data.source", "datasets", "--data.tokenizer", "sentencepiece",
+      "--data.num_workers", "2", "--training.seq_len", "72", "--training.local_batch_size", "2",
+      "--checkpoint.enable", "true", "--checkpoint.interval", "5", "--checkpoint.async_mode", "async",
+      "--training.steps", str(STEPS), "--parallelism.context_parallel_degree", "2"]
+
+
+def scalars(folder: Path, prefix: str, step: int) -> dict[str, float]:
+    """{tag without `prefix`: value at `step`} of the TensorBoard run in `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import tb_run
+
+    events = EventAccumulator(tb_run(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag.removeprefix(prefix): next(e.value for e in events.Scalars(tag) if e.step == step)
+            for tag in events.Tags()["scalars"] if tag.startswith(prefix)}
+
+
+def evaluate(*args: str, nproc: int = 1) -> str:
+    """`python -m nsa_titan.evaluate ARGS` (under torchrun with nproc > 1): its output."""
+    if nproc > 1:
+        proc = torchrun(["-m", "nsa_titan.evaluate", *args], nproc=nproc)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", *args], capture_output=True, text=True,
+                              timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def same(logged: float, printed: str, scale: float = 1.0) -> bool:
+    """A TensorBoard value (float32) x `scale` equals a value printed to its last digit."""
+    decimals = len(printed.partition(".")[2])
+    return abs(logged * scale - float(printed)) <= 0.5 * 10 ** -decimals + 1e-7 * abs(float(printed))
+
+
+def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int) -> None:
+    """Step 10's evaluations in TensorBoard against `evaluate` on checkpoint step-10, value by printed value."""
+    got, ckpt = scalars(tb, "eval/", STEPS), str(dump / "checkpoint" / f"step-{STEPS}")
+    by_position = evaluate(ckpt, "--by_position", "--bucket", "32", "--batches", "2", "--context_parallel", str(cp),
+                           nproc=2)
+    rows = re.findall(r"^\| (\d+)-(\d+) \| (\S+) \| [\d,]+ \|$", by_position.replace(",", ""), re.M)
+    assert len(rows) >= 2, by_position
+    for first, end, loss in rows:
+        assert same(got[f"loss_by_position/{first}-{end}"], loss), (first, end, got)
+    recall = evaluate(ckpt, "--task", "recall", "--distances", "16", "40", "--batches", "3")
+    for d, share, queries in re.findall(r"^\| (\d+) \| ([\d.]+)% \| (\d+) \|$", recall, re.M):
+        assert same(got[f"recall/{d}"], share, 100) and int(queries) > 0, (d, recall)
+    assert {f"recall/{d}" for d in (16, 40)} <= got.keys()
+    harness = evaluate(ckpt, "--task", "lm_eval", "--tasks", "nsa_titan_mc", "nsa_titan_ppl", "--include_path",
+                       str(tasks))
+    printed = dict(re.findall(r"^(nsa_titan_\w+/\w+): (\S+)$", harness, re.M))
+    assert set(printed) == {"nsa_titan_mc/acc", "nsa_titan_ppl/word_perplexity", "nsa_titan_ppl/byte_perplexity",
+                            "nsa_titan_ppl/bits_per_byte"}
+    for name, value in printed.items():
+        assert same(got[f"lm_eval/{name}"], value), (name, value, got)
+    assert 0 < got["share_of_run"] < 1 and got["seconds"] > 0
+
+
+def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unchanged(tmp_path):
+    """run_train.sh at 2 ranks (the default config's loader workers and async saves): evaluations at steps 5 and
+    10, each line on the console; step 10's equal `evaluate`'s on step-10; the training losses equal those of
+    the same run without evaluations (the evaluations change no random state, model or data position)."""
+    tasks = local_tasks(tmp_path / "tasks")
+    args = ["--training.steps", str(STEPS), "--checkpoint.interval", "5"]
+    out = run_job(tmp_path / "eval", *args, *EVAL, "--eval.lm_eval_include_path", str(tasks), nproc=2)
+    lines = re.findall(r"eval at step (\d+): loss_by_position/0-32 [\d.]+ .* \| recall/16 [\d.]+ .* \| "
+                       r"lm_eval/nsa_titan_mc/acc [\d.]+ .* \| [\d.]+ s \(evaluations [\d.]+% of the run so far\)", out)
+    assert lines == ["5", "10"], out[-3000:]
+    run_job(tmp_path / "plain", *args, nproc=2)
+    assert tb_losses(tmp_path / "eval" / "tb") == tb_losses(tmp_path / "plain" / "tb")
+    assert_equals_evaluate(tmp_path / "eval", tmp_path / "eval" / "tb", tasks, cp=1)
+
+
+def test_with_context_parallelism_2_the_evaluations_equal_evaluate(tmp_path):
+    """2 ranks splitting each sequence (cp = 2, loader workers, async saves): step 10's evaluations equal
+    `evaluate`'s on step-10, the loss by position with the sequence split the same way."""
+    tasks, dump = local_tasks(tmp_path / "tasks"), tmp_path / "cp"
+    proc = torchrun(["-m", "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(tasks),
+                     "--job.dump_folder", str(dump)], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_equals_evaluate(dump, dump / "tb", tasks, cp=2)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--eval.recall_distances", "16,500"], r"\[eval\] recall_distances = \[16, 500\]: \[500\] do not fit"),
+    (["--eval.position_batches", "-1"], r"\[eval\] position_batches = -1, .* must be >= 0"),
+    (["--eval.lm_eval_include_path", "/no/such/folder"], r"lm_eval_include_path = '/no/such/folder' is not a folder"),
+    (["--eval.recall_distances", "8,x"], r"\[eval\] recall_distances = '8,x' is invalid: expected a list of integers"),
+])
+def test_bad_eval_settings_are_refused_before_any_rank_starts(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([*TINY, "--eval.enable", "true", "--training.seq_len", "128", *args], world_size=1)
+
+
+def test_unknown_and_generation_tasks_are_refused_with_the_fix(tmp_path):
+    from nsa_titan.lm_harness import Harness
+
+    tasks = local_tasks(tmp_path / "tasks")
+    with pytest.raises(ConfigError, match=r"tasks \['no_such_task'\] are not known to lm-eval nor in .*: check"):
+        Harness(["no_such_task"], str(tasks), 0)
+    with pytest.raises(ConfigError, match=r"tasks \['nsa_titan_gen'\] generate text, .* Hugging Face export"):
+        Harness(["nsa_titan_mc", "nsa_titan_gen"], str(tasks), 0)
