@@ -101,7 +101,7 @@ class Harness:
 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on task YAML defaults, on every rank
         self.tasks, self.limit = tasks, limit or None
-        self.manager = TaskManager(include_path=include_path or None, verbosity="ERROR")
+        self.manager = TaskManager(include_path=include_path or None)
         unknown = [t for t in tasks if t not in self.manager.all_tasks]
         if unknown:
             raise ConfigError(f"lm-eval tasks {unknown} are not known to lm-eval"

@@ -33,7 +33,7 @@ TINY = [
     "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--optimizer.lr", "1e-2",
     "--data.source", "synthetic", "--data.tokenizer", "byte", "--data.num_workers", "0",
-    "--validation.enable", "false",
+    "--validation.enable", "false", "--eval.enable", "false",
 ]
 
 

@@ -21,7 +21,7 @@ from conftest import ROOT
 STEPS = 40
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
          "--training.seq_len", "128", "--training.local_batch_size", "4", "--training.steps", str(STEPS),
-         "--metrics.log_freq", "1", "--validation.enable", "false", "--checkpoint.interval", "1000",
+         "--metrics.log_freq", "1", "--validation.enable", "false", "--eval.enable", "false", "--checkpoint.interval", "1000",
          "--data.shuffle_buffer", "64"]
 
 

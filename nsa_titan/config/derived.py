@@ -35,7 +35,9 @@ def model_vocab(cfg: JobConfig, tokenizer_vocab: int) -> int:
     reads_text = cfg.validation.enable or (cfg.eval.enable and cfg.eval.position_batches > 0)
     if (cfg.data.source == "datasets" or reads_text) and configured < tokenizer_vocab:
         raise ConfigError(f"[model] vocab_size = {configured} is smaller than the tokenizer's {tokenizer_vocab} "
-                          f"tokens; set it to 0 to use the tokenizer's ({padded_vocab(tokenizer_vocab)})")
+                          f"tokens; set it to 0 to use the tokenizer's ({padded_vocab(tokenizer_vocab)})"
+                          + ("" if cfg.data.source == "datasets" else ", or switch off what reads text here "
+                             "([validation] enable, [eval] position_batches)"))
     return configured
 
 
