@@ -130,7 +130,8 @@ class InRunEvals:
                 scalars.update({f"eval/recall/{d}": c / max(n, 1) for d, (c, n) in found.items()})
             if self.harness is not None:
                 eos = self.tokenizer.eos_id if self.cfg.training.document_masking else None
-                scores = self.harness.run(model, self.tokenizer, self.cfg.training.seq_len, eos, self.device)
+                t = self.cfg.training
+                scores = self.harness.run(model, self.tokenizer, t.seq_len, eos, self.device, t.local_batch_size)
                 scalars.update({f"eval/lm_eval/{k}": v for k, v in scores.items()})
         finally:
             model.train()

@@ -138,7 +138,7 @@ def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation
     for example in itertools.islice(stream, documents or None):
         text = example[column]
         for inputs, targets in rolling_windows(tokenizer.encode(text), prefix, cfg.training.seq_len):
-            nll -= score(model, inputs, targets, eos, torch.device("cpu"))[0]
+            nll -= score(model, [(inputs, targets)], eos, torch.device("cpu"))[0][0]
             tokens += len(targets)
         words += len(re.split(r"\s+", text))
         text_bytes += len(text.encode("utf-8"))
@@ -277,9 +277,9 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     if args.task == "lm_eval":
         model, tokenizer, cfg = load_at(args.checkpoint, args.config, overrides, args.seq_len)
-        scores = Harness(args.tasks, args.include_path, args.limit).run(
+        scores = Harness(args.tasks, args.include_path, args.limit).run(  # in batches of the run's local size
             model, tokenizer, cfg.training.seq_len, tokenizer.eos_id if cfg.training.document_masking else None,
-            torch.device("cpu"))
+            torch.device("cpu"), cfg.training.local_batch_size)
         print("\n".join(f"{name}: {value:.4f}" for name, value in scores.items()))
         return 0
     if args.task == "recall":

@@ -38,23 +38,33 @@ def rolling_windows(ids: list[int], prefix: int, seq_len: int) -> Iterator[tuple
 
 
 @torch.no_grad()
-def score(model: torch.nn.Module, inputs: list[int], targets: list[int], eos: int | None,
-          device: torch.device) -> tuple[float, bool]:
-    """(log-probability of `targets`, whether each is the argmax), the last len(targets) logits of `inputs`
-    predicting them; documents split at `eos` (None: one document). Under context parallelism every rank
-    of the group passes the same row and gets the whole row's answer."""
-    x = torch.tensor([inputs], device=device)
-    logits = model(x, document_ids(x.cpu(), None, eos))
-    if getattr(model, "cp", None) is not None:
-        logits = model.cp.gather(logits)[:, :len(inputs)]
-    logp = torch.log_softmax(logits[0, -len(targets):].float(), -1)
-    want = torch.tensor(targets, device=logp.device)
-    return float(logp.gather(-1, want[:, None]).sum()), bool((logp.argmax(-1) == want).all())
+def score(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], eos: int | None, device: torch.device,
+          batch_size: int = 1) -> list[tuple[float, bool]]:
+    """Per row (inputs, targets): the log-probability of `targets` and whether each is the argmax, the last
+    len(targets) logits of `inputs` predicting them; documents split at `eos` (None: one document). Rows go
+    `batch_size` at a time, longest first, each padded at its end, which no earlier position reads (the
+    model is causal). Under context parallelism every rank of the group passes the same rows."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = len(rows[chunk[0]][0])
+        x = torch.tensor([rows[i][0] + [0] * (width - len(rows[i][0])) for i in chunk], device=device)
+        logits = model(x, document_ids(x.cpu(), None, eos))
+        if getattr(model, "cp", None) is not None:
+            logits = model.cp.gather(logits)[:, :width]
+        for row, i in zip(logits, chunk):
+            inputs, targets = rows[i]
+            logp = torch.log_softmax(row[len(inputs) - len(targets):len(inputs)].float(), -1)
+            want = torch.tensor(targets, device=logp.device)
+            out[i] = float(logp.gather(-1, want[:, None]).sum()), bool((logp.argmax(-1) == want).all())
+    return out
 
 
-def titan_lm(model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: int | None,
-             device: torch.device) -> Any:
-    """The harness's LM over `model`: windows of at most `seq_len` tokens, documents split at `eos`."""
+def titan_lm(model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: int | None, device: torch.device,
+             batch_size: int) -> Any:
+    """The harness's LM over `model`: windows of at most `seq_len` tokens, `batch_size` rows a forward,
+    documents split at `eos`."""
     from lm_eval.api.model import TemplateLM
 
     class TitanLM(TemplateLM):
@@ -75,15 +85,13 @@ def titan_lm(model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: in
             return super().loglikelihood(requests, disable_tqdm=True)  # no bar a rank
 
         def _loglikelihood_tokens(self, requests: list, **kwargs: Any) -> list[tuple[float, bool]]:
-            out = []
-            for _, context, continuation in requests:
-                inputs = (context + continuation)[-(seq_len + 1):][:-1]
-                out.append(score(model, inputs, continuation, eos, device))
-            return out
+            rows = [((context + continuation)[-(seq_len + 1):][:-1], continuation) for _, context, continuation in requests]
+            return score(model, rows, eos, device, batch_size)
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-            return [sum(score(model, x, y, eos, device)[0] for x, y in
-                        rolling_windows(tokenizer.encode(r.args[0]), self.prefix_token_id, seq_len)) for r in requests]
+            windows = [list(rolling_windows(tokenizer.encode(r.args[0]), self.prefix_token_id, seq_len)) for r in requests]
+            scores = iter(score(model, [w for each in windows for w in each], eos, device, batch_size))
+            return [sum(next(scores)[0] for _ in each) for each in windows]
 
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
             raise ValueError("lm-eval generation tasks (generate_until) are not run inside nsa_titan: evaluate "
@@ -113,10 +121,10 @@ class Harness:
                               f"leave them out here and run them with lm_eval on the Hugging Face export "
                               f"(docs/huggingface.md)")
 
-    def run(self, model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: int | None,
-            device: torch.device) -> dict[str, float]:
-        """{'task/metric': value} of every task (no stderr), the callers' random states left as they were
-        (the harness seeds its own)."""
+    def run(self, model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: int | None, device: torch.device,
+            batch_size: int) -> dict[str, float]:
+        """{'task/metric': value} of every task (no stderr), `batch_size` rows a forward; the callers' random
+        states left as they were (the harness seeds its own)."""
         from lm_eval import evaluator
 
         states = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -130,7 +138,7 @@ class Harness:
                 if task.get_config("num_fewshot") is None:
                     task.set_config(key="num_fewshot", value=0)
                 task.set_fewshot_seed(seed=1234)
-            results = evaluator.evaluate(lm=titan_lm(model, tokenizer, seq_len, eos, device), task_dict=loaded,
+            results = evaluator.evaluate(lm=titan_lm(model, tokenizer, seq_len, eos, device, batch_size), task_dict=loaded,
                                          limit=self.limit, bootstrap_iters=0, log_samples=False,
                                          verbosity="ERROR")["results"]
         finally:

@@ -6,19 +6,20 @@ files; and a run with them trains exactly as one without."""
 from __future__ import annotations
 
 import re
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from nsa_titan.config import ConfigError, load_config
+from nsa_titan.config import ConfigError, Model, load_config
+from nsa_titan.lm_harness import score
+from nsa_titan.models.transformer import Transformer
 
 from conftest import TINY, tb_losses, torchrun
 from jobs import run_job
 from lm_tasks import local_tasks
-
-pytestmark = pytest.mark.multiprocess
 
 STEPS = 10
 EVAL = ["--eval.enable", "true", "--eval.freq", "5", "--eval.bucket", "32", "--eval.position_batches", "2",
@@ -84,6 +85,7 @@ def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int) -> None:
     assert 0 < got["share_of_run"] < 1 and got["seconds"] > 0
 
 
+@pytest.mark.multiprocess
 def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unchanged(tmp_path):
     """run_train.sh at 2 ranks (the default config's loader workers and async saves): evaluations at steps 5 and
     10, each line on the console; step 10's equal `evaluate`'s on step-10; the training losses equal those of
@@ -99,6 +101,7 @@ def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unc
     assert_equals_evaluate(tmp_path / "eval", tmp_path / "eval" / "tb", tasks, cp=1)
 
 
+@pytest.mark.multiprocess
 def test_with_context_parallelism_2_the_evaluations_equal_evaluate(tmp_path):
     """2 ranks splitting each sequence (cp = 2, loader workers, async saves): step 10's evaluations equal
     `evaluate`'s on step-10, the loss by position with the sequence split the same way."""
@@ -118,6 +121,24 @@ def test_with_context_parallelism_2_the_evaluations_equal_evaluate(tmp_path):
 def test_bad_eval_settings_are_refused_before_any_rank_starts(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config([*TINY, "--eval.enable", "true", "--training.seq_len", "128", *args], world_size=1)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_rows_scored_in_batches_score_as_each_alone(attention):
+    """lm-eval's rows batched (padded at their end, longest first) against each row alone, with documents."""
+    model = Transformer(Model(attention=attention, dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97,
+                              cmp_block_size=8, cmp_stride=4, sel_block_size=8, sel_top_n=4, window_size=16), 128)
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for length in (128, 37, 90, 5, 64, 121, 17):
+        ids = torch.randint(0, 97, (length,), generator=gen).tolist()
+        rows.append((ids, ids[-min(length, 9):]))  # scored: the last tokens (their labels, shifted or not)
+    alone = [score(model, [row], 96, torch.device("cpu"))[0] for row in rows]
+    batched = score(model, rows, 96, torch.device("cpu"), batch_size=3)
+    assert [g for _, g in batched] == [g for _, g in alone]
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in batched]), torch.tensor([lp for lp, _ in alone]),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_and_generation_tasks_are_refused_with_the_fix(tmp_path):
