@@ -39,7 +39,7 @@ def train(dump: str, ranks: int, steps: int, mode: str, hashes: bool, args: argp
            "-m", "nsa_titan.train", "--job.dump_folder", dump, "--model.dim", str(args.dim),
            "--model.n_layers", str(args.layers), "--model.n_heads", str(args.dim // 64), "--model.n_kv_groups", "2",
            "--model.head_dim", "64", "--training.seq_len", "128", "--training.local_batch_size", "2",
-           "--training.steps", str(steps), "--validation.enable", "false", "--metrics.log_freq", "1",
+           "--training.steps", str(steps), "--validation.enable", "false", "--eval.enable", "false", "--metrics.log_freq", "1",
            "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
            "--checkpoint.async_mode", mode, "--checkpoint.content_hashes", str(hashes).lower(),
            "--data.num_workers", "0"]

@@ -47,7 +47,7 @@ def per_call_us(calls: int) -> tuple[float, float]:
 def run_tokens_per_s(steps: int, heartbeat: bool) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as dump:
         out = subprocess.run([str(ROOT / "run_train.sh"), "--training.steps", str(steps), "--metrics.log_freq", "10",
-                              "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+                              "--validation.enable", "false", "--eval.enable", "false", "--metrics.enable_tensorboard", "false",
                               "--fault.heartbeat", str(heartbeat).lower(), "--job.dump_folder", dump],
                              capture_output=True, text=True, check=True).stdout
     tps = statistics.median(float(x.replace(",", "")) for x in re.findall(r"tok/s ([\d,]+)", out)[2:])

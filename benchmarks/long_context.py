@@ -91,7 +91,7 @@ def recall_stages(model: str, overrides: list[str], args: argparse.Namespace, wo
 
 def text_stages(model: str, overrides: list[str], args: argparse.Namespace, work: Path) -> dict[str, dict]:
     """{stage: {(first, end): loss}} at LONG tokens on the embedded corpus's validation split."""
-    base = [*overrides, "--training.document_masking", "false", "--validation.enable", "false",
+    base = [*overrides, "--training.document_masking", "false", "--validation.enable", "false", "--eval.enable", "false",
             "--checkpoint.enable", "true"]
     pre = trained(f"{model} text pretraining", TEXT, [*base, "--training.seq_len", str(SHORT), "--training.local_batch_size",
                                                       "2", "--training.steps", str(args.text_steps),

@@ -32,7 +32,7 @@ from nsa_titan.launch import child_pids  # noqa: E402
 
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
          "--training.seq_len", "128", "--training.local_batch_size", "4", "--training.steps", "40",
-         "--metrics.log_freq", "1", "--validation.enable", "false", "--data.shuffle_buffer", "64",
+         "--metrics.log_freq", "1", "--validation.enable", "false", "--eval.enable", "false", "--data.shuffle_buffer", "64",
          "--data.num_workers", "2", "--checkpoint.async_mode", "async", "--checkpoint.interval", "4"]
 FAULTS = {"loader worker killed (rank 0)": None, "corrupt data (rank 1)": ("data", 1),
           "out of memory (rank 0)": ("forward", 0), "failed write (rank 1)": ("write", 1)}

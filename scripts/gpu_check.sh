@@ -61,7 +61,7 @@ if want train; then
     run python3 benchmarks/train_throughput.py --config train_configs/m7c.toml --steps 20 \
       --variants nsa-compiled-ac dense-compiled-ac -- --training.seq_len "$seq" \
       --training.local_batch_size "$(( seq < 16384 ? 16384 / seq : 1 ))" --data.path data/python_docs --data.name= \
-      --data.tokenizer sentencepiece --data.tokenizer_path data/python_docs/tokenizer.model --validation.enable false \
+      --data.tokenizer sentencepiece --data.tokenizer_path data/python_docs/tokenizer.model --validation.enable false --eval.enable false \
       --checkpoint.enable false
   done
 fi
