@@ -15,6 +15,7 @@ from nsa_titan.config import Model
 from nsa_titan.evaluate import evaluate
 from nsa_titan.inference import load_model
 from nsa_titan.data.batch import document_ids
+from nsa_titan.models import decode
 from nsa_titan.models.decode import Decoder, cache_sizes
 from nsa_titan.models.transformer import Transformer
 
@@ -32,9 +33,24 @@ def small_model(attention: str) -> Transformer:
     return model
 
 
+@pytest.fixture(params=["cpp", "pytorch"])
+def step_path(request, monkeypatch) -> str:
+    """A decoding step's NSA attention by NSA's C++ kernels (asserted taken), or in PyTorch."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(decode.cpu_attention, "kernels", lambda: None)
+        yield request.param
+        return
+    calls = []
+    real = decode._attend_last_cpp
+    monkeypatch.setattr(decode, "_attend_last_cpp", lambda *a: calls.append(1) or real(*a))
+    yield request.param
+    if "nsa" in request.node.callspec.params.get("attention", ""):
+        assert calls, "the C++ step did not run"
+
+
 @pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
 @pytest.mark.parametrize("prompt", [1, 7, 8, 11, 30])
-def test_incremental_decoding_equals_the_full_forward_at_every_position(attention, prompt):
+def test_incremental_decoding_equals_the_full_forward_at_every_position(attention, prompt, step_path):
     model = small_model(attention)
     tokens = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(prompt))
     with torch.no_grad():
@@ -46,7 +62,7 @@ def test_incremental_decoding_equals_the_full_forward_at_every_position(attentio
 
 @pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
 @pytest.mark.parametrize("prompt", [40, 47, 58])
-def test_decoding_with_documents_equals_the_packed_forward(attention, prompt):
+def test_decoding_with_documents_equals_the_packed_forward(attention, prompt, step_path):
     """Rows [20 | 5 | 45 | 30] and [3 | 22 | 45 | 30] (same last two starts, other slots before them):
     the prompt ends inside the third document, steps continue it, `reset` starts the fourth."""
     model = small_model(attention)
@@ -66,7 +82,7 @@ def test_decoding_with_documents_equals_the_packed_forward(attention, prompt):
 
 @pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
-def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(attention, documents):
+def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(attention, documents, step_path):
     """4 prompts of 5, 19, 33 and 48 tokens, left-padded into one batch (the padding a document of its own,
     as transformers pads for `generate`; with `documents`, an end-of-text token inside some prompts, so
     that rows' last documents start at different places), greedily extended by 40 tokens: each row's
@@ -110,7 +126,7 @@ def test_the_cache_is_allocated_once_and_holds_little_more_than_dense_s():
     for _ in range(40):
         decoder.step(torch.zeros(2, 1, dtype=torch.long))
     assert {name: buf.data_ptr() for c in decoder.caches for name, buf in c.buffers.items()} == before
-    assert {name: b.shape[1] for name, b in decoder.caches[0].buffers.items()} == \
+    assert {name: decoder.caches[0].get(name).shape[1] for name in decoder.caches[0].buffers} == \
         {"k_sel": 128, "v_sel": 128, "kc": 31, "vc": 31, "k_win": 12, "v_win": 12, "k_cmp": 8, "v_cmp": 8}
     paper = Transformer(Model(attention="nsa", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)
     dense = Transformer(Model(attention="dense", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)

@@ -20,9 +20,13 @@ packed forward pass, and each row decoded alone.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from .attention import masked_attention, mix_branches, select_blocks
+from .attention.families.cpp import cpu_attention
+from .attention.families.reference import Reference
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
 
@@ -32,19 +36,26 @@ def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class LayerCache:
-    """One layer's keys and values (B, size, G, D) per name, each buffer allocated once, at its first write, for
+    """One layer's keys and values per name for B rows of G KV groups, in the layout NSA's C++ kernels read:
+    keys transposed (B G, D, size + pad), values as rows (B G, size + pad, D), `pads[name]` zero slots past the
+    end of what a kernel reads (16 keys, or a block, at a time). Each buffer is allocated once, at its first write, for
     the model's declared maximum context (no growth copies): a ring (`size` below that context) holds position
-    p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks."""
+    p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks. `get` shows a buffer as (B, S, G, D)."""
 
-    def __init__(self, sizes: dict[str, int]):
-        self.sizes = sizes
+    def __init__(self, sizes: dict[str, int], pads: dict[str, int] | None = None):
+        self.sizes, self.pads = sizes, pads or {}
         self.buffers: dict[str, torch.Tensor] = {}
+        self.shape: tuple[int, int, int] = (0, 0, 0)  # B, G, D
         self.n_cmp: torch.Tensor | None = None
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        if name not in self.buffers:  # zeros: slots not yet written are read masked, never NaN
-            self.buffers[name] = like.new_zeros(like.shape[0], self.sizes[name], *like.shape[2:])
-        return self.buffers[name]
+        """The buffer of `name`, made for entries like (B, S, G, D) (zeros: unwritten slots are read masked)."""
+        if name not in self.buffers:
+            B, _, G, D = like.shape
+            self.shape = (B, G, D)
+            slots = self.sizes[name] + self.pads.get(name, 0)
+            self.buffers[name] = like.new_zeros((B * G, D, slots) if name.startswith("k") else (B * G, slots, D))
+        return self.get(name)
 
     def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:
         """A prefill's entries x (B, S, G, D): row b's positions 0 .. length[b] - 1 (a ring keeps the last)."""
@@ -65,9 +76,14 @@ class LayerCache:
         buf[rows, slot] = x[:, 0] if where is None else torch.where(where[:, None, None], x[:, 0], buf[rows, slot])
 
     def get(self, name: str, width: int | None = None) -> torch.Tensor | None:
-        """The buffer, or its first `width` slots."""
-        buf = self.buffers.get(name)
-        return buf if buf is None or width is None else buf[:, :width]
+        """The buffer of `name` as (B, S, G, D) (a view), its first `width` slots (default: all), or None."""
+        raw = self.buffers.get(name)
+        if raw is None:
+            return None
+        (B, G, D), S = self.shape, self.sizes[name] if width is None else width
+        if name.startswith("k"):
+            return raw.view(B, G, D, -1)[..., :S].permute(0, 3, 1, 2)
+        return raw.view(B, G, -1, D)[:, :, :S].transpose(1, 2)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
@@ -82,6 +98,47 @@ def cache_sizes(attn: NSAAttention | DenseAttention, context: int) -> dict[str, 
     spec, full = attn.spec, max(1, attn.spec.num_cmp_blocks(context))
     return {"k_sel": context, "v_sel": context, "kc": full, "vc": full, "k_win": min(spec.w, context),
             "v_win": min(spec.w, context), "k_cmp": min(spec.l, context), "v_cmp": min(spec.l, context)}
+
+
+def _pads(attn: NSAAttention | DenseAttention) -> dict[str, int]:
+    """Zero slots past the end of the buffers the C++ kernels read: 16 keys at a time, sel's from a block's start."""
+    if isinstance(attn, DenseAttention):
+        return {}
+    return {"kc": 16, "vc": 16, "k_win": 16, "v_win": 16, "k_sel": 16 + attn.spec.l_sel, "v_sel": 16 + attn.spec.l_sel}
+
+
+def _kernels(attn: NSAAttention, q: torch.Tensor) -> ModuleType | None:
+    """NSA's C++ kernels where they take this step (CPU, float32, their head counts, a sel block's cmp members
+    consecutive slots, not the reference family), else None: the step in PyTorch."""
+    spec, r = attn.spec, attn.n_heads // attn.n_groups
+    if isinstance(attn.family, Reference) or not spec.strided_members():
+        return None
+    return None if cpu_attention.problem(q.device, q.dtype, spec, r, attn.head_dim) else cpu_attention.kernels()
+
+
+def _attend_last_cpp(attn: NSAAttention, kernels: ModuleType, q: torch.Tensor, gates: torch.Tensor,
+                     cache: LayerCache, t: torch.Tensor, width: int, t_max: int) -> torch.Tensor:
+    """`_attend_last`'s three branches and their mix in five C++ calls over the caches as they lie: cmp over each
+    row's compressed blocks (with the group-summed probabilities), the top-n, sel over the chosen blocks' runs,
+    win over the ring, the gated sum. q (B, 1, H, D), gates (B, 1, H, 3) -> (B, 1, H, D)."""
+    spec, B, G, D = attn.spec, q.shape[0], attn.n_groups, attn.head_dim
+    r, scale = attn.n_heads // G, D ** -0.5
+    rows = q.view(B, G, r, D).reshape(B * G, 1, r, D)
+    per_row = lambda v: v.to(torch.int32).repeat_interleave(G)[:, None]  # noqa: E731  (B,) -> (B G, 1)
+    start = torch.zeros(B * G, 1, 1, dtype=torch.int32)  # one run from slot 0 (cmp, the window's ring)
+    o_cmp, _, group = kernels.runs_forward(rows, cache.buffers["kc"], cache.buffers["vc"], start, per_row(cache.n_cmp - 1),
+                                           width, 0, scale, True)
+    Ns = spec.num_sel_blocks(t_max + 1)
+    idx, valid = kernels.choose(group.view(B, G, 1, width), t[:, None], torch.zeros_like(t)[:, None], G, spec.l,
+                                spec.d, spec.l_sel, Ns, min(spec.n, Ns))
+    runs = torch.where(valid, idx * spec.l_sel, -1).to(torch.int32).view(B * G, 1, -1)
+    o_sel = kernels.runs_forward(rows, cache.buffers["k_sel"], cache.buffers["v_sel"], runs, per_row(t), spec.l_sel, 0,
+                                 scale, False)[0]
+    ring = cache.sizes["k_win"]
+    o_win = kernels.runs_forward(rows, cache.buffers["k_win"], cache.buffers["v_win"], start,
+                                 per_row(t.clamp(max=ring - 1)), ring, 0, scale, False)[0]
+    outs = [o.view(B, G, 1, r, D) for o in (o_cmp, o_sel, o_win)]
+    return kernels.mix(gates.contiguous(), outs, [0, 1, 2])
 
 
 def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
@@ -114,6 +171,8 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
             cache.write(name, cache.n_cmp, value, where=complete)
         cache.n_cmp = cache.n_cmp + complete.long()
     n_cmp, width = cache.n_cmp, spec.num_cmp_blocks(t_max + 1)
+    if width > 0 and cache.get("kc") is not None and (kernels := _kernels(attn, q)) is not None:
+        return attn.wo(_attend_last_cpp(attn, kernels, q, attn.gates(x), cache, t, width, t_max).reshape(B, 1, -1))
     if width == 0 or cache.get("kc") is None:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
     else:
@@ -146,7 +205,7 @@ class Decoder:
 
     def reset(self) -> None:
         """Start new documents: the next token of every row is at position 0 and reads nothing before it."""
-        self.caches = [LayerCache(cache_sizes(block.attention, self.model.max_seq_len))
+        self.caches = [LayerCache(cache_sizes(block.attention, self.model.max_seq_len), _pads(block.attention))
                        for block in self.model.layers.values()]
         self.t = None if self.t is None else torch.zeros_like(self.t)
         self.at = [0] * len(self.t) if self.t is not None else []  # the same on the host

@@ -91,6 +91,11 @@ def _build() -> tuple[ModuleType | None, str | None]:
         return None, f"NSA's C++ kernels did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
 
 
+def kernels() -> ModuleType | None:
+    """The compiled kernels, or None where they did not build (`problem` says why)."""
+    return _build()[0]
+
+
 @torch.compiler.assume_constant_result
 def _build_problem() -> str | None:
     """Why the kernels did not build, or None; a constant to torch.compile, which runs it once while
