@@ -9,7 +9,9 @@ A decoding step for the token at position t reads:
   dense: all t + 1 keys.
 `prefill` runs the training forward over the prompt (its logits), which hands the caches its
 projections; `step` then extends one token at a time through the same layer pieces (projections,
-compression, gates, the branch mix, the block's residuals). Both equal a full forward pass.
+compression, gates, the branch mix, the block's residuals). Both equal a full forward pass. On CPUs
+(float32) a step's three branches and their mix are five calls of NSA's C++ kernels over the caches as
+they lie (`_attend_last_cpp`), else PyTorch's ops; the two give the same logits.
 
 With documents (a prompt packed from several, `document_ids`), the caches hold each row's last
 document only, at positions from its start, so that new tokens continue it; `reset` starts a new
