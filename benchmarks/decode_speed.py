@@ -6,8 +6,9 @@ A model of M7C width (dim 768, 12 heads, 2 KV groups, head dim 64; NSA l=32, d=1
 w=512) with `--layers` blocks and random weights, fp32 on the CPU: prefill a context of C
 tokens in `--batch` rows, then time `--steps` single-token decoding steps from that same state three ways:
 NSA's step by its C++ kernels (the default on CPUs), NSA's step in PyTorch, and dense. "Attention" is a
-layer's attention step per token (projections, cache writes, the branches, their mix, the output
-projection). Keys read per token and KV group are counted from the cache layout (cmp + sel + win for NSA,
+layer's attention of the new token over its cache (`decode._attention`: for NSA a new compressed block where
+one completes, cmp, the top-n, sel, win and the gated mix; for dense SDPA over every key), without the
+projections in and out. Keys read per token and KV group are counted from the cache layout (cmp + sel + win for NSA,
 all C for dense); the cache's bytes per position and layer are its buffers', allocated once for the model's
 declared maximum context (C + steps + 1), over it.
 """
@@ -32,7 +33,7 @@ from nsa_titan.models.transformer import Transformer  # noqa: E402
 
 def decoded(decoder: Decoder, tokens: torch.Tensor, context: int, steps: int) -> tuple[float, float]:
     """(tokens/s of `steps` steps from the decoder's state, seconds of attention per layer and step)."""
-    spent, real = [0.0], decode._attend_last
+    spent, real = [0.0], decode._attention
 
     def timed(*args: object) -> torch.Tensor:
         start = time.perf_counter()
@@ -40,14 +41,14 @@ def decoded(decoder: Decoder, tokens: torch.Tensor, context: int, steps: int) ->
         spent[0] += time.perf_counter() - start
         return out
 
-    decode._attend_last = timed
+    decode._attention = timed
     try:
         start = time.perf_counter()
         for t in range(context, context + steps):
             decoder.step(tokens[:, t:t + 1])
         elapsed = time.perf_counter() - start
     finally:
-        decode._attend_last = real
+        decode._attention = real
     return steps * tokens.shape[0] / elapsed, spent[0] / steps / len(decoder.caches)
 
 

@@ -120,7 +120,7 @@ def _kernels(attn: NSAAttention, q: torch.Tensor) -> ModuleType | None:
 
 def _attend_last_cpp(attn: NSAAttention, kernels: ModuleType, q: torch.Tensor, gates: torch.Tensor,
                      cache: LayerCache, t: torch.Tensor, width: int, t_max: int) -> torch.Tensor:
-    """`_attend_last`'s three branches and their mix in five C++ calls over the caches as they lie: cmp over each
+    """`_attention`'s three branches and their mix in five C++ calls over the caches as they lie: cmp over each
     row's compressed blocks (with the group-summed probabilities), the top-n, sel over the chosen blocks' runs,
     win over the ring, the gated sum. q (B, 1, H, D), gates (B, 1, H, 3) -> (B, 1, H, D)."""
     spec, B, G, D = attn.spec, q.shape[0], attn.n_groups, attn.head_dim
@@ -152,14 +152,21 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
                  at: list[int], rope_t: torch.Tensor) -> torch.Tensor:
     """Attention output of each row's new token at its position t (B,) (x: (B, 1, dim)), extending `cache`;
     `at`: the same positions on the host."""
-    B, device, t_max = x.shape[0], x.device, max(at)
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
     for name, value in kv.items():
         cache.write(name, t, value)
+    return attn.wo(_attention(attn, x, q, cache, t, at).reshape(x.shape[0], 1, -1))
+
+
+def _attention(attn: NSAAttention | DenseAttention, x: torch.Tensor, q: torch.Tensor, cache: LayerCache,
+               t: torch.Tensor, at: list[int]) -> torch.Tensor:
+    """The attention (B, 1, H, D) of each row's new token, whose keys `cache` holds: dense's over all of them;
+    NSA's compresses a block where one completes, then runs the branches and their gated mix (gates of x)."""
+    B, device, t_max = x.shape[0], x.device, max(at)
     if isinstance(attn, DenseAttention):
         k, v = cache.get("k", t_max + 1), cache.get("v", t_max + 1)
         seen = torch.arange(k.shape[1], device=device) <= t[:, None]  # (B, S)
-        return attn.wo(masked_attention(q, k, v, seen[:, None, None, None])[0].reshape(B, 1, -1))
+        return masked_attention(q, k, v, seen[:, None, None, None])[0]
     spec = attn.spec
     if cache.n_cmp is None:
         cache.n_cmp = torch.zeros_like(t)
@@ -174,7 +181,7 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
         cache.n_cmp = cache.n_cmp + complete.long()
     n_cmp, width = cache.n_cmp, spec.num_cmp_blocks(t_max + 1)
     if width > 0 and cache.get("kc") is not None and (kernels := _kernels(attn, q)) is not None:
-        return attn.wo(_attend_last_cpp(attn, kernels, q, attn.gates(x), cache, t, width, t_max).reshape(B, 1, -1))
+        return _attend_last_cpp(attn, kernels, q, attn.gates(x), cache, t, width, t_max)
     if width == 0 or cache.get("kc") is None:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
     else:
@@ -191,8 +198,7 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
     o_sel, _ = masked_attention(q, ks, vs, ok[:, :, None])
     kw, vw = cache.get("k_win"), cache.get("v_win")  # the ring of the last w positions, in any order
     o_win, _ = masked_attention(q, kw, vw, (torch.arange(kw.shape[1], device=device) <= t[:, None])[:, None, None, None])
-    o = mix_branches(attn.gates(x).to(q.dtype), o_cmp, o_sel, o_win)
-    return attn.wo(o.reshape(B, 1, -1))
+    return mix_branches(attn.gates(x).to(q.dtype), o_cmp, o_sel, o_win)
 
 
 class Decoder:
