@@ -32,6 +32,10 @@ from .attention.families.reference import Reference
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
 
+TRANSPOSED = {"kc", "k_sel", "k_win"}
+"""The keys the C++ kernels read, kept transposed: 16 consecutive keys of one dimension are one vector."""
+
+
 def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Entries `index` (B, K) of each row of `buf` (B, S, ...): (B, K, ...)."""
     return buf.gather(1, index.view(*index.shape, *[1] * (buf.dim() - 2)).expand(-1, -1, *buf.shape[2:]))
@@ -39,8 +43,9 @@ def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 class LayerCache:
     """One layer's keys and values per name for B rows of G KV groups, in the layout NSA's C++ kernels read:
-    keys transposed (B G, D, size + pad), values as rows (B G, size + pad, D), `pads[name]` zero slots past the
-    end of what a kernel reads (16 keys, or a block, at a time). Each buffer is allocated once, at its first write, for
+    the keys they read transposed (B G, D, size + pad; `TRANSPOSED`), the others and the values as rows
+    (B G, size + pad, D) (dense's too: SDPA's layout), `pads[name]` zero slots past the end of what a kernel
+    reads (16 keys, or a block, at a time). Each buffer is allocated once, at its first write, for
     the model's declared maximum context (no growth copies): a ring (`size` below that context) holds position
     p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks. `get` shows a buffer as (B, S, G, D)."""
 
@@ -56,7 +61,7 @@ class LayerCache:
             B, _, G, D = like.shape
             self.shape = (B, G, D)
             slots = self.sizes[name] + self.pads.get(name, 0)
-            self.buffers[name] = like.new_zeros((B * G, D, slots) if name.startswith("k") else (B * G, slots, D))
+            self.buffers[name] = like.new_zeros((B * G, D, slots) if name in TRANSPOSED else (B * G, slots, D))
         return self.get(name)
 
     def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:
@@ -83,7 +88,7 @@ class LayerCache:
         if raw is None:
             return None
         (B, G, D), S = self.shape, self.sizes[name] if width is None else width
-        if name.startswith("k"):
+        if name in TRANSPOSED:
             return raw.view(B, G, D, -1)[..., :S].permute(0, 3, 1, 2)
         return raw.view(B, G, -1, D)[:, :, :S].transpose(1, 2)
 
