@@ -25,6 +25,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from .attention import masked_attention, mix_branches, select_blocks
 from .attention.families.cpp import cpu_attention
@@ -168,10 +169,12 @@ def _attention(attn: NSAAttention | DenseAttention, x: torch.Tensor, q: torch.Te
     """The attention (B, 1, H, D) of each row's new token, whose keys `cache` holds: dense's over all of them;
     NSA's compresses a block where one completes, then runs the branches and their gated mix (gates of x)."""
     B, device, t_max = x.shape[0], x.device, max(at)
-    if isinstance(attn, DenseAttention):
-        k, v = cache.get("k", t_max + 1), cache.get("v", t_max + 1)
-        seen = torch.arange(k.shape[1], device=device) <= t[:, None]  # (B, S)
-        return masked_attention(q, k, v, seen[:, None, None, None])[0]
+    if isinstance(attn, DenseAttention):  # SDPA over the cache as it lies, (B, G, S, D); the r heads of a group as rows
+        G, D = cache.shape[1:]
+        k, v = (cache.buffers[name].view(B, G, -1, D)[:, :, :t_max + 1] for name in ("k", "v"))
+        seen = None if min(at) == t_max else (torch.arange(t_max + 1, device=device) <= t[:, None])[:, None, None]
+        o = F.scaled_dot_product_attention(q.view(B, G, -1, D), k, v, attn_mask=seen)
+        return o.reshape(B, 1, -1, D)
     spec = attn.spec
     if cache.n_cmp is None:
         cache.n_cmp = torch.zeros_like(t)
