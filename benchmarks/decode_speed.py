@@ -1,16 +1,20 @@
-"""Decoding with KV caches: tokens/s, attention time and keys read per new token, NSA vs dense, side by side.
+"""Decoding with KV caches: tokens/s, attention time and what a new token reads, NSA vs dense, side by side.
 
-    python benchmarks/decode_speed.py [--contexts 2048 8192 32768] [--steps 16] [--layers 2] [--batch 1]
+    python benchmarks/decode_speed.py [--contexts 8192 32768] [--batch 1 8] [--dtype float32 bfloat16]
+        [--layers 2] [--steps 16] [--fill prefill|random] [--pytorch]
 
-A model of M7C width (dim 768, 12 heads, 2 KV groups, head dim 64; NSA l=32, d=16, l'=64, n=16,
-w=512) with `--layers` blocks and random weights, fp32 on the CPU: prefill a context of C
-tokens in `--batch` rows, then time `--steps` single-token decoding steps from that same state three ways:
-NSA's step by its C++ kernels (the default on CPUs), NSA's step in PyTorch, and dense. "Attention" is a
-layer's attention of the new token over its cache (`decode._attention`: for NSA a new compressed block where
-one completes, cmp, the top-n, sel, win and the gated mix; for dense SDPA over every key), without the
-projections in and out. Keys read per token and KV group are counted from the cache layout (cmp + sel + win for NSA,
-all C for dense); the cache's bytes per position and layer are its buffers', allocated once for the model's
-declared maximum context (C + steps + 1), over it.
+Models of M7C width (dim 768, 12 heads, 2 KV groups, head dim 64, M7C's vocabulary of 49,152; NSA l=32, d=16,
+l'=64, n=16, w=512) with `--layers` blocks and random weights, on the CPU, in each `--dtype` (the caches in
+it too): bring B = `--batch` rows to a context of C tokens, then time `--steps` single-token steps (after two
+unmeasured ones) of NSA (its C++ decode step; with `--pytorch` also its PyTorch step) and of dense (SDPA over
+its cache). `--fill prefill` runs the prompt through the model; `--fill random` writes random keys and values
+of the right shapes into the caches instead (what a step reads is the same; long contexts fit in minutes).
+"Attention" is a layer's attention of the new token over its cache (`decode._attention`: for NSA a new
+compressed block where one completes, cmp, the top-n, sel, win and the gated mix; for dense SDPA over every
+key), without the projections in (q, keys, values, NSA's gates) and out. Keys read per token and KV group are
+counted from the cache layout (cmp + sel + win for NSA, all C for dense); the limit is the bytes of keys and
+values a token reads per layer, dense's over NSA's (the speed-up of a step bound by memory); the cache's bytes
+per position and layer are its buffers', allocated once for the declared maximum context (C + steps + 3).
 """
 
 from __future__ import annotations
@@ -28,73 +32,117 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.models import decode  # noqa: E402
 from nsa_titan.models.decode import Decoder  # noqa: E402
-from nsa_titan.models.transformer import Transformer  # noqa: E402
+from nsa_titan.models.transformer import NSAAttention, Transformer  # noqa: E402
+
+VOCAB = 49152
+"""M7C's vocabulary (SmolLM2's tokenizer): the output layer a token's logits read."""
+WARMUP = 2
 
 
-def decoded(decoder: Decoder, tokens: torch.Tensor, context: int, steps: int) -> tuple[float, float]:
-    """(tokens/s of `steps` steps from the decoder's state, seconds of attention per layer and step)."""
+def random_fill(decoder: Decoder, batch: int, context: int, dtype: torch.dtype) -> None:
+    """Each layer's caches as a prefill of `context` tokens in `batch` rows leaves them, with random entries."""
+    gen = torch.Generator().manual_seed(0)
+    length = torch.full((batch,), context)
+    for block, cache in zip(decoder.model.layers.values(), decoder.caches):
+        attn = block.attention
+        G, D = attn.n_groups, attn.head_dim
+        if isinstance(attn, NSAAttention):
+            cache.n_cmp = torch.full((batch,), attn.spec.num_cmp_blocks(context))
+        for name, size in cache.sizes.items():
+            filled = int(cache.n_cmp[0]) if name in ("kc", "vc") else min(size, context)
+            cache.put(name, torch.randn(batch, filled, G, D, generator=gen).to(dtype), length)
+    decoder.t, decoder.at = length, [context] * batch
+    decoder.last = torch.zeros(batch, 1, dtype=torch.long)
+
+
+def timed(decoder: Decoder, tokens: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(tokens/s of `steps` steps from the decoder's state after WARMUP unmeasured ones, seconds of attention
+    per layer and step)."""
     spent, real = [0.0], decode._attention
 
-    def timed(*args: object) -> torch.Tensor:
+    def attention(*args: object) -> torch.Tensor:
         start = time.perf_counter()
         out = real(*args)
         spent[0] += time.perf_counter() - start
         return out
 
-    decode._attention = timed
+    for i in range(WARMUP):
+        decoder.step(tokens[:, i:i + 1])
+    decode._attention = attention
     try:
         start = time.perf_counter()
-        for t in range(context, context + steps):
-            decoder.step(tokens[:, t:t + 1])
+        for i in range(WARMUP, WARMUP + steps):
+            decoder.step(tokens[:, i:i + 1])
         elapsed = time.perf_counter() - start
     finally:
         decode._attention = real
     return steps * tokens.shape[0] / elapsed, spent[0] / steps / len(decoder.caches)
 
 
-def run(attention: str, context: int, steps: int, layers: int, batch: int) -> dict[str, tuple[float, float, int, float]]:
-    """{path: (tokens/s, attention seconds per layer and token, keys read, cache bytes per position and layer)}."""
-    cfg = Model(attention=attention, attn_impl="fast", dim=768, n_layers=layers, n_heads=12, n_kv_groups=2,
-                head_dim=64, vocab_size=4096)
-    model = Transformer(cfg, context + steps + 1)
+def run(attention: str, args: argparse.Namespace, context: int, batch: int, dtype: torch.dtype
+        ) -> dict[str, tuple[float, float, int, float, float]]:
+    """{path: (tokens/s, attention seconds per layer and token, keys read per token and KV group, bytes of keys
+    and values read per token and layer, cache bytes per position and layer)}."""
+    cfg = Model(attention=attention, attn_impl="fast", dim=768, n_layers=args.layers, n_heads=12, n_kv_groups=2,
+                head_dim=64, vocab_size=VOCAB)
+    model = Transformer(cfg, context + args.steps + WARMUP + 1)
     model.init_weights(0)
-    model.eval()
-    tokens = torch.randint(0, 4096, (batch, context + steps), generator=torch.Generator().manual_seed(0))
-    prefilled = Decoder(model)
-    prefilled.prefill(tokens[:, :context])
-    keys = sum(prefilled.keys_read(context).values())
-    cache = sum(c.nbytes() for c in prefilled.caches) / model.max_seq_len / layers / batch
-    paths = {"cpp": None, "pytorch": lambda: None} if attention == "nsa" else {"dense": None}
+    model = model.to(dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (batch, context + WARMUP + args.steps), generator=gen)
+    paths = ["cpp", "pytorch"] if attention == "nsa" and args.pytorch else ["cpp"] if attention == "nsa" else ["dense"]
+    prefilled = None
     results = {}
-    for path, no_kernels in paths.items():
+    for path in paths:
+        if args.fill == "prefill":
+            if prefilled is None:
+                prefilled = Decoder(model)
+                prefilled.prefill(tokens[:, :context])
+            decoder = copy.deepcopy(prefilled)
+        else:
+            decoder = Decoder(model)
+            random_fill(decoder, batch, context, dtype)
+        keys = sum(decoder.keys_read(context).values())
+        read = keys * cfg.n_kv_groups * 2 * cfg.head_dim * dtype.itemsize
+        cache = sum(c.nbytes() for c in decoder.caches) / model.max_seq_len / args.layers / batch
         real = decode.cpu_attention.kernels
-        decode.cpu_attention.kernels = no_kernels or real
+        decode.cpu_attention.kernels = (lambda: None) if path == "pytorch" else real
         try:
-            results[path] = (*decoded(copy.deepcopy(prefilled), tokens, context, steps), keys, cache)
+            results[path] = (*timed(decoder, tokens[:, context:], args.steps), keys, read, cache)
         finally:
             decode.cpu_attention.kernels = real
+        del decoder
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--fill", choices=["prefill", "random"], default="prefill")
+    parser.add_argument("--pytorch", action="store_true", help="also time NSA's PyTorch step")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    print(f"batch {args.batch}, {args.layers} layers; tokens/s over the batch; attention: ms per layer and token")
-    print("| context | tokens/s: NSA C++ / NSA PyTorch / dense | NSA C++ / dense | attention ms: NSA C++ / NSA "
-          "PyTorch / dense | dense / NSA C++ | keys read: NSA / dense | cache bytes: NSA / dense |")
-    print("|---|---|---|---|---|---|---|")
-    for c in args.contexts:
-        nsa = run("nsa", c, args.steps, args.layers, args.batch)
-        dense = run("dense", c, args.steps, args.layers, args.batch)["dense"]
-        (cpp, cpp_ms, keys, cache), (py, py_ms, _, _) = nsa["cpp"], nsa["pytorch"]
-        print(f"| {c:,} | {cpp:.1f} / {py:.1f} / {dense[0]:.1f} | {cpp / dense[0]:.2f}x | {1e3 * cpp_ms:.2f} / "
-              f"{1e3 * py_ms:.2f} / {1e3 * dense[1]:.2f} | {dense[1] / cpp_ms:.2f}x | {keys:,} / {dense[2]:,} "
-              f"({dense[2] / keys:.1f}x fewer) | {cache:,.0f} / {dense[3]:,.0f} ({cache / dense[3]:.2f}x) |", flush=True)
+    print(f"{args.layers} layers, caches by {args.fill}; tokens/s over the batch; attention: ms per layer and token"
+          + ("; [PyTorch step's attention ms]" if args.pytorch else ""))
+    print("| dtype | batch | context | tokens/s: NSA / dense | NSA / dense | attention ms: NSA / dense | dense / NSA | "
+          "keys read: NSA / dense | limit: KV bytes read, dense / NSA | cache bytes/position: NSA / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.dtype:
+        for batch in args.batch:
+            for c in args.contexts:
+                dtype = getattr(torch, name)
+                nsa = run("nsa", args, c, batch, dtype)
+                dense = run("dense", args, c, batch, dtype)["dense"]
+                (tps, ms, keys, read, cache) = nsa["cpp"]
+                extra = f" [{1e3 * nsa['pytorch'][1]:.2f}]" if "pytorch" in nsa else ""
+                print(f"| {name} | {batch} | {c:,} | {tps:.1f} / {dense[0]:.1f} | {tps / dense[0]:.2f}x | {1e3 * ms:.3f}"
+                      f"{extra} / {1e3 * dense[1]:.3f} | {dense[1] / ms:.2f}x | {keys:,} / {dense[2]:,} | "
+                      f"{read / 1e6:.2f} / {dense[3] / 1e6:.2f} MB ({dense[3] / read:.2f}x) | {cache:,.0f} / "
+                      f"{dense[4]:,.0f} ({cache / dense[4]:.2f}x) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,18 @@ int main(int argc, char** argv) {
     const v16 e = vexp(load(p + i));
     for (int j = 0; j < 16; ++j) out.push_back(e[j]);
   }
+  std::vector<bf16> h(256);  // bf16 loads: the inputs' top 16 bits, widened 16 at a time and as two halves
+  for (int i = 0; i < 256; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof(bits));
+    h[i] = {static_cast<uint16_t>(bits >> 16)};
+  }
+  for (int i = 0; i < 256; i += 16) {
+    const v16 w = load(h.data() + i);
+    for (int j = 0; j < 16; ++j) out.push_back(w[j]);
+  }
+  const v16 halves = load_halves(h.data() + 3, h.data() + 100);
+  for (int j = 0; j < 16; ++j) out.push_back(halves[j]);
   p += 256;
   heads<1>(p, out); heads<2>(p, out); heads<3>(p, out); heads<4>(p, out); heads<6>(p, out); heads<8>(p, out); heads<16>(p, out);
   f = std::fopen(argv[2], "wb");

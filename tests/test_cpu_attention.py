@@ -66,7 +66,8 @@ def tiles_reference(x: torch.Tensor) -> torch.Tensor:
     x, P = x.double(), 64
     rest = iter(x[256:].split(1))
     take = lambda *shape: torch.cat([next(rest) for _ in range(torch.Size(shape).numel())]).view(shape)  # noqa: E731
-    out = [x[:256].exp()]
+    bf16 = (x[:256].float().view(torch.int32) & -65536).view(torch.float32).double()  # the top 16 bits
+    out = [x[:256].exp(), bf16, bf16[3:11], bf16[100:108]]
     for r, D in HEADS_AND_DIMS:
         a, bt, c, rows = take(r, D), take(D, P), take(r, P), take(P, D)
         dst = torch.zeros(P, D, dtype=torch.float64)
@@ -84,7 +85,7 @@ def tiles_reference(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 def test_the_vector_layer_is_exact_with_avx2_halves_and_avx512_registers(tmp_path):
     """`csrc/tiles.h` built for each instruction set alone (AVX2: 16 lanes as two 8-lane registers;
-    AVX-512: one register), run where the CPU has it: e^x (subnormal results, 0 below e^-104) and the
+    AVX-512: one register), run where the CPU has it: e^x (subnormal results, 0 below e^-104), bf16 loads, and the
     register tiles (scores of runs of 16 and of runs of 8 two to a vector, masked past their keys), every
     head count and head dim the kernel takes, equal the float64 products."""
     gen = torch.Generator().manual_seed(0)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from nsa_titan.evaluate import evaluate
 from nsa_titan.inference import load_model
 from nsa_titan.data.batch import document_ids
 from nsa_titan.models import decode
+from nsa_titan.models.attention import FAMILIES, Family
 from nsa_titan.models.decode import Decoder, cache_sizes
 from nsa_titan.models.transformer import Transformer
 
@@ -26,9 +31,10 @@ SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=16, vocab_si
              cmp_stride=4, sel_block_size=8, sel_top_n=3, window_size=12)
 
 
-def small_model(attention: str) -> Transformer:
-    """SMALL as NSA, dense, or NSA with `smear` (its matrix is drawn at random by `init_weights`)."""
-    model = Transformer(Model(**SMALL, attention=attention.removesuffix("+smear"), smear=attention.endswith("smear")), 128)
+def small_model(attention: str, family: Family | None = None, **sizes: int) -> Transformer:
+    """SMALL (`sizes` changed) as NSA, dense, or NSA with `smear` (its matrix drawn at random by `init_weights`)."""
+    cfg = Model(**{**SMALL, **sizes}, attention=attention.removesuffix("+smear"), smear=attention.endswith("smear"))
+    model = Transformer(cfg, 128, family)
     model.init_weights(0)
     return model
 
@@ -80,14 +86,17 @@ def test_decoding_with_documents_equals_the_packed_forward(attention, prompt, st
     assert decoder.t.tolist() == [30, 30]
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
-@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
-def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(attention, documents, step_path):
+def beyond_1e5(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| over 1e-5 (1 + |b|): above 1, `assert_close(a, b, rtol=1e-5, atol=1e-5)` fails."""
+    return float(((a - b).abs() / (1e-5 + 1e-5 * b.abs())).max())
+
+
+def batched_against_alone(model: Transformer, documents: bool, new: int = 40) -> dict[str, float]:
     """4 prompts of 5, 19, 33 and 48 tokens, left-padded into one batch (the padding a document of its own,
     as transformers pads for `generate`; with `documents`, an end-of-text token inside some prompts, so
-    that rows' last documents start at different places), greedily extended by 40 tokens: each row's
-    logits equal that prompt decoded alone and the full forward of that row's tokens (fp32, 1e-5)."""
-    model, eos = small_model(attention), 96
+    that rows' last documents start at different places), greedily extended by `new` tokens: how far (`beyond_1e5`)
+    each row's logits are from that prompt decoded alone and from the full forward of that row's tokens."""
+    eos = 96
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=gen) for n in (5, 19, 33, 48)]
     if documents:
@@ -97,23 +106,138 @@ def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(atte
     mask = torch.stack([torch.arange(T) >= T - len(p) for p in prompts]).long()
     batched = Decoder(model)
     logits = [batched.prefill(tokens, document_ids(tokens, mask, eos))[:, -1:]]
-    for _ in range(40):
+    for _ in range(new):
         logits.append(batched.step(logits[-1].argmax(-1)))
-    logits = torch.cat(logits, 1)  # (4, 41, V): each row's next-token logits
-    new = logits.argmax(-1)[:, :-1]
+    logits = torch.cat(logits, 1)  # (4, new + 1, V): each row's next-token logits
+    chosen = logits.argmax(-1)[:, :-1]
+    found = {"alone": 0.0, "full": 0.0}
     for b, p in enumerate(prompts):
         alone = Decoder(model)
         ids = p[None]
         row = [alone.prefill(ids, document_ids(ids, None, eos))[:, -1:]] + \
-            [alone.step(new[b:b + 1, k:k + 1]) for k in range(40)]
-        torch.testing.assert_close(logits[b:b + 1], torch.cat(row, 1), rtol=1e-5, atol=1e-5)
-        whole = torch.cat([p, new[b]])[None]
+            [alone.step(chosen[b:b + 1, k:k + 1]) for k in range(new)]
+        found["alone"] = max(found["alone"], beyond_1e5(logits[b:b + 1], torch.cat(row, 1)))
+        whole = torch.cat([p, chosen[b]])[None]
         with torch.no_grad():
             full = model(whole, document_ids(whole, None, eos))[:, len(p) - 1:]
-        torch.testing.assert_close(logits[b:b + 1], full, rtol=1e-5, atol=1e-5)
+        found["full"] = max(found["full"], beyond_1e5(logits[b:b + 1], full))
+    return found
 
 
+@pytest.mark.parametrize("attention", ["nsa", "dense", "nsa+smear"])
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(attention, documents, step_path):
+    """`batched_against_alone`, 40 new tokens: each row equals its prompt alone and the full forward (fp32, 1e-5)."""
+    found = batched_against_alone(small_model(attention), documents)
+    assert max(found.values()) <= 1, found
 
+def m7c_prompt(family: Family | None = None) -> tuple[Transformer, torch.Tensor, torch.Tensor]:
+    """One layer of M7C's shape (12 heads, 2 KV groups, head dim 64; l=32, d=16, l'=64, n=16, w=512) and two
+    1,300-token rows whose last documents start at 100 and 0: past w, and past n blocks (the top-n chooses)."""
+    model = Transformer(Model(attention="nsa", dim=768, n_layers=1, n_heads=12, n_kv_groups=2, head_dim=64,
+                              vocab_size=97), 1400, family)
+    model.init_weights(0)
+    tokens = torch.randint(0, 97, (2, 1340), generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[0] * 100 + [1] * 1240, [0] * 1340])
+    return model, tokens, ids
+
+
+def test_the_decode_kernel_equals_the_reference_step_at_m7c_shapes():
+    """40 steps past a 1,300-token prompt (two compressions and more): the C++ step's logits equal the PyTorch
+    step's (the reference), fp32, to 1e-5, rows at different positions in their documents."""
+    model, tokens, ids = m7c_prompt()
+    calls, real = [], decode._attend_last_cpp
+    logits = {}
+    for path in ("cpp", "pytorch"):
+        decoder = Decoder(model)
+        decoder.prefill(tokens[:, :1300], ids[:, :1300])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(decode, "_attend_last_cpp", lambda *a: calls.append(path) or real(*a))
+            if path == "pytorch":
+                mp.setattr(decode.cpu_attention, "kernels", lambda: None)
+            logits[path] = torch.cat([decoder.step(tokens[:, t:t + 1]) for t in range(1300, 1340)], 1)
+    assert calls == ["cpp"] * 40
+    torch.testing.assert_close(logits["cpp"], logits["pytorch"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
+    """A bf16 model's step (M7C shapes) by the C++ kernel: bf16 caches read as floats, fp32 arithmetic. Each
+    layer's output equals the kernel's over the same caches widened to float32, bit for bit, and the step's
+    logits stay within bf16's rounding of the fp32 model's."""
+    model, tokens, ids = m7c_prompt()
+    with torch.no_grad():
+        full = model(tokens, ids)[:, 1300:].float()
+    model = model.to(torch.bfloat16)
+    checked, real = [], decode._attend_last_cpp
+
+    def widened(attn, kernels, q, gates, cache, *rest):
+        out = real(attn, kernels, q, gates, cache, *rest)
+        assert {b.dtype for b in cache.buffers.values()} == {torch.bfloat16} and out.dtype == torch.bfloat16
+        wide = decode.LayerCache(cache.sizes, cache.pads)
+        wide.buffers, wide.shape, wide.n_cmp = {n: b.float() for n, b in cache.buffers.items()}, cache.shape, cache.n_cmp
+        torch.testing.assert_close(out, real(attn, kernels, q.float(), gates, wide, *rest).to(out.dtype), rtol=0, atol=0)
+        checked.append(1)
+        return out
+
+    decoder = Decoder(model)
+    decoder.prefill(tokens[:, :1300], ids[:, :1300])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "_attend_last_cpp", widened)
+        logits = torch.cat([decoder.step(tokens[:, t:t + 1]) for t in range(1300, 1340)], 1).float()
+    assert len(checked) == 40
+    assert (logits - full).abs().max() < 0.02 * full.abs().max()  # 0.4% here
+
+
+def triton_decode_case(case: str) -> dict[str, float]:
+    """One check of the Triton decode step, interpreted (run in a fresh process under TRITON_INTERPRET=1: Triton
+    decides at definition), the C++ step off and the prompts by the C++ family: `m7c`, 20 steps at M7C's shapes
+    against the PyTorch step (`beyond_1e5`); `one-document` and `documents`, `batched_against_alone` with 12 new
+    tokens and SMALL's l' = 16 (tl.dot's least); with the Triton step's calls."""
+    calls, real = [], decode._attend_last_triton
+    decode._attend_last_triton = lambda *a: calls.append(1) or real(*a)
+    decode.cpu_attention.kernels = lambda: None
+    cpp = FAMILIES["cpp"]()
+    if case != "m7c":
+        return {**batched_against_alone(small_model("nsa", cpp, sel_block_size=16), case == "documents", 12),
+                "calls": len(calls)}
+    model, tokens, ids = m7c_prompt(cpp)
+    logits, takes = [], decode._triton_takes
+    for triton in (True, False):
+        decode._triton_takes = takes if triton else lambda *a: False
+        decoder = Decoder(model)
+        decoder.prefill(tokens[:, :1300], ids[:, :1300])
+        logits.append(torch.cat([decoder.step(tokens[:, t:t + 1]) for t in range(1300, 1320)], 1))
+    return {"reference": beyond_1e5(*logits), "calls": len(calls)}
+
+
+TRITON_CASES = ("m7c", "one-document", "documents")
+
+
+@pytest.fixture(scope="module")
+def triton_decode() -> dict[str, dict]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(case: str) -> dict:
+        done = subprocess.run([sys.executable, __file__, "triton", case], env=env, capture_output=True, text=True,
+                              timeout=1800)
+        assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(TRITON_CASES, pool.map(run, TRITON_CASES)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, case):
+    """The Triton decode kernel (one launch a layer) at M7C's shapes equals the PyTorch step (fp32, 1e-5); 4
+    prompts of different lengths batched (with and without documents) equal each decoded alone and the full
+    forward."""
+    found = triton_decode[case]
+    assert found.pop("calls") >= (20 if case == "m7c" else 24), found
+    assert max(found.values()) <= 1, found
 
 def test_the_cache_is_allocated_once_and_holds_little_more_than_dense_s():
     """Every buffer is allocated at the prefill for the declared maximum context and never again (the steps
@@ -231,3 +355,7 @@ def test_evaluate_under_torchrun_shards_the_split(trained):
     line = re.search(r"validation: loss ([\d.]+) \| perplexity [\d.]+ \| bits/byte [\d.]+ \| 2 batches, ([\d,]+) tokens",
                      proc.stdout)
     assert line and int(line.group(2).replace(",", "")) == 2 * 2 * 4 * 64  # 2 ranks x 2 batches x 4 x 64 tokens
+
+
+if __name__ == "__main__":  # one interpreted check: python tests/test_inference.py triton <case>
+    print(json.dumps(triton_decode_case(sys.argv[2])))

@@ -10,8 +10,9 @@ A decoding step for the token at position t reads:
 `prefill` runs the training forward over the prompt (its logits), which hands the caches its
 projections; `step` then extends one token at a time through the same layer pieces (projections,
 compression, gates, the branch mix, the block's residuals). Both equal a full forward pass. On CPUs
-(float32) a step's three branches and their mix are five calls of NSA's C++ kernels over the caches as
-they lie (`_attend_last_cpp`), else PyTorch's ops; the two give the same logits.
+(float32 or bfloat16) a step's three branches and their mix are one call of NSA's C++ kernels over the caches
+as they lie (`_attend_last_cpp`), on CUDA one launch of the Triton decode kernel (`_attend_last_triton`),
+else PyTorch's ops; all give the same logits.
 
 With documents (a prompt packed from several, `document_ids`), the caches hold each row's last
 document only, at positions from its start, so that new tokens continue it; `reset` starts a new
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from .attention import masked_attention, mix_branches, select_blocks
 from .attention.families.cpp import cpu_attention
 from .attention.families.reference import Reference
+from .attention.families.triton import triton_decode
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
 
 
@@ -116,37 +118,42 @@ def _pads(attn: NSAAttention | DenseAttention) -> dict[str, int]:
 
 
 def _kernels(attn: NSAAttention, q: torch.Tensor) -> ModuleType | None:
-    """NSA's C++ kernels where they take this step (CPU, float32, their head counts, a sel block's cmp members
-    consecutive slots, not the reference family), else None: the step in PyTorch."""
+    """NSA's C++ kernels where they take this step (CPU, float32 or bfloat16 caches, their head counts, a sel
+    block's cmp members consecutive slots, not the reference family), else None."""
     spec, r = attn.spec, attn.n_heads // attn.n_groups
     if isinstance(attn.family, Reference) or not spec.strided_members():
         return None
-    return None if cpu_attention.problem(q.device, q.dtype, spec, r, attn.head_dim) else cpu_attention.kernels()
+    dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype  # decode_step reads bf16 caches as float
+    return None if cpu_attention.problem(q.device, dtype, spec, r, attn.head_dim) else cpu_attention.kernels()
+
+
+def _triton_takes(attn: NSAAttention, q: torch.Tensor) -> bool:
+    """Whether the Triton decode step takes this step (CUDA, or the CPU under TRITON_INTERPRET=1; not the
+    reference family)."""
+    r = attn.n_heads // attn.n_groups
+    return not isinstance(attn.family, Reference) and \
+        triton_decode.problem(q.device, q.dtype, attn.spec, r, attn.head_dim) is None
 
 
 def _attend_last_cpp(attn: NSAAttention, kernels: ModuleType, q: torch.Tensor, gates: torch.Tensor,
                      cache: LayerCache, t: torch.Tensor, width: int, t_max: int) -> torch.Tensor:
-    """`_attention`'s three branches and their mix in five C++ calls over the caches as they lie: cmp over each
-    row's compressed blocks (with the group-summed probabilities), the top-n, sel over the chosen blocks' runs,
-    win over the ring, the gated sum. q (B, 1, H, D), gates (B, 1, H, 3) -> (B, 1, H, D)."""
-    spec, B, G, D = attn.spec, q.shape[0], attn.n_groups, attn.head_dim
-    r, scale = attn.n_heads // G, D ** -0.5
-    rows = q.view(B, G, r, D).reshape(B * G, 1, r, D)
-    per_row = lambda v: v.to(torch.int32).repeat_interleave(G)[:, None]  # noqa: E731  (B,) -> (B G, 1)
-    start = torch.zeros(B * G, 1, 1, dtype=torch.int32)  # one run from slot 0 (cmp, the window's ring)
-    o_cmp, _, group = kernels.runs_forward(rows, cache.buffers["kc"], cache.buffers["vc"], start, per_row(cache.n_cmp - 1),
-                                           width, 0, scale, True)
-    Ns = spec.num_sel_blocks(t_max + 1)
-    idx, valid = kernels.choose(group.view(B, G, 1, width), t[:, None], torch.zeros_like(t)[:, None], G, spec.l,
-                                spec.d, spec.l_sel, Ns, min(spec.n, Ns))
-    runs = torch.where(valid, idx * spec.l_sel, -1).to(torch.int32).view(B * G, 1, -1)
-    o_sel = kernels.runs_forward(rows, cache.buffers["k_sel"], cache.buffers["v_sel"], runs, per_row(t), spec.l_sel, 0,
-                                 scale, False)[0]
-    ring = cache.sizes["k_win"]
-    o_win = kernels.runs_forward(rows, cache.buffers["k_win"], cache.buffers["v_win"], start,
-                                 per_row(t.clamp(max=ring - 1)), ring, 0, scale, False)[0]
-    outs = [o.view(B, G, 1, r, D) for o in (o_cmp, o_sel, o_win)]
-    return kernels.mix(gates.contiguous(), outs, [0, 1, 2])
+    """`_attention`'s three branches and their mix in one C++ call over the caches as they lie, a (batch x group)
+    row per task: cmp over the row's compressed blocks (with the group-summed probabilities), the top-n, sel over
+    the chosen blocks, win over the ring, the gated sum; in float32, of float32 or bfloat16 caches.
+    q (B, 1, H, D), gates (B, 1, H, 3) -> (B, 1, H, D) in q's dtype."""
+    spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
+    return kernels.decode_step(q.float().contiguous(), gates.float().contiguous(), b["kc"], b["vc"], b["k_sel"], b["v_sel"], b["k_win"],
+                               b["v_win"], cache.n_cmp, t, attn.n_groups, width, cache.sizes["k_win"], spec.l, spec.d,
+                               spec.l_sel, Ns, min(spec.n, Ns), attn.head_dim ** -0.5).to(q.dtype)
+
+
+def _attend_last_triton(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor, cache: LayerCache, t: torch.Tensor,
+                        width: int, t_max: int) -> torch.Tensor:
+    """`_attend_last_cpp` as one launch of the Triton decode kernel (`triton_decode`)."""
+    spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
+    caches = [b[name] for name in ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win")]
+    return triton_decode.decode_step(q, gates, caches, cache.n_cmp, t, attn.n_groups, width, cache.sizes["k_win"],
+                                     spec, Ns, min(spec.n, Ns))
 
 
 def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
@@ -157,18 +164,19 @@ def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
 def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: LayerCache, t: torch.Tensor,
                  at: list[int], rope_t: torch.Tensor) -> torch.Tensor:
     """Attention output of each row's new token at its position t (B,) (x: (B, 1, dim)), extending `cache`;
-    `at`: the same positions on the host."""
+    `at`: the same positions on the host. The projections of x (q, the keys and values, NSA's gates) come first."""
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
     for name, value in kv.items():
         cache.write(name, t, value)
-    return attn.wo(_attention(attn, x, q, cache, t, at).reshape(x.shape[0], 1, -1))
+    gates = attn.gates(x) if isinstance(attn, NSAAttention) else None  # (B, 1, H, 3), fp32
+    return attn.wo(_attention(attn, q, gates, cache, t, at).reshape(x.shape[0], 1, -1))
 
 
-def _attention(attn: NSAAttention | DenseAttention, x: torch.Tensor, q: torch.Tensor, cache: LayerCache,
+def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torch.Tensor | None, cache: LayerCache,
                t: torch.Tensor, at: list[int]) -> torch.Tensor:
     """The attention (B, 1, H, D) of each row's new token, whose keys `cache` holds: dense's over all of them;
-    NSA's compresses a block where one completes, then runs the branches and their gated mix (gates of x)."""
-    B, device, t_max = x.shape[0], x.device, max(at)
+    NSA's compresses a block where one completes, then runs the branches and their mix by `gates`."""
+    B, device, t_max = q.shape[0], q.device, max(at)
     if isinstance(attn, DenseAttention):  # SDPA over the cache as it lies, (B, G, S, D); the r heads of a group as rows
         G, D = cache.shape[1:]
         k, v = (cache.buffers[name].view(B, G, -1, D)[:, :, :t_max + 1] for name in ("k", "v"))
@@ -188,9 +196,12 @@ def _attention(attn: NSAAttention | DenseAttention, x: torch.Tensor, q: torch.Te
             cache.write(name, cache.n_cmp, value, where=complete)
         cache.n_cmp = cache.n_cmp + complete.long()
     n_cmp, width = cache.n_cmp, spec.num_cmp_blocks(t_max + 1)
-    if width > 0 and cache.get("kc") is not None and (kernels := _kernels(attn, q)) is not None:
-        return _attend_last_cpp(attn, kernels, q, attn.gates(x), cache, t, width, t_max)
-    if width == 0 or cache.get("kc") is None:  # no complete compression block in any row yet
+    if width > 0 and "kc" in cache.buffers:
+        if (kernels := _kernels(attn, q)) is not None:
+            return _attend_last_cpp(attn, kernels, q, gates, cache, t, width, t_max)
+        if _triton_takes(attn, q):
+            return _attend_last_triton(attn, q, gates, cache, t, width, t_max)
+    if width == 0 or "kc" not in cache.buffers:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
     else:
         kc, vc = cache.get("kc", width), cache.get("vc", width)
@@ -206,7 +217,7 @@ def _attention(attn: NSAAttention | DenseAttention, x: torch.Tensor, q: torch.Te
     o_sel, _ = masked_attention(q, ks, vs, ok[:, :, None])
     kw, vw = cache.get("k_win"), cache.get("v_win")  # the ring of the last w positions, in any order
     o_win, _ = masked_attention(q, kw, vw, (torch.arange(kw.shape[1], device=device) <= t[:, None])[:, None, None, None])
-    return mix_branches(attn.gates(x).to(q.dtype), o_cmp, o_sel, o_win)
+    return mix_branches(gates.to(q.dtype), o_cmp, o_sel, o_win)
 
 
 class Decoder:

@@ -17,6 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "tiles.h"
@@ -48,8 +51,8 @@ inline int blocks_of(const int32_t* pos, int nsel, int L, int64_t t, Block* out,
 // s[h][0 .. cols) = a[h] against the keys of a query's blocks (a = q pre-scaled: S; a = dO, bt = v
 // transposed: dP). With `mask`, -inf in every column that is not one of the blocks' keys (S: P = 0 there);
 // without, those columns hold finite values to be multiplied by P = 0. hv: scratch of cols / 8 halves.
-template <int R>
-inline void block_scores(const float* a, int D, const float* bt, int64_t P, const Block* blocks, int nb, int L,
+template <int R, typename T>
+inline void block_scores(const float* a, int D, const T* bt, int64_t P, const Block* blocks, int nb, int L,
                          float* s, int cols, bool mask, Half* hv) {
   if (L > 8) {
     for (int b = 0; b < nb; ++b)
@@ -61,66 +64,80 @@ inline void block_scores(const float* a, int D, const float* bt, int64_t P, cons
   half_scores<R>(a, D, bt, P, hv, cols / 16, s, cols, mask);
 }
 
-// The forward, query by query. `last` (or null: the query's own position) is the last key a query may
-// read; `group` (or null) receives, per query, the probabilities summed over its r heads at each of the
-// keys 0 .. L - 1 (cmp: the scores its sel blocks are chosen from), 0 where it reads none.
+// A query's working memory: its scores (R rows of `cols` columns), its blocks, the halves of runs of 8 keys or fewer.
+struct Scratch {
+  std::vector<float> s;
+  std::vector<Block> blocks;
+  std::vector<Half> halves;
+  Scratch(int R, int nsel, int L) : s(static_cast<size_t>(R) * nsel * padded(L) + 16 * R), blocks(nsel), halves(2 * nsel + 2) {}
+};
+
+// One query's forward: q (R, D) against its runs pos[0 .. nsel) of L keys (kt (D, P), v (P, D): float or bf16),
+// each read up to key t; out (R, D), lse (R) (or null); `group` (or null) receives the probabilities summed over
+// the R heads at each of the keys 0 .. L - 1 (cmp: the scores its sel blocks are chosen from), 0 where it reads none.
+template <int R, int DV, typename T>
+inline void forward_row(const float* q, const T* kt, const T* v, const int32_t* pos, int64_t t, float* out,
+                        float* lse, float* group, int nsel, int L, int64_t P, float scale, Scratch& w) {
+  constexpr int D = 16 * DV;
+  int nb;
+  const int cols = blocks_of(pos, nsel, L, t, w.blocks.data(), &nb);
+  float* s = w.s.data();
+  float qs[R * D];
+  for (int i = 0; i < R * D; ++i) qs[i] = q[i] * scale;
+  // keys after t (the current block) or past the run: no score
+  block_scores<R>(qs, D, kt, P, w.blocks.data(), nb, L, s, cols, true, w.halves.data());
+  float m[R], total[R];
+  for (int h = 0; h < R; ++h) {
+    v16 mx = splat(-INFINITY);
+    for (int c = 0; c < cols; c += 16) { v16 x = load(s + h * cols + c); mx = select(x > mx, x, mx); }
+    m[h] = hmax(mx);
+    v16 sum = {};
+    for (int c = 0; c < cols; c += 16) {
+      v16 x = load(s + h * cols + c);
+      v16 e = vexp(x - splat(m[h]));
+      e = select(x == splat(-INFINITY), splat(0.0f), e);
+      store(s + h * cols + c, e);
+      sum += e;
+    }
+    total[h] = hsum(sum);
+  }
+  v16 acc[R][DV] = {};
+  const Block* blocks = w.blocks.data();
+  for (int b = 0; b < nb; ++b) weighted_rows<R, DV>(acc, s + blocks[b].col, cols, v, blocks[b].p, blocks[b].n);
+  for (int h = 0; h < R; ++h) {  // a query with no key: output 0, logsumexp 0
+    const v16 inv = splat(total[h] > 0 ? 1.0f / total[h] : 0.0f);
+    for (int i = 0; i < DV; ++i) store(out + h * D + 16 * i, acc[h][i] * inv);
+    if (lse) lse[h] = total[h] > 0 ? m[h] + std::log(total[h]) : 0.0f;
+  }
+  if (!group) return;
+  // sum over heads of e / total, in head order, as the reference sums its probabilities
+  std::fill(group, group + L, 0.0f);
+  v16 inv[R];  // e times 1 / total: a vector division costs as much as a dozen multiplies
+  for (int h = 0; h < R; ++h) inv[h] = splat(1.0f / total[h]);
+  for (int b = 0; b < nb; ++b) {
+    const int n = blocks[b].n;
+    for (int c = 0; c < n; c += 16) {
+      v16 sum = {};
+      for (int h = 0; h < R; ++h) sum += load(s + h * cols + blocks[b].col + c) * inv[h];
+      float* dst = group + blocks[b].p + c;  // keys 0 .. L - 1: the runs lie in them
+      if (n - c >= 16) store(dst, sum);
+      else for (int j = 0; j < n - c; ++j) dst[j] = sum[j];
+    }
+  }
+}
+
+// The forward, query by query. `last` (or null: the query's own position) is the last key a query may read.
 template <int R, int DV>
 void forward_rows(const float* q, const float* kt, const float* v, const int32_t* pos, const int32_t* last,
                   float* out, float* lse, float* group, int64_t BG, int64_t Tq, int nsel, int L, int64_t P, int64_t q0,
                   float scale) {
   constexpr int D = 16 * DV;
   at::parallel_for(0, BG * Tq, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<float> sbuf(static_cast<size_t>(R) * nsel * padded(L) + 16 * R);
-    std::vector<Block> blocks(nsel);
-    std::vector<Half> halves(2 * nsel + 2);
-    float qs[R * D];
+    Scratch w(R, nsel, L);
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t bg = row / Tq, t = last ? last[row] : q0 + row % Tq;
-      int nb;
-      const int cols = blocks_of(pos + row * nsel, nsel, L, t, blocks.data(), &nb);
-      float* s = sbuf.data();
-      for (int i = 0; i < R * D; ++i) qs[i] = q[row * R * D + i] * scale;
-      // keys after t (the current block) or past the run: no score
-      block_scores<R>(qs, D, kt + bg * D * P, P, blocks.data(), nb, L, s, cols, true, halves.data());
-      float m[R], total[R];
-      for (int h = 0; h < R; ++h) {
-        v16 mx = splat(-INFINITY);
-        for (int c = 0; c < cols; c += 16) { v16 x = load(s + h * cols + c); mx = select(x > mx, x, mx); }
-        m[h] = hmax(mx);
-        v16 sum = {};
-        for (int c = 0; c < cols; c += 16) {
-          v16 x = load(s + h * cols + c);
-          v16 e = vexp(x - splat(m[h]));
-          e = select(x == splat(-INFINITY), splat(0.0f), e);
-          store(s + h * cols + c, e);
-          sum += e;
-        }
-        total[h] = hsum(sum);
-      }
-      v16 acc[R][DV] = {};
-      const float* vb = v + bg * P * D;
-      for (int b = 0; b < nb; ++b) weighted_rows<R, DV>(acc, s + blocks[b].col, cols, vb, blocks[b].p, blocks[b].n);
-      for (int h = 0; h < R; ++h) {  // a query with no key: output 0, logsumexp 0
-        const v16 inv = splat(total[h] > 0 ? 1.0f / total[h] : 0.0f);
-        for (int i = 0; i < DV; ++i) store(out + (row * R + h) * D + 16 * i, acc[h][i] * inv);
-        lse[row * R + h] = total[h] > 0 ? m[h] + std::log(total[h]) : 0.0f;
-      }
-      if (group) {  // sum over heads of e / total, in head order, as the reference sums its probabilities
-        float* g = group + row * L;
-        std::fill(g, g + L, 0.0f);
-        v16 inv[R];  // e times 1 / total: a vector division costs as much as a dozen multiplies
-        for (int h = 0; h < R; ++h) inv[h] = splat(1.0f / total[h]);
-        for (int b = 0; b < nb; ++b) {
-          const int n = blocks[b].n;
-          for (int c = 0; c < n; c += 16) {
-            v16 sum = {};
-            for (int h = 0; h < R; ++h) sum += load(s + h * cols + blocks[b].col + c) * inv[h];
-            float* dst = g + blocks[b].p + c;  // keys 0 .. L - 1: the runs lie in them
-            if (n - c >= 16) store(dst, sum);
-            else for (int j = 0; j < n - c; ++j) dst[j] = sum[j];
-          }
-        }
-      }
+      forward_row<R, DV>(q + row * R * D, kt + bg * D * P, v + bg * P * D, pos + row * nsel, t, out + row * R * D,
+                         lse + row * R, group ? group + row * L : nullptr, nsel, L, P, scale, w);
     }
   });
 }
@@ -450,37 +467,43 @@ inline void keep_largest(K key, int64_t id, K* top, int64_t* ids, int* k, int m)
 // the group probabilities of its l'/d + l/d - 1 cmp members, slots j l'/d - l/d + 1 .. (j + 1) l'/d - 1 from the first
 // slot of the query's document (0 without documents), in that order (as `block_scores`); block 0 and the 2 local
 // blocks are forced (+inf), blocks past the query (j l' > t) are no candidates (-inf); the first n of a stable
-// descending sort, ties to the lower block. tpos, first (Bt, C): the positions blocks count from (in the query's
-// document) and that first slot, Bt = 1 or the batch.
+// descending sort, ties to the lower block. g: the query's S group probabilities; tpos: the position blocks count
+// from (in the query's document); f: that document's first slot; idx, valid: n each.
+inline void choose_row(const float* g, int64_t tpos, int64_t f, int64_t S, int l, int d, int lsel, int64_t Ns, int n,
+                       float* top, float* score, int64_t* id, int64_t* idx, bool* valid) {
+  const int64_t stride = lsel / d, before = l / d - 1, jt = tpos / lsel;
+  // blocks 1 .. last are scored (the others are forced or no candidates); those in [inside, outside) have
+  // every member in the slots [f, S): member by member across blocks (vector code), the others checked
+  const int64_t last = std::min(jt - 2, Ns - 1), inside = std::max<int64_t>(1, (before + stride - 1) / stride);
+  const int64_t outside = std::max(inside, std::min(last + 1, (S - f) / stride));
+  std::fill(score, score + std::max<int64_t>(0, last + 1), 0.0f);
+  for (int64_t m = 0; m < stride + before; ++m) {
+    const float* gm = g + f + m - before;
+    for (int64_t j = inside; j < outside; ++j) score[j] += gm[j * stride];
+  }
+  for (int64_t j = 1; j <= last; ++j)
+    if (j < inside || j >= outside)
+      for (int64_t m = j * stride - before; m < (j + 1) * stride; ++m)
+        if (m >= 0 && f + m < S) score[j] += g[f + m];
+  int k = 0;  // held: top[0 .. k) by descending score, ties in block order
+  for (int64_t j = 0; j < Ns; ++j) {
+    if (j > jt && k == n) break;  // only -inf blocks remain
+    const float s = j > jt ? -INFINITY : j > 0 && j <= last ? score[j] : INFINITY;
+    keep_largest(s, j, top, id, &k, n);
+  }
+  for (int c = 0; c < n; ++c) idx[c] = id[c], valid[c] = id[c] <= jt;
+}
+
+// choose_row for each row of `group` (rows, S): tpos, first (Bt, C) hold each row's position and first slot.
 void choose_rows(const float* group, const int64_t* tpos, const int64_t* first, int64_t* idx, bool* valid,
                  int64_t rows, int64_t G, int64_t Bt, int64_t C, int64_t S, int l, int d, int lsel, int64_t Ns, int n) {
-  const int64_t stride = lsel / d, before = l / d - 1;
   at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
     std::vector<float> top(n), score(Ns);
     std::vector<int64_t> id(n);
     for (int64_t row = lo; row < hi; ++row) {
-      const float* g = group + row * S;
-      const int64_t at = (row / C / G % Bt) * C + row % C, jt = tpos[at] / lsel, f = first[at];
-      // blocks 1 .. last are scored (the others are forced or no candidates); those in [inside, outside) have
-      // every member in the slots [f, S): member by member across blocks (vector code), the others checked
-      const int64_t last = std::min(jt - 2, Ns - 1), inside = std::max<int64_t>(1, (before + stride - 1) / stride);
-      const int64_t outside = std::max(inside, std::min(last + 1, (S - f) / stride));
-      std::fill(score.begin(), score.begin() + std::max<int64_t>(0, last + 1), 0.0f);
-      for (int64_t m = 0; m < stride + before; ++m) {
-        const float* gm = g + f + m - before;
-        for (int64_t j = inside; j < outside; ++j) score[j] += gm[j * stride];
-      }
-      for (int64_t j = 1; j <= last; ++j)
-        if (j < inside || j >= outside)
-          for (int64_t m = j * stride - before; m < (j + 1) * stride; ++m)
-            if (m >= 0 && f + m < S) score[j] += g[f + m];
-      int k = 0;  // held: top[0 .. k) by descending score, ties in block order
-      for (int64_t j = 0; j < Ns; ++j) {
-        if (j > jt && k == n) break;  // only -inf blocks remain
-        const float s = j > jt ? -INFINITY : j > 0 && j <= last ? score[j] : INFINITY;
-        keep_largest(s, j, top.data(), id.data(), &k, n);
-      }
-      for (int c = 0; c < n; ++c) idx[row * n + c] = id[c], valid[row * n + c] = id[c] <= jt;
+      const int64_t at = (row / C / G % Bt) * C + row % C;
+      choose_row(group + row * S, tpos[at], first[at], S, l, d, lsel, Ns, n, top.data(), score.data(), id.data(),
+                 idx + row * n, valid + row * n);
     }
   });
 }
@@ -561,6 +584,45 @@ void mix_backward_rows(const float* d_out, const float* gates, const std::vector
         float* dx = d_outs[i] + src;
         for (int64_t j = 0; j < D; ++j) dx[j] = g * dy[j];
         d_gates[row * 3 + which[i]] = dot(x, dy, D);
+      }
+    }
+  });
+}
+
+// One new token per (batch x group) row, its whole attention in one pass (`decode._attend_last_cpp`): cmp over the
+// row's n_cmp compressed slots (with the group probabilities), its top-n sel blocks (`choose_row`, from slot 0), sel
+// over them up to t, win over the ring of the last w keys (every slot up to min(t, ring - 1)), and the gated sum,
+// written straight into the heads' layout. q, out (B, H, D) with H = G R: the group's heads are R consecutive rows;
+// gates (B, H, 3); each branch's cache kt (B G, D, P), v (B G, P, D), float or bf16 (read as float); n_cmp, t (B).
+template <int R, int DV, typename T>
+void decode_rows(const float* q, const float* gates, const T* kct, const T* vc, int64_t Pc, const T* kst,
+                 const T* vs, int64_t Ps, const T* kwt, const T* vw, int64_t Pw, const int64_t* n_cmp,
+                 const int64_t* t, float* out, int64_t BG, int64_t G, int width, int ring, int l, int d, int lsel,
+                 int64_t Ns, int n, float scale) {
+  constexpr int D = 16 * DV;
+  at::parallel_for(0, BG, 1, [&](int64_t lo, int64_t hi) {
+    Scratch wc(R, 1, width), ws(R, n, lsel), ww(R, 1, ring);
+    std::vector<float> group(width), top(n), score(Ns), o(3 * R * D);  // o: the cmp, sel and win outputs
+    std::vector<int64_t> id(n), idx(n);
+    std::vector<int32_t> runs(n);
+    std::unique_ptr<bool[]> valid(new bool[n]);
+    const int32_t first = 0;  // cmp and win: one run from slot 0
+    for (int64_t bg = lo; bg < hi; ++bg) {
+      const int64_t tb = t[bg / G];
+      const float* qb = q + bg * R * D;
+      forward_row<R, DV>(qb, kct + bg * D * Pc, vc + bg * Pc * D, &first, n_cmp[bg / G] - 1, o.data(), nullptr,
+                         group.data(), 1, width, Pc, scale, wc);
+      choose_row(group.data(), tb, 0, width, l, d, lsel, Ns, n, top.data(), score.data(), id.data(), idx.data(),
+                 valid.get());
+      for (int c = 0; c < n; ++c) runs[c] = valid[c] ? static_cast<int32_t>(idx[c] * lsel) : -1;
+      forward_row<R, DV>(qb, kst + bg * D * Ps, vs + bg * Ps * D, runs.data(), tb, o.data() + R * D, nullptr, nullptr,
+                         n, lsel, Ps, scale, ws);
+      forward_row<R, DV>(qb, kwt + bg * D * Pw, vw + bg * Pw * D, &first, std::min<int64_t>(tb, ring - 1),
+                         o.data() + 2 * R * D, nullptr, nullptr, 1, ring, Pw, scale, ww);
+      for (int h = 0; h < R; ++h) {  // in branch order, as mix_rows sums
+        const float* gh = gates + (bg * R + h) * 3;
+        float* oh = out + (bg * R + h) * D;
+        for (int j = 0; j < D; ++j) oh[j] = gh[0] * o[h * D + j] + gh[1] * o[(R + h) * D + j] + gh[2] * o[(2 * R + h) * D + j];
       }
     }
   });
@@ -803,6 +865,45 @@ std::vector<torch::Tensor> mix_backward(torch::Tensor dout, torch::Tensor gates,
   return grads;
 }
 
+torch::Tensor decode_step(torch::Tensor q, torch::Tensor gates, torch::Tensor kct, torch::Tensor vc, torch::Tensor kst,
+                          torch::Tensor vs, torch::Tensor kwt, torch::Tensor vw, torch::Tensor n_cmp, torch::Tensor t,
+                          int64_t G, int64_t width, int64_t ring, int64_t l, int64_t d, int64_t lsel, int64_t Ns, int64_t n,
+                          double scale) {
+  check(q, "q"); check(gates, "gates");
+  const auto dtype = kct.scalar_type();
+  for (auto [x, name] : {std::pair{kct, "kc"}, {vc, "vc"}, {kst, "k_sel"}, {vs, "v_sel"}, {kwt, "k_win"}, {vw, "v_win"}})
+    TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == dtype &&
+                (dtype == torch::kFloat32 || dtype == torch::kBFloat16), "cpu_attention: decode_step's cache ", name,
+                " must be contiguous on the CPU, float32 or bfloat16 as the others");
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1 && q.size(2) % G == 0 && gates.dim() == 4 &&
+              gates.sizes() == torch::IntArrayRef({q.size(0), 1, q.size(2), 3}),
+              "cpu_attention: decode_step takes q (B, 1, H, D) and gates (B, 1, H, 3), H a multiple of G");
+  const int64_t B = q.size(0), H = q.size(2), D = q.size(3), BG = B * G;
+  for (auto x : {n_cmp, t})
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kInt64 && x.numel() == B,
+                "cpu_attention: n_cmp and t must be contiguous int64 (B)");
+  const std::vector<std::tuple<torch::Tensor, torch::Tensor, int64_t>> caches{
+      {kct, vc, padded(width)}, {kst, vs, Ns * lsel + 16}, {kwt, vw, padded(ring)}};
+  for (const auto& [kt, v, least] : caches)  // every slot a kernel may load lies in the buffers
+    TORCH_CHECK(kt.dim() == 3 && kt.size(0) == BG && kt.size(1) == D && v.sizes() == torch::IntArrayRef({BG, kt.size(2), D}) &&
+                kt.size(2) >= least, "cpu_attention: decode_step's caches must be keys (B G, D, P), values (B G, P, D), ",
+                "P >= ", least, " slots");
+  auto out = torch::empty_like(q);
+  auto run = [&](auto* type) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    auto ptr = [](const torch::Tensor& x) { return static_cast<const T*>(x.data_ptr()); };
+    dispatch(H / G, D, [&](auto R, auto DV) {
+      decode_rows<decltype(R)::value, decltype(DV)::value, T>(
+          q.data_ptr<float>(), gates.data_ptr<float>(), ptr(kct), ptr(vc), kct.size(2), ptr(kst), ptr(vs), kst.size(2),
+          ptr(kwt), ptr(vw), kwt.size(2), n_cmp.data_ptr<int64_t>(), t.data_ptr<int64_t>(), out.data_ptr<float>(), BG, G,
+          width, ring, l, d, lsel, Ns, n, scale);
+    });
+  };
+  if (dtype == torch::kFloat32) run(static_cast<float*>(nullptr));
+  else run(static_cast<bf16*>(nullptr));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -821,5 +922,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("explore", &explore, "unchosen candidate blocks drawn by a hash (CPU)");
   m.def("delta", &delta, "d_out . out over the last dimension (CPU, fp32)");
   m.def("mix", &mix, "the gated sum of the branch outputs, in the heads' layout (CPU, fp32)");
+  m.def("decode_step", &decode_step, "one new token's cmp, top-n, sel, win and gated sum over the caches (CPU; fp32 or bf16 caches)");
   m.def("mix_backward", &mix_backward, "its gradients: the gates', then each branch output's (CPU, fp32)");
 }

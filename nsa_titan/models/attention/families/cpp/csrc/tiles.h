@@ -74,6 +74,43 @@ constexpr int REGISTERS = 16;
 #endif
 static_assert(sizeof(v16) == 16 * sizeof(float) && sizeof(i16) == sizeof(v16), "16 lanes of 32 bits");
 
+// bfloat16 storage (a cache of a bf16 model): the top 16 bits of a float, widened exactly to 16 fp32 lanes.
+struct bf16 { uint16_t bits; };
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+inline void widen8(const bf16* p, float* out) {  // 8 values to 8 floats
+  u16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  std::memcpy(out, &w, sizeof(w));
+}
+#if defined(__AVX512F__)
+inline v16 load(const bf16* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 x;
+  std::memcpy(&x, &w, sizeof(x));
+  return x;
+}
+inline v16 load_halves(const bf16* a, const bf16* b) {
+  float x[16];
+  widen8(a, x);
+  widen8(b, x + 8);
+  return load(x);
+}
+#else
+inline v16 load_halves(const bf16* a, const bf16* b) {
+  v16 x;
+  widen8(a, reinterpret_cast<float*>(&x.lo));
+  widen8(b, reinterpret_cast<float*>(&x.hi));
+  return x;
+}
+inline v16 load(const bf16* p) { return load_halves(p, p + 8); }
+#endif
+
 // Added to a row of scores, 0 on the keys a run has and -inf past them: MASK + 16 - n holds n zeros, then -inf.
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 alignas(64) inline constexpr float MASK[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -133,9 +170,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // s[h][c .. c + 16 NV) = sum_d a[h][d] * bt[d][p .. p + 16 NV): R rows against 16 NV columns of a transposed
-// matrix, -inf in the columns from n on.
-template <int R, int NV>
-inline void rows_by_cols(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n) {
+// matrix (T: float or bf16), -inf in the columns from n on.
+template <int R, int NV, typename T>
+inline void rows_by_cols(const float* a, int D, const T* bt, int64_t P, int64_t p, float* s, int ss, int n) {
   v16 acc[R][NV] = {};
   for (int d = 0; d < D; ++d) {
     v16 b[NV];
@@ -158,8 +195,8 @@ constexpr int VECTORS = REGISTERS == 32 ? (R <= 3 ? 8 : (R <= 6 ? 4 : (R <= 8 ? 
 
 // The columns [c, c + n16) of s (R rows, stride ss) against keys p .. : n16 a multiple of 16; -inf in the
 // columns from n on (`ALL`: none). NV vectors at a time, then fewer for the rest.
-template <int R, int NV = VECTORS<R>>
-inline void scores(const float* a, int D, const float* bt, int64_t P, int64_t p, float* s, int ss, int n16, int n) {
+template <int R, int NV = VECTORS<R>, typename T>
+inline void scores(const float* a, int D, const T* bt, int64_t P, int64_t p, float* s, int ss, int n16, int n) {
   int j = 0;
   for (; j + 16 * NV <= n16; j += 16 * NV) rows_by_cols<R, NV>(a, D, bt, P, p + j, s + j, ss, n - j);
   if constexpr (NV > 1) scores<R, NV / 2>(a, D, bt, P, p + j, s + j, ss, n16 - j, n - j);
@@ -169,12 +206,12 @@ struct Half { int64_t p; int n; };  // 8 lanes of a vector: keys p .. p + n - 1 
 
 // s[h][16 i .. 16 i + 16) = a[h] against the keys of halves 2 i and 2 i + 1, for i < NV: short runs (8 keys
 // or fewer) two to a vector; with `mask`, -inf in the lanes past each half's n.
-template <int R, int NV>
-inline void rows_by_halves(const float* a, int D, const float* bt, int64_t P, const Half* hv, float* s, int ss,
+template <int R, int NV, typename T>
+inline void rows_by_halves(const float* a, int D, const T* bt, int64_t P, const Half* hv, float* s, int ss,
                            bool mask) {
   v16 acc[R][NV] = {};
   for (int d = 0; d < D; ++d) {
-    const float* row = bt + d * P;
+    const T* row = bt + d * P;
     v16 b[NV];
     for (int i = 0; i < NV; ++i) b[i] = load_halves(row + hv[2 * i].p, row + hv[2 * i + 1].p);
     for (int h = 0; h < R; ++h) {
@@ -189,8 +226,8 @@ inline void rows_by_halves(const float* a, int D, const float* bt, int64_t P, co
 }
 
 // The 16 nv columns of s (R rows, stride ss) against the 2 nv halves hv: NV vectors at a time, then fewer.
-template <int R, int NV = VECTORS<R>>
-inline void half_scores(const float* a, int D, const float* bt, int64_t P, const Half* hv, int nv, float* s, int ss,
+template <int R, int NV = VECTORS<R>, typename T>
+inline void half_scores(const float* a, int D, const T* bt, int64_t P, const Half* hv, int nv, float* s, int ss,
                         bool mask) {
   int i = 0;
   for (; i + NV <= nv; i += NV) rows_by_halves<R, NV>(a, D, bt, P, hv + 2 * i, s + 16 * i, ss, mask);
@@ -199,8 +236,8 @@ inline void half_scores(const float* a, int D, const float* bt, int64_t P, const
 
 // acc[h] += sum over the block's keys j < n of c[h][j] * x[p + j] (x rows of D = 16 DV), S of the DV
 // vectors of a row at a time, so that R x S accumulators stay in registers (all DV with AVX-512).
-template <int R, int DV>
-inline void weighted_rows(v16 (&acc)[R][DV], const float* c, int cs, const float* x, int64_t p, int n) {
+template <int R, int DV, typename T>
+inline void weighted_rows(v16 (&acc)[R][DV], const float* c, int cs, const T* x, int64_t p, int n) {
   constexpr int S = REGISTERS == 32 ? DV : (R >= 4 ? 1 : (R >= 2 || DV < 4 ? (DV < 2 ? DV : 2) : 4));
   for (int i0 = 0; i0 < DV; i0 += S) {
     v16 a[R][S];
