@@ -139,7 +139,8 @@ def main() -> None:
                 dense = run("dense", args, c, batch, dtype)["dense"]
                 (tps, ms, keys, read, cache) = nsa["cpp"]
                 extra = f" [{1e3 * nsa['pytorch'][1]:.2f}]" if "pytorch" in nsa else ""
-                print(f"| {name} | {batch} | {c:,} | {tps:.1f} / {dense[0]:.1f} | {tps / dense[0]:.2f}x | {1e3 * ms:.3f}"
+                print(f"| {name} | {batch} | {c:,} | {tps:.1f} / {dense[0]:.1f} | {tps / dense[0]:.2f}x | "
+                      f"{1e3 * ms:.3f}"
                       f"{extra} / {1e3 * dense[1]:.3f} | {dense[1] / ms:.2f}x | {keys:,} / {dense[2]:,} | "
                       f"{read / 1e6:.2f} / {dense[3] / 1e6:.2f} MB ({dense[3] / read:.2f}x) | {cache:,.0f} / "
                       f"{dense[4]:,.0f} ({cache / dense[4]:.2f}x) |", flush=True)

@@ -10,7 +10,9 @@ dispatched besides them that would launch a kernel on a GPU (views, allocations 
 ops not counted), without and with documents; then with the off-paper options (`sel_score_grad`,
 `sel_score_explore`), whose score gradient runs in PyTorch after the op. A launch count that does not
 grow with T, no host sync (`tests/test_host_syncs.py`) and no data-dependent shape: the op can be
-captured in a CUDA graph. Last, the host time of one eager forward and backward (the kernels not run).
+captured in a CUDA graph. Then the host time of one eager forward and backward (the kernels not run). Last,
+decoding: the launches of a layer's attention per step through the Triton decode step (`triton_decode`),
+over d = 16 steps (one of which compresses a block).
 """
 
 from __future__ import annotations
@@ -31,17 +33,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.models.attention import Documents, NSASpec  # noqa: E402
-from nsa_titan.models.attention.families.triton import triton_nsa, triton_nsa_backward, triton_nsa_sel  # noqa: E402
+from nsa_titan.models.attention.families.triton import (triton_decode, triton_nsa, triton_nsa_backward,  # noqa: E402
+                                                         triton_nsa_sel)
 from nsa_titan.models.attention.families.choose import FAMILIES  # noqa: E402
+from nsa_titan.config import Model  # noqa: E402
+from nsa_titan.models import decode  # noqa: E402
+from nsa_titan.models.decode import Decoder  # noqa: E402
+from nsa_titan.models.transformer import Transformer  # noqa: E402
+from decode_speed import random_fill  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D = 2, 6, 64  # M7C: 12 heads in 2 KV groups, head dim 64
 KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_win", "_fwd_mix"), triton_nsa_sel: ("_fwd_sel", "_bwd_sel_kv"),
-           triton_nsa_backward: ("_bwd_q", "_bwd_kv")}
+           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode",)}
 METADATA = {"detach", "view", "transpose", "slice", "expand", "_unsafe_view", "select", "unsqueeze", "squeeze", "t",
             "as_strided", "permute", "alias", "unbind", "split", "lift_fresh", "empty", "empty_strided", "reshape",
             "result_type", "to", "contiguous", "new_empty", "new_empty_strided", "empty_like", "flatten", "view_as",
-            "chunk", "narrow", "unflatten", "promote_types", "resolve_conj", "resolve_neg"}
+            "chunk", "narrow", "unflatten", "promote_types", "resolve_conj", "resolve_neg", "unfold"}
 """ATen ops that launch no kernel on a GPU (views, allocations, type queries), left out of the counts; `to` and
 `contiguous` launch one only through the copy they dispatch (`_to_copy`, `clone`), which is counted."""
 
@@ -115,6 +123,37 @@ def launches(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0) -> t
     return counts, ops
 
 
+def decode_state(context: int, layers: int = 2) -> tuple[Decoder, torch.Tensor]:
+    """A decoder of `layers` M7C layers (bf16) whose caches hold `context` random positions
+    (`decode_speed.random_fill`), and a token for its next steps."""
+    cfg = Model(attention="nsa", dim=768, n_layers=layers, n_heads=12, n_kv_groups=2, head_dim=64, vocab_size=256)
+    model = Transformer(cfg, context + 64)
+    model.init_weights(0)
+    decoder = Decoder(model.to(torch.bfloat16).eval())
+    random_fill(decoder, 1, context, torch.bfloat16)
+    return decoder, torch.zeros(1, 1, dtype=torch.long)
+
+
+def decode_launches(decoder: Decoder, token: torch.Tensor, steps: int = 16) -> tuple[collections.Counter, list[str]]:
+    """The Triton launches and the ATen ops of the attention (`decode._attention`: a new compressed block where one
+    completes, the decode kernel) of `steps` decoding steps through the Triton decode step, recorded: over any d = 16
+    steps one block completes."""
+    ops, real, takes, kernels = [], decode._attention, decode._triton_takes, decode.cpu_attention.kernels
+
+    def attention(*args: object) -> torch.Tensor:
+        out = []
+        ops.extend(aten_ops(lambda: out.append(real(*args))))
+        return out[0]
+
+    decode._attention, decode._triton_takes, decode.cpu_attention.kernels = attention, lambda *a: True, lambda: None
+    try:
+        with torch.no_grad():
+            counts = recorded(lambda: [decoder.step(token) for _ in range(steps)])
+    finally:
+        decode._attention, decode._triton_takes, decode.cpu_attention.kernels = real, takes, kernels
+    return counts, ops
+
+
 def host_ms(T: int = 256, repeats: int = 50) -> float:
     """The median host milliseconds of one eager forward and backward, the kernels recorded, one thread: what
     the op's wrappers, dispatch and autograd cost a layer before any GPU work."""
@@ -152,6 +191,12 @@ def main() -> None:
                 print(f"| {T:,} | {docs} | {label} | {sum(counts.values())} | {len(ops)} | "
                       f"{sum(counts.values()) + len(ops)} | {kinds} |", flush=True)
     print(f"\nHost time of one eager forward and backward at T = 256, the kernels not run: {host_ms():.2f} ms")
+    layers, steps = 2, SPEC.d
+    counts, ops = decode_launches(*decode_state(8192, layers), steps)
+    kinds = ", ".join(f"{n} {k}" for k, n in collections.Counter(ops).most_common())
+    print(f"\nDecoding (Triton decode step, {layers} M7C layers, bf16, {steps} steps from 8,192 tokens): "
+          f"{dict(counts)}, {len(ops)} ATen ops ({kinds}): {(sum(counts.values()) + len(ops)) / layers / steps:.2f} "
+          "launches per layer per step")
 
 
 if __name__ == "__main__":

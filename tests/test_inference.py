@@ -174,7 +174,8 @@ def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
         out = real(attn, kernels, q, gates, cache, *rest)
         assert {b.dtype for b in cache.buffers.values()} == {torch.bfloat16} and out.dtype == torch.bfloat16
         wide = decode.LayerCache(cache.sizes, cache.pads)
-        wide.buffers, wide.shape, wide.n_cmp = {n: b.float() for n, b in cache.buffers.items()}, cache.shape, cache.n_cmp
+        wide.buffers = {name: buf.float() for name, buf in cache.buffers.items()}
+        wide.shape, wide.n_cmp = cache.shape, cache.n_cmp
         torch.testing.assert_close(out, real(attn, kernels, q.float(), gates, wide, *rest).to(out.dtype), rtol=0, atol=0)
         checked.append(1)
         return out

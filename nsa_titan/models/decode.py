@@ -58,7 +58,7 @@ class LayerCache:
         self.shape: tuple[int, int, int] = (0, 0, 0)  # B, G, D
         self.n_cmp: torch.Tensor | None = None
 
-    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def allocate(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer of `name`, made for entries like (B, S, G, D) (zeros: unwritten slots are read masked)."""
         if name not in self.buffers:
             B, _, G, D = like.shape
@@ -69,7 +69,7 @@ class LayerCache:
 
     def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:
         """A prefill's entries x (B, S, G, D): row b's positions 0 .. length[b] - 1 (a ring keeps the last)."""
-        buf, size, S = self._buffer(name, x), self.sizes[name], x.shape[1]
+        buf, size, S = self.allocate(name, x), self.sizes[name], x.shape[1]
         if S <= size:
             buf[:, :S] = x
             return
@@ -77,13 +77,20 @@ class LayerCache:
         last = slot + size * torch.div((length[:, None] - 1 - slot).clamp(min=0), size, rounding_mode="floor")
         buf.copy_(_rows(x, last.clamp(max=S - 1)))  # slot s: the last position p < length with p % size == s
 
-    def write(self, name: str, at: torch.Tensor, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
-        """Each row's entry x (B, 1, G, D) at its position `at` (B,) (only the rows `where`, if given)."""
-        buf = self._buffer(name, x)
-        rows, slot = torch.arange(x.shape[0], device=x.device), at % self.sizes[name]
-        if where is not None:  # the other rows write back what they hold
-            slot = slot.clamp(max=buf.shape[1] - 1)
-        buf[rows, slot] = x[:, 0] if where is None else torch.where(where[:, None, None], x[:, 0], buf[rows, slot])
+    def write(self, name: str, at: torch.Tensor, x: torch.Tensor) -> None:
+        """Each row's entry x (B, 1, G, D) at its position `at` (B,)."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        self.allocate(name, x)[rows, at % self.sizes[name]] = x[:, 0]
+
+    def compressed(self, kc: torch.Tensor, vc: torch.Tensor, complete: torch.Tensor) -> None:
+        """Each row's new compressed key and value (B, 1, G, D) at its slot n_cmp, counted where its block is
+        `complete` (B,); the other rows write the slot after their last, which is read only once rewritten (a
+        row with every block may write a pad slot: finite values, never read)."""
+        rows = torch.arange(kc.shape[0], device=kc.device)
+        for name, x in (("kc", kc), ("vc", vc)):
+            self.allocate(name, x)
+            self.get(name, self.sizes[name] + self.pads.get(name, 0))[rows, self.n_cmp] = x[:, 0]
+        self.n_cmp = self.n_cmp + complete
 
     def get(self, name: str, width: int | None = None) -> torch.Tensor | None:
         """The buffer of `name` as (B, S, G, D) (a view), its first `width` slots (default: all), or None."""
@@ -142,17 +149,20 @@ def _attend_last_cpp(attn: NSAAttention, kernels: ModuleType, q: torch.Tensor, g
     the chosen blocks, win over the ring, the gated sum; in float32, of float32 or bfloat16 caches.
     q (B, 1, H, D), gates (B, 1, H, 3) -> (B, 1, H, D) in q's dtype."""
     spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
-    return kernels.decode_step(q.float().contiguous(), gates.float().contiguous(), b["kc"], b["vc"], b["k_sel"], b["v_sel"], b["k_win"],
-                               b["v_win"], cache.n_cmp, t, attn.n_groups, width, cache.sizes["k_win"], spec.l, spec.d,
-                               spec.l_sel, Ns, min(spec.n, Ns), attn.head_dim ** -0.5).to(q.dtype)
-
-
-def _attend_last_triton(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor, cache: LayerCache, t: torch.Tensor,
-                        width: int, t_max: int) -> torch.Tensor:
-    """`_attend_last_cpp` as one launch of the Triton decode kernel (`triton_decode`)."""
-    spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
     caches = [b[name] for name in ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win")]
-    return triton_decode.decode_step(q, gates, caches, cache.n_cmp, t, attn.n_groups, width, cache.sizes["k_win"],
+    return kernels.decode_step(q.float().contiguous(), gates.float().contiguous(), *caches, cache.n_cmp, t,
+                               attn.n_groups, width, cache.sizes["k_win"], spec.l, spec.d, spec.l_sel, Ns,
+                               min(spec.n, Ns), attn.head_dim ** -0.5).to(q.dtype)
+
+
+def _attend_last_triton(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor, cache: LayerCache,
+                        new: dict[str, torch.Tensor], t: torch.Tensor, width: int, t_max: int) -> torch.Tensor:
+    """`_attend_last_cpp` as one launch of the Triton decode kernel (`triton_decode`), which first appends the new
+    token's keys and values (`new`, by name) to the caches."""
+    spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
+    names = ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win", "k_cmp", "v_cmp")
+    return triton_decode.decode_step(q, gates, [b[name] for name in names], [new[name] for name in names[2:]],
+                                     cache.n_cmp, t, attn.n_groups, width, cache.sizes["k_win"], cache.sizes["k_cmp"],
                                      spec, Ns, min(spec.n, Ns))
 
 
@@ -166,16 +176,20 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
     """Attention output of each row's new token at its position t (B,) (x: (B, 1, dim)), extending `cache`;
     `at`: the same positions on the host. The projections of x (q, the keys and values, NSA's gates) come first."""
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
+    new = kv if isinstance(attn, NSAAttention) and _triton_takes(attn, q) else None  # the kernel appends them
     for name, value in kv.items():
-        cache.write(name, t, value)
+        cache.write(name, t, value) if new is None else cache.allocate(name, value)
+    if new is not None:
+        cache.allocate("kc", kv["k_cmp"]), cache.allocate("vc", kv["v_cmp"])
     gates = attn.gates(x) if isinstance(attn, NSAAttention) else None  # (B, 1, H, 3), fp32
-    return attn.wo(_attention(attn, q, gates, cache, t, at).reshape(x.shape[0], 1, -1))
+    return attn.wo(_attention(attn, q, gates, cache, t, at, new).reshape(x.shape[0], 1, -1))
 
 
 def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torch.Tensor | None, cache: LayerCache,
-               t: torch.Tensor, at: list[int]) -> torch.Tensor:
-    """The attention (B, 1, H, D) of each row's new token, whose keys `cache` holds: dense's over all of them;
-    NSA's compresses a block where one completes, then runs the branches and their mix by `gates`."""
+               t: torch.Tensor, at: list[int], new: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The attention (B, 1, H, D) of each row's new token, whose keys `cache` holds (or, with `new`, the Triton
+    decode step appends: its keys and values by name): dense's over all of them; NSA's compresses a block where
+    one completes, then runs the branches and their mix by `gates`."""
     B, device, t_max = q.shape[0], q.device, max(at)
     if isinstance(attn, DenseAttention):  # SDPA over the cache as it lies, (B, G, S, D); the r heads of a group as rows
         G, D = cache.shape[1:]
@@ -188,19 +202,17 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
         cache.n_cmp = torch.zeros_like(t)
     # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys (the ring's).
     if any(p >= spec.l - 1 and (p - spec.l + 1) % spec.d == 0 for p in at):
+        if new is not None:  # the block's last raw keys, before the kernel appends them
+            cache.write("k_cmp", t, new["k_cmp"]), cache.write("v_cmp", t, new["v_cmp"])
         first = t - spec.l + 1
         complete = (first >= 0) & (first % spec.d == 0)
         ring = (first[:, None] + torch.arange(spec.l, device=device)) % cache.sizes["k_cmp"]  # (B, l) in order
-        kc, vc = attn.compress(_rows(cache.get("k_cmp"), ring), _rows(cache.get("v_cmp"), ring))
-        for name, value in (("kc", kc), ("vc", vc)):
-            cache.write(name, cache.n_cmp, value, where=complete)
-        cache.n_cmp = cache.n_cmp + complete.long()
+        cache.compressed(*attn.compress(_rows(cache.get("k_cmp"), ring), _rows(cache.get("v_cmp"), ring)), complete)
     n_cmp, width = cache.n_cmp, spec.num_cmp_blocks(t_max + 1)
-    if width > 0 and "kc" in cache.buffers:
-        if (kernels := _kernels(attn, q)) is not None:
-            return _attend_last_cpp(attn, kernels, q, gates, cache, t, width, t_max)
-        if _triton_takes(attn, q):
-            return _attend_last_triton(attn, q, gates, cache, t, width, t_max)
+    if new is not None:
+        return _attend_last_triton(attn, q, gates, cache, new, t, width, t_max)
+    if width > 0 and "kc" in cache.buffers and (kernels := _kernels(attn, q)) is not None:
+        return _attend_last_cpp(attn, kernels, q, gates, cache, t, width, t_max)
     if width == 0 or "kc" not in cache.buffers:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
     else:
@@ -216,7 +228,8 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
               for y in (cache.get("k_sel"), cache.get("v_sel")))
     o_sel, _ = masked_attention(q, ks, vs, ok[:, :, None])
     kw, vw = cache.get("k_win"), cache.get("v_win")  # the ring of the last w positions, in any order
-    o_win, _ = masked_attention(q, kw, vw, (torch.arange(kw.shape[1], device=device) <= t[:, None])[:, None, None, None])
+    seen = (torch.arange(kw.shape[1], device=device) <= t[:, None])[:, None, None, None]
+    o_win, _ = masked_attention(q, kw, vw, seen)
     return mix_branches(gates.to(q.dtype), o_cmp, o_sel, o_win)
 
 
