@@ -160,6 +160,21 @@ def test_the_decode_kernel_equals_the_reference_step_at_m7c_shapes():
     torch.testing.assert_close(logits["cpp"], logits["pytorch"], rtol=1e-5, atol=1e-5)
 
 
+
+def test_the_decode_kernel_leaves_subnormal_arithmetic_as_it_was():
+    """The C++ step computes with subnormals flushed (a peaked softmax's tiny probabilities would take the slow
+    path) and restores each thread's mode after: subnormal results survive in ops after a step, on every thread."""
+    model, tokens, ids = m7c_prompt()
+    decoder = Decoder(model)
+    decoder.prefill(tokens[:, :1300], ids[:, :1300])
+    calls, real = [], decode._attend_last_cpp
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "_attend_last_cpp", lambda *a: calls.append(1) or real(*a))
+        decoder.step(tokens[:, 1300:1301])
+    assert calls
+    tiny = torch.full((1 << 20,), 1e-39) * 0.5  # split among the intra-op threads
+    assert (tiny > 0).all() and float(torch.tensor(1e-39) * 0.5) > 0
+
 def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
     """A bf16 model's step (M7C shapes) by the C++ kernel: bf16 caches read as floats, fp32 arithmetic. Each
     layer's output equals the kernel's over the same caches widened to float32, bit for bit, and the step's

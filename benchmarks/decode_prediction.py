@@ -1,0 +1,96 @@
+"""The Triton decode step's time per token on an H100, predicted on a CPU by the training kernels' step model.
+
+    python benchmarks/decode_prediction.py [--contexts 8192 32768 65536 131072] [--batch 1 8]
+
+`gpu_prediction.py`'s model, its constants fitted on the same H100 profile (fitted, and the pessimistic set):
+a kernel's time is the larger of its steps spread over 132 SMs, its longest program's steps at the cost of a
+step alone (lat), its HBM bytes at 3.0 TB/s and its launches. The decode kernel (`triton_decode._decode`, bf16,
+4 warps, the M7C layer: 2 KV groups of 6 heads, head dim 64, the paper's l, d, l', n, w) is B x G programs, each:
+the append (a step), the cmp slots twice (BLOCK a step), the block scores (SCORES blocks a step), n top-n rounds
+(an argmax over the Ns scores each, at the cost of the profile's insertion round), n sel blocks (a step each), the
+window (BLOCK a step) and the mix (a step). Its bytes: every key and value it reads, the scratch row both ways,
+q and the output. On the step a block completes, the compression (its ATen ops: `benchmarks/triton_work.py`)
+adds about 25 launches of small kernels, one step in d = 16: at `launch` each, 25 / 16 launches a step.
+Dense is put as FlashAttention's split-KV decode at the bandwidth limit: all its keys and values at 3.0 TB/s
+(the model's rate) or one launch, whichever is longer (no H100 measurement of a decode step exists yet).
+Also the split design (not built): a row's steps spread over programs of at most SPLIT steps, then a combine
+launch, to show what the parallelism is worth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_prediction import SMS, Costs, Kernel, _cdiv, calibration, old_kernels, selection, table  # noqa: E402
+
+from nsa_titan.models.attention import NSASpec  # noqa: E402
+from nsa_titan.models.attention.families.triton import triton_decode  # noqa: E402
+
+SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
+G, R, D, BYTES = 2, 6, 64, 2  # M7C's layer, bf16
+COMPRESSION_LAUNCHES = 25
+"""ATen ops of one layer's compression on the step a block completes (`triton_work.py`'s count)."""
+SPLIT = 16
+"""Steps a program of the split design."""
+
+
+def program_steps(C: int) -> tuple[int, int]:
+    """(steps, top-n rounds) of one (row, group) program of the decode kernel at C cached positions."""
+    Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
+    steps = (1 + 2 * _cdiv(Nc, triton_decode.BLOCK) + _cdiv(Ns, triton_decode.SCORES) + min(SPEC.n, Ns)
+             + _cdiv(SPEC.w, triton_decode.BLOCK) + 1)
+    return steps, SPEC.n
+
+
+def nsa_ms(C: int, batch: int, x: Costs, split: bool = False) -> float:
+    """Predicted ms of one layer's decode attention at C positions for `batch` rows (the compression amortised)."""
+    import torch
+
+    steps, rounds = program_steps(C)
+    Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
+    keys = Nc + min(SPEC.n, Ns) * SPEC.l_sel + SPEC.w
+    hbm = batch * G * (keys * 2 * D * BYTES + (Nc + Ns) * 4 * 2 + 2 * R * D * BYTES)
+    if split:  # a row's steps over programs of SPLIT steps (the top-n's rounds in one of them), then a combine
+        parts = _cdiv(steps, SPLIT)
+        kernel = Kernel([torch.full((batch * G * parts,), min(SPLIT, steps)), torch.ones(batch * G)], warps=4,
+                        hbm=hbm + batch * G * parts * (R * D + 2 * R) * 4 * 2)
+    else:
+        kernel = Kernel([torch.full((batch * G,), steps)], warps=4, hbm=hbm)
+    alone = rounds * x.round  # the rounds run in one program: each a round of the SM it runs on
+    return 1e3 * (kernel.seconds(x) + alone + COMPRESSION_LAUNCHES / SPEC.d * x.launch)
+
+
+def dense_ms(C: int, batch: int, x: Costs) -> float:
+    """FlashAttention's split-KV decode at the bandwidth limit: every key and value once, or one launch."""
+    return 1e3 * max(batch * G * C * 2 * D * BYTES / x.bw, x.launch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    a = parser.parse_args()
+    fitted, other = calibration(old_kernels(selection(32768)))
+    worse = [fitted.worse(), other.worse()]
+    print(f"\nDecode step on an H100 (M7C layer, bf16): a program's steps at C = {a.contexts[0]:,}: "
+          f"{program_steps(a.contexts[0])[0]} and {SPEC.n} top-n rounds; lat {fitted.lat * 1e6:.2f} us a lone step")
+    rows = []
+    for batch in a.batch:
+        for C in a.contexts:
+            f = nsa_ms(C, batch, fitted)
+            p = max(nsa_ms(C, batch, x) for x in worse)
+            s = nsa_ms(C, batch, fitted, split=True)
+            d = dense_ms(C, batch, fitted)
+            rows.append([batch, f"{C:,}", f"{1e3 * f:.1f} / {1e3 * p:.1f}", f"{1e3 * s:.1f}", f"{1e3 * d:.1f}",
+                         f"{d / f:.2f}x / {d / p:.2f}x", f"{d / s:.2f}x"])
+    print(table(rows, ["batch", "context", "NSA decode kernel, fitted / pessimistic (us a layer and token)",
+                       f"split design, fitted (us; programs of {SPLIT} steps)", "dense at the bandwidth limit (us)",
+                       "dense / NSA", "dense / split design"]))
+
+
+if __name__ == "__main__":
+    main()
