@@ -11,10 +11,9 @@ the append (a step), the cmp slots twice (BLOCK a step), the block scores (SCORE
 window (BLOCK a step) and the mix (a step). Its bytes: every key and value it reads, the scratch row both ways,
 q and the output. On the step a block completes, the compression (its ATen ops: `benchmarks/triton_work.py`)
 adds about 25 launches of small kernels, one step in d = 16: at `launch` each, 25 / 16 launches a step.
-Dense is put as FlashAttention's split-KV decode at the bandwidth limit: all its keys and values at 3.0 TB/s
-(the model's rate) or one launch, whichever is longer (no H100 measurement of a decode step exists yet).
-Also the split design (not built): a row's steps spread over programs of at most SPLIT steps, then a combine
-launch, to show what the parallelism is worth.
+Dense is flash-decoding by the same model: its keys BLOCK a step, each row's cut into parts that fill the 132
+SMs, then a combine launch (no H100 measurement of a decode step exists yet). So is the split design (not built):
+NSA's steps cut the same way, the top-n's rounds left in one program a row, to show what the parallelism is worth.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,8 +35,6 @@ SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D, BYTES = 2, 6, 64, 2  # M7C's layer, bf16
 COMPRESSION_LAUNCHES = 25
 """ATen ops of one layer's compression on the step a block completes (`triton_work.py`'s count)."""
-SPLIT = 16
-"""Steps a program of the split design."""
 
 
 def program_steps(C: int) -> tuple[int, int]:
@@ -46,27 +45,29 @@ def program_steps(C: int) -> tuple[int, int]:
     return steps, SPEC.n
 
 
-def nsa_ms(C: int, batch: int, x: Costs, split: bool = False) -> float:
-    """Predicted ms of one layer's decode attention at C positions for `batch` rows (the compression amortised)."""
-    import torch
+def split(steps: int, rows: int, hbm: float) -> Kernel:
+    """A row's `steps` cut into parts that fill the 132 SMs (flash-decoding's split of the keys), then a combine
+    launch of a step a row."""
+    parts = max(1, min(steps, _cdiv(SMS, rows)))
+    return Kernel([torch.full((rows * parts,), _cdiv(steps, parts)), torch.ones(rows)], warps=4,
+                  hbm=hbm + rows * parts * (R * D + 2 * R) * 4 * 2)
 
+
+def nsa_ms(C: int, batch: int, x: Costs, split_keys: bool = False) -> float:
+    """Predicted ms of one layer's decode attention at C positions for `batch` rows (the compression amortised):
+    the kernel as built (a program a row and group), or with its keys split as `split` cuts them (the top-n's
+    rounds still in one program a row)."""
     steps, rounds = program_steps(C)
     Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
     keys = Nc + min(SPEC.n, Ns) * SPEC.l_sel + SPEC.w
     hbm = batch * G * (keys * 2 * D * BYTES + (Nc + Ns) * 4 * 2 + 2 * R * D * BYTES)
-    if split:  # a row's steps over programs of SPLIT steps (the top-n's rounds in one of them), then a combine
-        parts = _cdiv(steps, SPLIT)
-        kernel = Kernel([torch.full((batch * G * parts,), min(SPLIT, steps)), torch.ones(batch * G)], warps=4,
-                        hbm=hbm + batch * G * parts * (R * D + 2 * R) * 4 * 2)
-    else:
-        kernel = Kernel([torch.full((batch * G,), steps)], warps=4, hbm=hbm)
-    alone = rounds * x.round  # the rounds run in one program: each a round of the SM it runs on
-    return 1e3 * (kernel.seconds(x) + alone + COMPRESSION_LAUNCHES / SPEC.d * x.launch)
+    kernel = split(steps, batch * G, hbm) if split_keys else Kernel([torch.full((batch * G,), steps)], 4, hbm=hbm)
+    return 1e3 * (kernel.seconds(x) + rounds * x.round + COMPRESSION_LAUNCHES / SPEC.d * x.launch)
 
 
 def dense_ms(C: int, batch: int, x: Costs) -> float:
-    """FlashAttention's split-KV decode at the bandwidth limit: every key and value once, or one launch."""
-    return 1e3 * max(batch * G * C * 2 * D * BYTES / x.bw, x.launch)
+    """Dense decode as flash-decoding runs it, by the same model: all C keys, BLOCK a step, split to fill the GPU."""
+    return 1e3 * split(_cdiv(C, triton_decode.BLOCK), batch * G, batch * G * C * 2 * D * BYTES).seconds(x)
 
 
 def main() -> None:
@@ -83,12 +84,12 @@ def main() -> None:
         for C in a.contexts:
             f = nsa_ms(C, batch, fitted)
             p = max(nsa_ms(C, batch, x) for x in worse)
-            s = nsa_ms(C, batch, fitted, split=True)
+            s = nsa_ms(C, batch, fitted, split_keys=True)
             d = dense_ms(C, batch, fitted)
             rows.append([batch, f"{C:,}", f"{1e3 * f:.1f} / {1e3 * p:.1f}", f"{1e3 * s:.1f}", f"{1e3 * d:.1f}",
                          f"{d / f:.2f}x / {d / p:.2f}x", f"{d / s:.2f}x"])
     print(table(rows, ["batch", "context", "NSA decode kernel, fitted / pessimistic (us a layer and token)",
-                       f"split design, fitted (us; programs of {SPLIT} steps)", "dense at the bandwidth limit (us)",
+                       "NSA split to fill the GPU (not built), fitted (us)", "dense flash-decoding, fitted (us)",
                        "dense / NSA", "dense / split design"]))
 
 
