@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,23 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | 
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def interpreted(script: str, cases: list[str]) -> dict[str, dict]:
+    """{case: the JSON of `python script triton case`'s last line}, each case in a fresh process under
+    TRITON_INTERPRET=1 (Triton decides at definition), as many at a time as there are cores; skips without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(case: str) -> dict:
+        done = subprocess.run([sys.executable, script, "triton", case], env=env, capture_output=True, text=True,
+                              timeout=1800)
+        assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(cases, pool.map(run, cases)))
 
 
 def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: float = 1200) -> dict[str, dict]:

@@ -10,12 +10,8 @@ each, as many at a time as there are cores. A family that cannot run here says w
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +25,7 @@ from nsa_titan.config import ConfigError, Model  # noqa: E402
 from nsa_titan.models.attention import FAMILIES, Documents, NSASpec, choose_family  # noqa: E402
 from nsa_titan.models.attention.families.pytorch import kernels as kernels_module  # noqa: E402
 from nsa_titan.models.attention.families.choose import describe_attention, model_family  # noqa: E402
+from conftest import interpreted  # noqa: E402
 
 PAPER = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 SMALL = NSASpec(l=16, d=8, l_sel=32, n=5, w=96)
@@ -165,19 +162,7 @@ def test_family_equals_the_reference(family, case):
 
 @pytest.fixture(scope="module")
 def triton_errors() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-
-    def run(case: str) -> dict:
-        done = subprocess.run([sys.executable, __file__, "triton", case], env=env, capture_output=True, text=True,
-                              timeout=1800)
-        assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    names = [*CASES, *EXTRAS]
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(zip(names, pool.map(run, names)))
+    return interpreted(__file__, [*CASES, *EXTRAS])
 
 
 @pytest.mark.multiprocess

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ from nsa_titan.models.attention import FAMILIES, Family
 from nsa_titan.models.decode import Decoder, cache_sizes
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, tb_run, torchrun
+from conftest import ROOT, interpreted, tb_run, torchrun
 
 # Small blocks so that 70 tokens cross many window, compression and selection boundaries.
 SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97, cmp_block_size=8,
@@ -231,18 +228,7 @@ TRITON_CASES = ("m7c", "one-document", "documents")
 
 @pytest.fixture(scope="module")
 def triton_decode() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-
-    def run(case: str) -> dict:
-        done = subprocess.run([sys.executable, __file__, "triton", case], env=env, capture_output=True, text=True,
-                              timeout=1800)
-        assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(zip(TRITON_CASES, pool.map(run, TRITON_CASES)))
+    return interpreted(__file__, list(TRITON_CASES))
 
 
 @pytest.mark.multiprocess
