@@ -204,26 +204,35 @@ def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
 def triton_decode_case(case: str) -> dict[str, float]:
     """One check of the Triton decode step, interpreted (run in a fresh process under TRITON_INTERPRET=1: Triton
     decides at definition), the C++ step off and the prompts by the C++ family: `m7c`, 20 steps at M7C's shapes
-    against the PyTorch step (`beyond_1e5`); `one-document` and `documents`, `batched_against_alone` with 12 new
-    tokens and SMALL's l' = 16 (tl.dot's least); with the Triton step's calls."""
+    against the PyTorch step (`beyond_1e5`); `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
+    a new document started by `reset`; `one-document` and `documents`, `batched_against_alone` with 12 new tokens
+    at those sizes; with the Triton step's calls."""
     calls, real = [], decode._attend_last_triton
     decode._attend_last_triton = lambda *a: calls.append(1) or real(*a)
     decode.cpu_attention.kernels = lambda: None
     cpp = FAMILIES["cpp"]()
-    if case != "m7c":
+    if case in ("one-document", "documents"):
         return {**batched_against_alone(small_model("nsa", cpp, sel_block_size=16), case == "documents", 12),
                 "calls": len(calls)}
-    model, tokens, ids = m7c_prompt(cpp)
+    if case == "m7c":
+        (model, tokens, ids), prompt, steps = m7c_prompt(cpp), 1300, range(1300, 1320)
+    else:  # "reset": 20 steps past a 20-token prompt, then a new document's first 30 (the caches made by a step)
+        model, tokens, ids = small_model("nsa", cpp, sel_block_size=16), torch.randint(0, 97, (2, 70)), None
+        prompt, steps = 20, range(20, 70)
     logits, takes = [], decode._triton_takes
     for triton in (True, False):
         decode._triton_takes = takes if triton else lambda *a: False
-        decoder = Decoder(model)
-        decoder.prefill(tokens[:, :1300], ids[:, :1300])
-        logits.append(torch.cat([decoder.step(tokens[:, t:t + 1]) for t in range(1300, 1320)], 1))
+        decoder, rows = Decoder(model), []
+        decoder.prefill(tokens[:, :prompt], None if ids is None else ids[:, :prompt])
+        for t in steps:
+            if t == 40 and case == "reset":
+                decoder.reset()
+            rows.append(decoder.step(tokens[:, t:t + 1]))
+        logits.append(torch.cat(rows, 1))
     return {"reference": beyond_1e5(*logits), "calls": len(calls)}
 
 
-TRITON_CASES = ("m7c", "one-document", "documents")
+TRITON_CASES = ("m7c", "reset", "one-document", "documents")
 
 
 @pytest.fixture(scope="module")
@@ -234,11 +243,11 @@ def triton_decode() -> dict[str, dict]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, case):
-    """The Triton decode kernel (one launch a layer) at M7C's shapes equals the PyTorch step (fp32, 1e-5); 4
-    prompts of different lengths batched (with and without documents) equal each decoded alone and the full
-    forward."""
+    """The Triton decode kernel (one launch a layer) equals the PyTorch step (fp32, 1e-5) at M7C's shapes and across
+    a `reset`; 4 prompts of different lengths batched (with and without documents) equal each decoded alone and
+    the full forward."""
     found = triton_decode[case]
-    assert found.pop("calls") >= (20 if case == "m7c" else 24), found
+    assert found.pop("calls") >= {"m7c": 20, "reset": 80}.get(case, 24), found
     assert max(found.values()) <= 1, found
 
 def test_the_cache_is_allocated_once_and_holds_little_more_than_dense_s():

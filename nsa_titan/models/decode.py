@@ -47,8 +47,8 @@ def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class LayerCache:
     """One layer's keys and values per name for B rows of G KV groups, in the layout NSA's C++ kernels read:
     the keys they read transposed (B G, D, size + pad; `TRANSPOSED`), the others and the values as rows
-    (B G, size + pad, D) (dense's too: SDPA's layout), `pads[name]` zero slots past the end of what a kernel
-    reads (16 keys, or a block, at a time). Each buffer is allocated once, at its first write, for
+    (B G, size + pad, D) (dense's too: SDPA's layout), `pads[name]` slots past the end of what a kernel reads
+    (16 keys, or a block, at a time; finite, read masked). Each buffer is allocated once, at its first write, for
     the model's declared maximum context (no growth copies): a ring (`size` below that context) holds position
     p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks. `get` shows a buffer as (B, S, G, D)."""
 
@@ -177,10 +177,12 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
     `at`: the same positions on the host. The projections of x (q, the keys and values, NSA's gates) come first."""
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
     new = kv if isinstance(attn, NSAAttention) and _triton_takes(attn, q) else None  # the kernel appends them
-    for name, value in kv.items():
-        cache.write(name, t, value) if new is None else cache.allocate(name, value)
-    if new is not None:
-        cache.allocate("kc", kv["k_cmp"]), cache.allocate("vc", kv["v_cmp"])
+    if new is None:
+        for name, value in kv.items():
+            cache.write(name, t, value)
+    else:  # the buffers the kernel writes, made if a step comes first (after `reset`)
+        for name, value in (*kv.items(), ("kc", kv["k_cmp"]), ("vc", kv["v_cmp"])):
+            cache.allocate(name, value)
     gates = attn.gates(x) if isinstance(attn, NSAAttention) else None  # (B, 1, H, 3), fp32
     return attn.wo(_attention(attn, q, gates, cache, t, at, new).reshape(x.shape[0], 1, -1))
 
@@ -203,7 +205,8 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
     # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys (the ring's).
     if any(p >= spec.l - 1 and (p - spec.l + 1) % spec.d == 0 for p in at):
         if new is not None:  # the block's last raw keys, before the kernel appends them
-            cache.write("k_cmp", t, new["k_cmp"]), cache.write("v_cmp", t, new["v_cmp"])
+            for name in ("k_cmp", "v_cmp"):
+                cache.write(name, t, new[name])
         first = t - spec.l + 1
         complete = (first >= 0) & (first % spec.d == 0)
         ring = (first[:, None] + torch.arange(spec.l, device=device)) % cache.sizes["k_cmp"]  # (B, l) in order
