@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -475,3 +476,19 @@ def test_sel_backward_reverse_index_lists_each_blocks_readers():
             got[divmod(key, Tk)] = readers[lo:hi].tolist()
     assert got == expected
     assert offsets[-1] == valid.sum()
+
+
+def test_a_build_waiting_on_torchs_lock_says_so(tmp_path, capsys):
+    """torch waits on its build lock without a word (a build killed mid-way leaves it for good): past the limit,
+    one line on stderr names the lock and the fix; nothing when the build ends in time or no lock is there."""
+    lock = tmp_path / "lock"
+    with cpu_attention.said_if_waiting(lock, 0.05):  # no lock
+        time.sleep(0.3)
+    lock.touch()
+    with cpu_attention.said_if_waiting(lock, 5.0):  # done in time
+        pass
+    assert capsys.readouterr().err == ""
+    with cpu_attention.said_if_waiting(lock, 0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert str(lock) in err and "remove that file" in err and err.count("\n") == 1

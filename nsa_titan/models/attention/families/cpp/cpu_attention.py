@@ -21,9 +21,13 @@ a problem, `problem()` says why and `kernels = auto` keeps the PyTorch kernels."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import platform
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -78,14 +82,39 @@ def _build_tag() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+LOCK_WAIT = 300.0
+"""Seconds a build (about a minute here) may take before `_build` names torch's build lock on stderr."""
+
+
+@contextlib.contextmanager
+def said_if_waiting(lock: Path, seconds: float) -> Iterator[None]:
+    """Inside: if it has not finished after `seconds` and `lock` exists, one line on stderr naming the lock. torch
+    waits on it without a word, and a build killed mid-way (a job stopped by hand) leaves it behind for good."""
+    def say() -> None:
+        if lock.exists():
+            print(f"nsa_titan: waiting {seconds:.0f} s so far on torch's build lock {lock} for NSA's C++ kernels: "
+                  "if no other build is running (a build killed mid-way leaves it behind), remove that file",
+                  file=sys.stderr, flush=True)
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 @functools.cache
 def _build() -> tuple[ModuleType | None, str | None]:
     """The compiled kernels, or None and why not."""
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        module = load(name=f"nsa_titan_cpu_attention_{_build_tag()}", sources=[str(SOURCES[0])],
-                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        name = f"nsa_titan_cpu_attention_{_build_tag()}"
+        with said_if_waiting(Path(_get_build_directory(name, verbose=False)) / "lock", LOCK_WAIT):
+            module = load(name=name, sources=[str(SOURCES[0])], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                          verbose=False)
         return module, None
     except Exception as e:  # no compiler, no ninja, or it failed: the PyTorch kernels stay
         return None, f"NSA's C++ kernels did not build ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
