@@ -9,8 +9,8 @@ step alone (lat), its HBM bytes at 3.0 TB/s and its launches. The decode kernel 
 the append (a step), the cmp slots twice (BLOCK a step), the block scores (SCORES blocks a step), n top-n rounds
 (an argmax over the Ns scores each, at the cost of the profile's insertion round), n sel blocks (a step each), the
 window (BLOCK a step) and the mix (a step). Its bytes: every key and value it reads, the scratch row both ways,
-q and the output. On the step a block completes, the compression (its ATen ops: `benchmarks/triton_work.py`)
-adds about 25 launches of small kernels, one step in d = 16: at `launch` each, 25 / 16 launches a step.
+q and the output. On the step a block completes, the compression adds its ATen ops, one step in d = 16, at
+`launch` each: counted as `benchmarks/triton_work.py` counts them (31 a layer at 59ed3c8).
 Dense is flash-decoding by the same model: its keys BLOCK a step, each row's cut into parts that fill the 132
 SMs, then a combine launch (no H100 measurement of a decode step exists yet). So is the split design (not built):
 NSA's steps cut the same way, the top-n's rounds left in one program a row, to show what the parallelism is worth.
@@ -27,14 +27,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_prediction import SMS, Costs, Kernel, _cdiv, calibration, old_kernels, selection, table  # noqa: E402
+from triton_work import decode_launches, decode_state  # noqa: E402
 
 from nsa_titan.models.attention import NSASpec  # noqa: E402
 from nsa_titan.models.attention.families.triton import triton_decode  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D, BYTES = 2, 6, 64, 2  # M7C's layer, bf16
-COMPRESSION_LAUNCHES = 25
-"""ATen ops of one layer's compression on the step a block completes (`triton_work.py`'s count)."""
+
+
+def compression_launches() -> int:
+    """The ATen ops one layer's decode attention launches over d steps besides the kernel: the compression's, on
+    the step a block completes (recorded, `triton_work.decode_launches`)."""
+    _, ops = decode_launches(*decode_state(8192, layers=1), SPEC.d)
+    return len(ops)
 
 
 def program_steps(C: int) -> tuple[int, int]:
@@ -53,8 +59,9 @@ def split(steps: int, rows: int, hbm: float) -> Kernel:
                   hbm=hbm + rows * parts * (R * D + 2 * R) * 4 * 2)
 
 
-def nsa_ms(C: int, batch: int, x: Costs, split_keys: bool = False) -> float:
-    """Predicted ms of one layer's decode attention at C positions for `batch` rows (the compression amortised):
+def nsa_ms(C: int, batch: int, x: Costs, compression: int, split_keys: bool = False) -> float:
+    """Predicted ms of one layer's decode attention at C positions for `batch` rows (the `compression` launches
+    amortised over d steps):
     the kernel as built (a program a row and group), or with its keys split as `split` cuts them (the top-n's
     rounds still in one program a row)."""
     steps, rounds = program_steps(C)
@@ -62,7 +69,7 @@ def nsa_ms(C: int, batch: int, x: Costs, split_keys: bool = False) -> float:
     keys = Nc + min(SPEC.n, Ns) * SPEC.l_sel + SPEC.w
     hbm = batch * G * (keys * 2 * D * BYTES + (Nc + Ns) * 4 * 2 + 2 * R * D * BYTES)
     kernel = split(steps, batch * G, hbm) if split_keys else Kernel([torch.full((batch * G,), steps)], 4, hbm=hbm)
-    return 1e3 * (kernel.seconds(x) + rounds * x.round + COMPRESSION_LAUNCHES / SPEC.d * x.launch)
+    return 1e3 * (kernel.seconds(x) + rounds * x.round + compression / SPEC.d * x.launch)
 
 
 def dense_ms(C: int, batch: int, x: Costs) -> float:
@@ -77,14 +84,16 @@ def main() -> None:
     a = parser.parse_args()
     fitted, other = calibration(old_kernels(selection(32768)))
     worse = [fitted.worse(), other.worse()]
+    launches = compression_launches()
     print(f"\nDecode step on an H100 (M7C layer, bf16): a program's steps at C = {a.contexts[0]:,}: "
-          f"{program_steps(a.contexts[0])[0]} and {SPEC.n} top-n rounds; lat {fitted.lat * 1e6:.2f} us a lone step")
+          f"{program_steps(a.contexts[0])[0]} and {SPEC.n} top-n rounds; lat {fitted.lat * 1e6:.2f} us a lone step; "
+          f"the compression's {launches} launches a layer one step in {SPEC.d}")
     rows = []
     for batch in a.batch:
         for C in a.contexts:
-            f = nsa_ms(C, batch, fitted)
-            p = max(nsa_ms(C, batch, x) for x in worse)
-            s = nsa_ms(C, batch, fitted, split_keys=True)
+            f = nsa_ms(C, batch, fitted, launches)
+            p = max(nsa_ms(C, batch, x, launches) for x in worse)
+            s = nsa_ms(C, batch, fitted, launches, split_keys=True)
             d = dense_ms(C, batch, fitted)
             rows.append([batch, f"{C:,}", f"{1e3 * f:.1f} / {1e3 * p:.1f}", f"{1e3 * s:.1f}", f"{1e3 * d:.1f}",
                          f"{d / f:.2f}x / {d / p:.2f}x", f"{d / s:.2f}x"])
