@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...common import NSASpec
-from .family import _pow2
+from .family import _keys, _pow2
 from .triton_nsa import problem as family_problem
 
 try:
@@ -60,7 +60,7 @@ def decode_step(q: torch.Tensor, gates: torch.Tensor, caches: list[torch.Tensor]
     B, _, H, D = q.shape
     kc, vc, ks, vs, kw, vw, kr, vr = caches
     q, gates = q.contiguous(), gates.contiguous()
-    new = [x if x.stride(3) == 1 and x.stride(2) == D else x.contiguous() for x in new]  # (b, g) rows of D
+    new = [_keys(x) for x in new]  # (b, g) rows of D
     scratch = q.new_empty(B * G, width + Ns, dtype=torch.float32)  # a row's slot probabilities, then block scores
     out = torch.empty_like(q)
     _decode[(B * G,)](q, gates, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), n_cmp, t, scratch,
