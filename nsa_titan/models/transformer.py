@@ -27,6 +27,9 @@ from .attention.dense import with_block_masks
 from .nsa_stats import gate_stats, selection_stats
 from .rope import apply_rope, rope_tables
 
+FEW_ROWS = 16
+"""Blocks compressed at once up to which the compression's first layer runs weight-major (a decoding step's)."""
+
 
 def _init_trunc_normal(param: torch.Tensor, std: float, gen: torch.Generator) -> None:
     """Fill `param` (plain or DTensor shard) from a full-size draw of N(0, std) cut at 3 std."""
@@ -100,7 +103,13 @@ class Compressor(nn.Module):
         if not self.mlp:
             return blocks.mean(-2)
         blocks = (blocks + self.pos.to(x.dtype)).flatten(-2)  # (B, Nc, G, l*D)
-        return self.fc2(F.silu(self.fc1(blocks)))
+        rows = blocks.reshape(-1, blocks.shape[-1])
+        if rows.shape[0] > FEW_ROWS or x.dtype != torch.float32:
+            return self.fc2(F.silu(self.fc1(blocks)))
+        # a decoding step's few float32 blocks: fc1 weight-major (rows as columns), which streams the weight at
+        # full bandwidth (the CPU's float32 rows x weight.T runs at half for a few rows; bfloat16's does not)
+        hidden = torch.addmm(self.fc1.bias[:, None], self.fc1.weight, rows.T)  # (hidden, rows)
+        return self.fc2(F.silu(hidden.T)).view(*blocks.shape[:-1], -1)
 
     def init_weights(self, std: float, gen: torch.Generator) -> None:
         if self.mlp:
