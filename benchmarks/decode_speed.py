@@ -7,7 +7,7 @@ Models of M7C width (dim 768, 12 heads, 2 KV groups, head dim 64, M7C's vocabula
 l'=64, n=16, w=512) with `--layers` blocks and random weights, on the CPU, in each `--dtype` (the caches in
 it too): bring B = `--batch` rows to a context of C tokens, then time `--steps` single-token steps (after two
 unmeasured ones) of NSA (its C++ decode step; with `--pytorch` also its PyTorch step) and of dense (SDPA over
-its cache). `--fill prefill` runs the prompt through the model; `--fill random` writes random keys and values
+its cache), in turn: a step of each, then the next (the machine's drift falls on both alike). `--fill prefill` runs the prompt through the model; `--fill random` writes random keys and values
 of the right shapes into the caches instead (what a step reads is the same; long contexts fit in minutes).
 "Attention" is a layer's attention of the new token over its cache (`decode._attention`: for NSA a new
 compressed block where one completes, cmp, the top-n, sel, win and the gated mix; for dense SDPA over every
@@ -55,34 +55,48 @@ def random_fill(decoder: Decoder, batch: int, context: int, dtype: torch.dtype) 
     decoder.last = torch.zeros(batch, 1, dtype=torch.long)
 
 
-def timed(decoder: Decoder, tokens: torch.Tensor, steps: int) -> tuple[float, float]:
-    """(tokens/s of `steps` steps from the decoder's state after WARMUP unmeasured ones, seconds of attention
-    per layer and step)."""
-    spent, real = [0.0], decode._attention
+def timed(decoders: dict[str, Decoder], tokens: dict[str, torch.Tensor], steps: int
+          ) -> dict[str, tuple[float, float]]:
+    """{path: (tokens/s of `steps` steps, seconds of attention per layer and step)}, from the decoders' states after
+    WARMUP unmeasured steps; the decoders take their steps in turn (one of each, then the next), so that the
+    machine's drift (a neighbour's memory traffic) falls on every path alike. The path "pytorch" decodes with NSA's
+    C++ kernels off."""
+    spent, total, now, real = dict.fromkeys(decoders, 0.0), dict.fromkeys(decoders, 0.0), [""], decode._attention
+    kernels = decode.cpu_attention.kernels
 
     def attention(*args: object) -> torch.Tensor:
         start = time.perf_counter()
         out = real(*args)
-        spent[0] += time.perf_counter() - start
+        spent[now[0]] += time.perf_counter() - start
         return out
 
-    for i in range(WARMUP):
-        decoder.step(tokens[:, i:i + 1])
-    decode._attention = attention
-    try:
+    def step(path: str, i: int) -> None:
+        now[0] = path
+        decode.cpu_attention.kernels = (lambda: None) if path == "pytorch" else kernels
         start = time.perf_counter()
+        decoders[path].step(tokens[path][:, i:i + 1])
+        total[path] += time.perf_counter() - start
+
+    try:
+        for i in range(WARMUP):
+            for path in decoders:
+                step(path, i)
+        total = dict.fromkeys(decoders, 0.0)
+        decode._attention = attention
         for i in range(WARMUP, WARMUP + steps):
-            decoder.step(tokens[:, i:i + 1])
-        elapsed = time.perf_counter() - start
+            for path in decoders:
+                step(path, i)
     finally:
-        decode._attention = real
-    return steps * tokens.shape[0] / elapsed, spent[0] / steps / len(decoder.caches)
+        decode._attention, decode.cpu_attention.kernels = real, kernels
+    return {path: (steps * tokens[path].shape[0] / total[path], spent[path] / steps / len(decoders[path].caches))
+            for path in decoders}
 
 
-def run(attention: str, args: argparse.Namespace, context: int, batch: int, dtype: torch.dtype
-        ) -> dict[str, tuple[float, float, int, float, float]]:
-    """{path: (tokens/s, attention seconds per layer and token, keys read per token and KV group, bytes of keys
-    and values read per token and layer, cache bytes per position and layer)}."""
+def decoder(attention: str, args: argparse.Namespace, context: int, batch: int, dtype: torch.dtype,
+            copies: int = 1) -> tuple[list[Decoder], torch.Tensor, tuple[int, float, float]]:
+    """`copies` decoders of a fresh model (`attention`: nsa or dense) brought to `context` tokens, the tokens of their
+    steps, and (keys read per token and KV group, bytes of keys and values read per token and layer, cache bytes
+    per position and layer)."""
     cfg = Model(attention=attention, attn_impl="fast", dim=768, n_layers=args.layers, n_heads=12, n_kv_groups=2,
                 head_dim=64, vocab_size=VOCAB)
     model = Transformer(cfg, context + args.steps + WARMUP + 1)
@@ -90,29 +104,29 @@ def run(attention: str, args: argparse.Namespace, context: int, batch: int, dtyp
     model = model.to(dtype).eval()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (batch, context + WARMUP + args.steps), generator=gen)
-    paths = ["cpp", "pytorch"] if attention == "nsa" and args.pytorch else ["cpp"] if attention == "nsa" else ["dense"]
-    prefilled = None
-    results = {}
-    for path in paths:
-        if args.fill == "prefill":
-            if prefilled is None:
-                prefilled = Decoder(model)
-                prefilled.prefill(tokens[:, :context])
-            decoder = copy.deepcopy(prefilled)
-        else:
-            decoder = Decoder(model)
-            random_fill(decoder, batch, context, dtype)
-        keys = sum(decoder.keys_read(context).values())
-        read = keys * cfg.n_kv_groups * 2 * cfg.head_dim * dtype.itemsize
-        cache = sum(c.nbytes() for c in decoder.caches) / model.max_seq_len / args.layers / batch
-        real = decode.cpu_attention.kernels
-        decode.cpu_attention.kernels = (lambda: None) if path == "pytorch" else real
-        try:
-            results[path] = (*timed(decoder, tokens[:, context:], args.steps), keys, read, cache)
-        finally:
-            decode.cpu_attention.kernels = real
-        del decoder
-    return results
+    first = Decoder(model)
+    if args.fill == "prefill":
+        first.prefill(tokens[:, :context])
+    else:
+        random_fill(first, batch, context, dtype)
+    decoders = [first] + [copy.deepcopy(first) for _ in range(copies - 1)]
+    keys = sum(first.keys_read(context).values())
+    read = keys * cfg.n_kv_groups * 2 * cfg.head_dim * dtype.itemsize
+    cache = sum(c.nbytes() for c in first.caches) / model.max_seq_len / args.layers / batch
+    return decoders, tokens[:, context:], (keys, read, cache)
+
+
+def run(args: argparse.Namespace, context: int, batch: int, dtype: torch.dtype
+        ) -> dict[str, tuple[float, float, int, float, float]]:
+    """{path: (tokens/s, attention seconds per layer and token, keys read per token and KV group, bytes of keys
+    and values read per token and layer, cache bytes per position and layer)}: NSA's C++ step ("cpp"), with
+    `--pytorch` its PyTorch step, and dense, timed in turn."""
+    nsa, nsa_tokens, nsa_counts = decoder("nsa", args, context, batch, dtype, 2 if args.pytorch else 1)
+    dense, dense_tokens, dense_counts = decoder("dense", args, context, batch, dtype)
+    paths = {"cpp": nsa[0], "dense": dense[0], **({"pytorch": nsa[1]} if args.pytorch else {})}
+    tokens = {"cpp": nsa_tokens, "pytorch": nsa_tokens, "dense": dense_tokens}
+    counts = {"cpp": nsa_counts, "pytorch": nsa_counts, "dense": dense_counts}
+    return {path: (*speed, *counts[path]) for path, speed in timed(paths, tokens, args.steps).items()}
 
 
 def main() -> None:
@@ -134,11 +148,9 @@ def main() -> None:
     for name in args.dtype:
         for batch in args.batch:
             for c in args.contexts:
-                dtype = getattr(torch, name)
-                nsa = run("nsa", args, c, batch, dtype)
-                dense = run("dense", args, c, batch, dtype)["dense"]
-                (tps, ms, keys, read, cache) = nsa["cpp"]
-                extra = f" [{1e3 * nsa['pytorch'][1]:.2f}]" if "pytorch" in nsa else ""
+                results = run(args, c, batch, getattr(torch, name))
+                dense, (tps, ms, keys, read, cache) = results["dense"], results["cpp"]
+                extra = f" [{1e3 * results['pytorch'][1]:.2f}]" if "pytorch" in results else ""
                 print(f"| {name} | {batch} | {c:,} | {tps:.1f} / {dense[0]:.1f} | {tps / dense[0]:.2f}x | "
                       f"{1e3 * ms:.3f}"
                       f"{extra} / {1e3 * dense[1]:.3f} | {dense[1] / ms:.2f}x | {keys:,} / {dense[2]:,} | "
