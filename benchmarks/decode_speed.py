@@ -5,16 +5,17 @@
 
 Models of M7C width (dim 768, 12 heads, 2 KV groups, head dim 64, M7C's vocabulary of 49,152; NSA l=32, d=16,
 l'=64, n=16, w=512) with `--layers` blocks and random weights, on the CPU, in each `--dtype` (the caches in
-it too): bring B = `--batch` rows to a context of C tokens, then time `--steps` single-token steps (after two
+it too): bring B = `--batch` rows to a context of C tokens, then time `--steps` single-token steps (after 16
 unmeasured ones) of NSA (its C++ decode step; with `--pytorch` also its PyTorch step) and of dense (SDPA over
-its cache), in turn: a step of each, then the next (the machine's drift falls on both alike). `--fill prefill` runs the prompt through the model; `--fill random` writes random keys and values
-of the right shapes into the caches instead (what a step reads is the same; long contexts fit in minutes).
+its cache), in turn: a step of each, then the next (the machine's drift falls on both alike). `--fill prefill`
+runs the prompt through the model; `--fill random` writes random keys and values of the right shapes into the
+caches instead (what a step reads is the same; long contexts fit in minutes).
 "Attention" is a layer's attention of the new token over its cache (`decode._attention`: for NSA a new
 compressed block where one completes, cmp, the top-n, sel, win and the gated mix; for dense SDPA over every
 key), without the projections in (q, keys, values, NSA's gates) and out. Keys read per token and KV group are
 counted from the cache layout (cmp + sel + win for NSA, all C for dense); the limit is the bytes of keys and
 values a token reads per layer, dense's over NSA's (the speed-up of a step bound by memory); the cache's bytes
-per position and layer are its buffers', allocated once for the declared maximum context (C + steps + 3).
+per position and layer are its buffers', allocated once for the declared maximum context (C + steps + 17).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from nsa_titan.models.transformer import NSAAttention, Transformer  # noqa: E402
 
 VOCAB = 49152
 """M7C's vocabulary (SmolLM2's tokenizer): the output layer a token's logits read."""
-WARMUP = 2
+WARMUP = 16
+"""Unmeasured steps first: d = 16 of them, so that a compression step is among them (its first call's costs)."""
 
 
 def random_fill(decoder: Decoder, batch: int, context: int, dtype: torch.dtype) -> None:
