@@ -104,12 +104,12 @@ class Compressor(nn.Module):
             return blocks.mean(-2)
         blocks = (blocks + self.pos.to(x.dtype)).flatten(-2)  # (B, Nc, G, l*D)
         if blocks.shape[:-1].numel() > FEW_ROWS or x.dtype != torch.float32:
-            return self.fc2(F.silu(self.fc1(blocks)))
-        # a decoding step's few float32 blocks: fc1 weight-major (rows as columns), which streams the weight at
-        # full bandwidth (the CPU's float32 rows x weight.T runs at half for a few rows; bfloat16's does not)
-        rows = blocks.reshape(-1, blocks.shape[-1])
-        hidden = torch.addmm(self.fc1.bias[:, None], self.fc1.weight, rows.T)  # (hidden, rows)
-        return self.fc2(F.silu(hidden.T)).view(*blocks.shape[:-1], -1)
+            hidden = self.fc1(blocks)
+        else:  # a decoding step's few float32 blocks: fc1 weight-major (rows as columns), which streams the weight
+            # at full bandwidth (the CPU's float32 rows x weight.T runs at half for a few rows; bfloat16's does not)
+            rows = blocks.reshape(-1, blocks.shape[-1])
+            hidden = torch.addmm(self.fc1.bias[:, None], self.fc1.weight, rows.T).T.view(*blocks.shape[:-1], -1)
+        return self.fc2(F.silu(hidden))
 
     def init_weights(self, std: float, gen: torch.Generator) -> None:
         if self.mlp:
