@@ -1,5 +1,5 @@
-"""The Triton family's kernels and the decode step's compiled for an H100 (sm_90) on a machine without a GPU:
-registers, spills, shared memory, blocks per SM.
+"""The Triton family's kernels and the decode step's (its compression's too) compiled for an H100 (sm_90) on a
+machine without a GPU: registers, spills, shared memory, blocks per SM.
 
     python benchmarks/triton_compile.py [--T 8192] [--dtypes bf16 fp16 fp32] [--arch 90]
 
@@ -29,11 +29,12 @@ from nsa_titan.models.attention import Documents, NSASpec  # noqa: E402
 from nsa_titan.models.attention.families.triton import (triton_decode, triton_nsa, triton_nsa_backward,  # noqa: E402
                                                          triton_nsa_sel)
 from nsa_titan.models.attention.families.triton import family  # noqa: E402
+from nsa_titan.models.transformer import Compressor  # noqa: E402
 
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 H, G, D = 12, 2, 64
 KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_win", "_fwd_mix"), triton_nsa_sel: ("_fwd_sel", "_bwd_sel_kv"),
-           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode",)}
+           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode", "_cmp_hidden", "_cmp_out")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.int32: "i32",
          torch.int64: "i64", torch.bool: "i1"}
@@ -43,7 +44,7 @@ REGISTERS, SHARED, BLOCKS = 65536, 228 * 1024, 32
 
 def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tuple[object, dict]]:
     """(kernel, its arguments by name, launch options included) of every launch of one forward and backward;
-    without documents, also of a decoding step at T cached positions (B 1)."""
+    without documents, also of a decoding step at T cached positions (B 1): its compression and its kernel."""
     calls = []
 
     class Recorder:
@@ -73,8 +74,11 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
                       torch.zeros(G, D, SPEC.w + 16, dtype=dtype), torch.zeros(G, SPEC.w + 16, D, dtype=dtype),
                       torch.zeros(G, SPEC.l, D, dtype=dtype), torch.zeros(G, SPEC.l, D, dtype=dtype)]
             new = [torch.zeros(1, 1, G, D, dtype=dtype)] * 6
-            triton_decode.decode_step(q[:, :1], gates[:, :1], caches, new, torch.full((1,), width),
-                                      torch.full((1,), T - 1), G, width, SPEC.w, SPEC.l, SPEC, Ns, SPEC.n)
+            t = torch.full((1,), T - 1)
+            phi = [Compressor(SPEC.l, SPEC.d, D, 4 * D, bias).to(dtype) for bias in (False, True)]
+            triton_decode.compress_step(*phi, tuple(caches[6:]), tuple(new[4:]), t, caches[0], caches[1], G)
+            triton_decode.decode_step(q[:, :1], gates[:, :1], caches, new, t, G, width, SPEC.w, SPEC.l, SPEC, Ns,
+                                      SPEC.n)
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)

@@ -207,6 +207,8 @@ def triton_decode_case(case: str) -> dict[str, float]:
     against the PyTorch step (`beyond_1e5`); `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
     a new document started by `reset`; `one-document` and `documents`, `batched_against_alone` with 12 new tokens
     at those sizes; with the Triton step's calls."""
+    if case == "compression":
+        return triton_compression()
     calls, real = [], decode._attend_last_triton
     decode._attend_last_triton = lambda *a: calls.append(1) or real(*a)
     decode.cpu_attention.kernels = lambda: None
@@ -232,7 +234,42 @@ def triton_decode_case(case: str) -> dict[str, float]:
     return {"reference": beyond_1e5(*logits), "calls": len(calls)}
 
 
-TRITON_CASES = ("m7c", "reset", "one-document", "documents")
+def triton_compression() -> dict[str, float]:
+    """The Triton compression step (`compress_step`) at M7C's sizes (l 32, d 16, head dim 64, 2 groups; the MLP
+    phi of 256 hidden units, and the mean) for 3 rows at positions whose block completes (the first block, the
+    81st) and does not: `beyond_1e5` of the written slots against the Compressor of each block's 32 keys, and
+    the written bytes elsewhere (must be 0)."""
+    from nsa_titan.models.attention.families.triton.triton_decode import compress_step
+
+    found, gen = {}, torch.Generator().manual_seed(0)
+    for phi in ("mlp", "mean"):
+        cfg = Model(attention="nsa", dim=768, n_layers=1, n_heads=12, n_kv_groups=2, head_dim=64, vocab_size=64,
+                    cmp_phi=phi)
+        model = Transformer(cfg, 2048)
+        model.init_weights(0)
+        attn, (B, G, D, L, d, Pc) = model.layers["0"].attention, (3, 2, 64, 32, 16, 128)
+        t = torch.tensor([L - 1, L - 1 + 80 * d, L + 3])  # rows 0 and 1 complete a block, row 2 does not
+        keys = [torch.randn(B, 1400, G, D, generator=gen) for _ in range(2)]  # each row's k_cmp, v_cmp
+        rings = [torch.zeros(B * G, L, D) for _ in range(2)]
+        for ring, x in zip(rings, keys):
+            for b in range(B):
+                p = torch.arange(max(0, int(t[b]) - L + 1), int(t[b]))  # the ring holds the positions before t
+                ring.view(B, G, L, D)[b, :, p % L] = x[b, p].transpose(0, 1)
+        kc, vc = torch.zeros(B * G, D, Pc), torch.zeros(B * G, Pc, D)
+        with torch.no_grad():
+            compress_step(attn.compress_k, attn.compress_v, tuple(rings),
+                          tuple(x[torch.arange(B), t][:, None] for x in keys), t, kc, vc, G)
+            for b, slot in ((0, 0), (1, 80)):
+                first = int(t[b]) - L + 1
+                want_k, want_v = attn.compress(keys[0][b:b + 1, first:first + L], keys[1][b:b + 1, first:first + L])
+                got_k, got_v = kc.view(B, G, D, Pc)[b, :, :, slot], vc.view(B, G, Pc, D)[b, :, slot]
+                found[f"{phi} row {b}"] = max(beyond_1e5(got_k, want_k[0, 0]), beyond_1e5(got_v, want_v[0, 0]))
+                kc.view(B, G, D, Pc)[b, :, :, slot], vc.view(B, G, Pc, D)[b, :, slot] = 0, 0
+        found[f"{phi} elsewhere"] = float(kc.abs().sum() + vc.abs().sum())
+    return found
+
+
+TRITON_CASES = ("m7c", "reset", "one-document", "documents", "compression")
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +282,15 @@ def triton_decode() -> dict[str, dict]:
 def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, case):
     """The Triton decode kernel (one launch a layer) equals the PyTorch step (fp32, 1e-5) at M7C's shapes and across
     a `reset`; 4 prompts of different lengths batched (with and without documents) equal each decoded alone and
-    the full forward."""
+    the full forward; its compression (two launches where a block completes) equals the Compressor (fp32, 1e-5)."""
     found = triton_decode[case]
+    if case == "compression":  # the compressed key and value where a block completes, nothing elsewhere
+        assert len(found) == 6 and found["mlp elsewhere"] == found["mean elsewhere"] == 0, found
+        assert max(found.values()) <= 1, found
+        return
     assert found.pop("calls") >= {"m7c": 20, "reset": 80}.get(case, 24), found
     assert max(found.values()) <= 1, found
+
 
 def test_the_cache_is_allocated_once_and_holds_little_more_than_dense_s():
     """Every buffer is allocated at the prefill for the declared maximum context and never again (the steps

@@ -4,7 +4,7 @@ The interpreter (tests/test_families.py) checks what the kernels compute; only T
 they build for a GPU (a kernel can run interpreted and not compile) and how they use its registers. Each kernel
 is launched by its wrapper at M7C's shape, recorded instead of run, compiled by Triton and assembled by the
 ptxas in the triton wheel for sm_90a: in bf16 and fp16, with and without documents, no kernel spills; so is the
-decode step's kernel (`triton_decode`).
+decode step's kernels (`triton_decode`: the step and its compression).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def compiled() -> list[dict]:
 
 def test_every_kernel_compiles_for_h100(compiled):
     assert {r["kernel"] for r in compiled} == {"_fwd_cmp", "_fwd_win", "_fwd_sel", "_fwd_mix", "_bwd_q", "_bwd_sel_kv",
-                                               "_bwd_kv (cmp)", "_bwd_kv (win)", "_decode"}
+                                               "_bwd_kv (cmp)", "_bwd_kv (win)", "_decode", "_cmp_hidden",
+                                               "_cmp_out"}
     assert {(r["dtype"], r["docs"]) for r in compiled} == {(d, x) for d in ("bf16", "fp16") for x in (False, True)}
 
 
@@ -46,9 +47,10 @@ def test_no_kernel_spills_registers(compiled):
 
 
 def test_products_run_on_tensor_cores_and_atomics_only_where_meant(compiled):
-    """Every kernel's products are tensor-core instructions (the gated sum has none). Atomics: the forward's counts
+    """Every kernel's products are tensor-core instructions (the gated sum and the compression's output, a row's
+    64 sums of 256 products, have none). Atomics: the forward's counts
     and slots of the inverse index, each key-gradient program's one add of its keys (sel's dQ rows are written)."""
-    assert {r["kernel"] for r in compiled if not r["tensor_cores"]} == {"_fwd_mix"}
+    assert {r["kernel"] for r in compiled if not r["tensor_cores"]} == {"_fwd_mix", "_cmp_out"}
     assert {r["kernel"] for r in compiled if r["atomics"]} == {"_fwd_cmp", "_fwd_win", "_bwd_sel_kv",
                                                                "_bwd_kv (cmp)", "_bwd_kv (win)"}
     assert not [r for r in compiled if r["ordered_atomics"]]  # every add relaxed: none orders memory

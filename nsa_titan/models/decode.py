@@ -50,7 +50,8 @@ class LayerCache:
     (B G, size + pad, D) (dense's too: SDPA's layout), `pads[name]` slots past the end of what a kernel reads
     (16 keys, or a block, at a time; finite, read masked). Each buffer is allocated once, at its first write, for
     the model's declared maximum context (no growth copies): a ring (`size` below that context) holds position
-    p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks. `get` shows a buffer as (B, S, G, D)."""
+    p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks (kept by the C++ and PyTorch steps; the
+    Triton kernels derive it from the position). `get` shows a buffer as (B, S, G, D)."""
 
     def __init__(self, sizes: dict[str, int], pads: dict[str, int] | None = None):
         self.sizes, self.pads = sizes, pads or {}
@@ -161,9 +162,9 @@ def _attend_last_triton(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor
     token's keys and values (`new`, by name) to the caches."""
     spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
     names = ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win", "k_cmp", "v_cmp")
-    return triton_decode.decode_step(q, gates, [b[name] for name in names], [new[name] for name in names[2:]],
-                                     cache.n_cmp, t, attn.n_groups, width, cache.sizes["k_win"], cache.sizes["k_cmp"],
-                                     spec, Ns, min(spec.n, Ns))
+    return triton_decode.decode_step(q, gates, [b[name] for name in names], [new[name] for name in names[2:]], t,
+                                     attn.n_groups, width, cache.sizes["k_win"], cache.sizes["k_cmp"], spec, Ns,
+                                     min(spec.n, Ns))
 
 
 def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
@@ -199,21 +200,23 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
         seen = None if min(at) == t_max else (torch.arange(t_max + 1, device=device) <= t[:, None])[:, None, None]
         o = F.scaled_dot_product_attention(q.view(B, G, -1, D), k, v, attn_mask=seen)
         return o.reshape(B, 1, -1, D)
-    spec = attn.spec
+    spec, width = attn.spec, attn.spec.num_cmp_blocks(t_max + 1)
+    # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys (the ring's).
+    completes = any(p >= spec.l - 1 and (p - spec.l + 1) % spec.d == 0 for p in at)
+    if new is not None:  # the Triton step: the ring's keys and the new ones into the slot t gives, then the branches
+        if completes:
+            triton_decode.compress_step(attn.compress_k, attn.compress_v, (cache.buffers["k_cmp"],
+                                        cache.buffers["v_cmp"]), (new["k_cmp"], new["v_cmp"]), t, cache.buffers["kc"],
+                                        cache.buffers["vc"], attn.n_groups)
+        return _attend_last_triton(attn, q, gates, cache, new, t, width, t_max)
     if cache.n_cmp is None:
         cache.n_cmp = torch.zeros_like(t)
-    # A row's compression block (t - l + 1) / d is complete at this token: compress its l keys (the ring's).
-    if any(p >= spec.l - 1 and (p - spec.l + 1) % spec.d == 0 for p in at):
-        if new is not None:  # the block's last raw keys, before the kernel appends them
-            for name in ("k_cmp", "v_cmp"):
-                cache.write(name, t, new[name])
+    if completes:
         first = t - spec.l + 1
         complete = (first >= 0) & (first % spec.d == 0)
         ring = (first[:, None] + torch.arange(spec.l, device=device)) % cache.sizes["k_cmp"]  # (B, l) in order
         cache.compressed(*attn.compress(_rows(cache.get("k_cmp"), ring), _rows(cache.get("v_cmp"), ring)), complete)
-    n_cmp, width = cache.n_cmp, spec.num_cmp_blocks(t_max + 1)
-    if new is not None:
-        return _attend_last_triton(attn, q, gates, cache, new, t, width, t_max)
+    n_cmp = cache.n_cmp
     if width > 0 and "kc" in cache.buffers and (kernels := _kernels(attn, q)) is not None:
         return _attend_last_cpp(attn, kernels, q, gates, cache, t, width, t_max)
     if width == 0 or "kc" not in cache.buffers:  # no complete compression block in any row yet

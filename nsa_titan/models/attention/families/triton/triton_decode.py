@@ -1,10 +1,12 @@
-"""The Triton decode step: a new token's whole NSA attention over the decoding caches in one launch a layer.
+"""The Triton decode step: a new token's whole NSA attention over the decoding caches in one launch a layer,
+and on the step a row's compression block completes, its compressed key and value in two more (`compress_step`).
 
 One program a (batch x KV group) row, the group's r query heads as the rows of one tile (padded to 16), over
 the caches as `models/decode.py` keeps them (the keys transposed (B G, D, P), the values (B G, P, D)); the
 products in the caches' dtype (fp32 exactly, bf16 / fp16 on the tensor cores), softmax and sums in fp32:
   append the new token's keys and values (sel's, the window's ring, the cmp raw keys' ring);
-  cmp   online softmax over the row's n_cmp compressed slots, BLOCK at a time; then one more pass writes
+  cmp   online softmax over the row's compressed slots (n_cmp, a function of t: (t + 1 - l) / d + 1 once
+        t + 1 >= l), BLOCK at a time; then one more pass writes
         each slot's probability summed over the heads to a scratch row (the block scores' input);
   top-n each sel block's score is the sum of its cmp members' (l/d + l'/d - 1 slots from j l'/d - l/d + 1),
         SCORES blocks at a time, into the scratch row after the slots; then all Ns of them at once: block 0
@@ -13,6 +15,9 @@ products in the caches' dtype (fp32 exactly, bf16 / fp16 on the tensor cores), s
   sel   the chosen blocks' l' keys up to the token, one online softmax across them;
   win   the ring of the last w keys (every slot up to min(t, ring - 1));
   mix   the gated sum, written in q's dtype.
+The compression (`_cmp_hidden`, `_cmp_out`): the MLP phi of the block's l keys (the cmp ring's l - 1 before t and
+the new one) with the rows (batch x group) as a tile's M, its hidden layer split over programs, then its output
+into the slot (t - l + 1) / d of each row whose block completes (the mean phi: one launch).
 No value comes back to the host and no shape depends on one: a step can be captured in a CUDA graph.
 Checked under TRITON_INTERPRET=1 against the reference step (tests/test_inference.py).
 """
@@ -37,6 +42,9 @@ SCORES = 128
 """sel blocks scored per step of a loop (their members' slots, a (SCORES, 8) tile at the paper's sizes)."""
 ROWS = 16
 """A tile's rows: the group's query heads, padded (tl.dot's least M)."""
+HIDDEN_BLOCK, INPUTS, PART = 32, 64, 256
+"""The compression's first layer: hidden units a program, inputs (of l x D) a step and a program's part of them
+(its partial sums added by the second kernel: many short programs, not a few long ones)."""
 WARPS = 4
 """Warps a program; twice as many for fp32 caches (their exact products spilled registers on sm_90 with 4)."""
 
@@ -51,25 +59,50 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
 
 
 def decode_step(q: torch.Tensor, gates: torch.Tensor, caches: list[torch.Tensor], new: list[torch.Tensor],
-                n_cmp: torch.Tensor, t: torch.Tensor, G: int, width: int, ring: int, ring_cmp: int, spec: NSASpec,
-                Ns: int, n: int) -> torch.Tensor:
+                t: torch.Tensor, G: int, width: int, ring: int, ring_cmp: int, spec: NSASpec, Ns: int, n: int
+                ) -> torch.Tensor:
     """q (B, 1, H, D), gates (B, 1, H, 3) fp32; caches kc, vc, k_sel, v_sel, k_win, v_win, k_cmp, v_cmp in the
     decoding layout (`models/decode.py`); the new token's k_sel, v_sel, k_win, v_win, k_cmp, v_cmp (B, 1, G, D),
-    appended first at t (B,) (the rings at t % ring, t % ring_cmp); n_cmp (B,) -> the attention output
-    (B, 1, H, D) in q's dtype: one launch."""
+    appended first at t (B,) (the rings at t % ring, t % ring_cmp) -> the attention output (B, 1, H, D) in q's
+    dtype: one launch."""
     B, _, H, D = q.shape
     kc, vc, ks, vs, kw, vw, kr, vr = caches
     q, gates = q.contiguous(), gates.contiguous()
     new = [_keys(x) for x in new]  # (b, g) rows of D
     scratch = q.new_empty(B * G, width + Ns, dtype=torch.float32)  # a row's slot probabilities, then block scores
     out = torch.empty_like(q)
-    _decode[(B * G,)](q, gates, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), n_cmp, t, scratch,
-                      out, kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n,
-                      D ** -0.5, G, width + Ns, R=H // G, D=D, LSEL=spec.l_sel, STRIDE=spec.l_sel // spec.d,
+    _decode[(B * G,)](q, gates, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, scratch, out,
+                      kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n, D ** -0.5, G,
+                      width + Ns, R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel, STRIDE=spec.l_sel // spec.d,
                       BEFORE=spec.l // spec.d - 1, MEMBERS=_pow2(spec.l_sel // spec.d + spec.l // spec.d - 1),
                       NS=_pow2(Ns), N=spec.n, ROWS=ROWS, BLOCK=BLOCK, SCORES=SCORES,
                       num_warps=2 * WARPS if kc.dtype == torch.float32 else WARPS)
     return out
+
+
+def compress_step(phi_k: torch.nn.Module, phi_v: torch.nn.Module, rings: tuple[torch.Tensor, torch.Tensor],
+                  new: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, G: int
+                  ) -> None:
+    """The compressed key and value (by the Compressors `phi_k`, `phi_v`) of each row whose block (t - l + 1) / d
+    completes at t (B,), into that slot of kc (B G, D, Pc) and vc (B G, Pc, D); the block's keys: the cmp rings'
+    (B G, ring, D) l - 1 before t, then the new k_cmp, v_cmp (B, 1, G, D). Other rows are left as they are. Two
+    launches (the mean phi: one)."""
+    L, Dd, D = phi_k.l, phi_k.d, kc.shape[1]
+    BG, ring = kc.shape[0], rings[0].shape[1]
+    nk, nv = (_keys(x) for x in new)
+    hidden, parts = (phi_k.fc1.weight.shape[0], triton.cdiv(L * D, PART)) if phi_k.mlp else (1, 1)
+    H = kc.new_empty(2, parts, BG, hidden, dtype=torch.float32)  # fc1's partial sums
+    if phi_k.mlp:
+        _cmp_hidden[(2 * parts, triton.cdiv(hidden, HIDDEN_BLOCK), triton.cdiv(BG, ROWS))](
+            *rings, nk, nv, nk.stride(0), nv.stride(0), phi_k.pos, phi_v.pos, phi_k.fc1.weight, phi_v.fc1.weight, t,
+            H, BG, G, ring, hidden, L=L, DD=Dd, D=D, HB=HIDDEN_BLOCK, KB=INPUTS, PART=PART, RT=ROWS,
+            EXACT=kc.dtype == torch.float32)
+    # fc1's biases, fc2's weights and the value's fc2 bias (the key's has none: `NSAAttention`); the mean: none
+    weights = (phi_k.fc1.bias, phi_v.fc1.bias, phi_k.fc2.weight, phi_v.fc2.weight) if phi_k.mlp else (H,) * 4
+    b2v = phi_v.fc2.bias if phi_k.mlp else None
+    _cmp_out[(2, BG)](H, *weights, H if b2v is None else b2v, *rings, nk, nv, nk.stride(0), nv.stride(0), kc, vc, t,
+                      BG, G, ring, kc.shape[2], hidden, parts, L=L, LP=_pow2(L), DD=Dd, D=D, HP=_pow2(hidden),
+                      MLP=phi_k.mlp, V_BIAS=b2v is not None)
 
 
 if triton is not None:
@@ -102,14 +135,14 @@ if triton is not None:
 
     @triton.jit
     def _decode(Q, GATE, KC, VC, KS, VS, KW, VW, KR, VR, NKS, NVS, NKW, NVW, NKR, NVR, snks, snvs, snkw, snvw, snkr,
-                snvr, NCMP, TPOS, SCR, OUT, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
-                R: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr, STRIDE: tl.constexpr, BEFORE: tl.constexpr,
-                MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                SCORES: tl.constexpr):
+                snvr, TPOS, SCR, OUT, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
+                R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, DD: tl.constexpr, LSEL: tl.constexpr,
+                STRIDE: tl.constexpr, BEFORE: tl.constexpr, MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr):
         bg = tl.program_id(0).to(tl.int64)
         b = bg // G
         t = tl.load(TPOS + b)
-        n_cmp = tl.load(NCMP + b)
+        n_cmp = tl.where(t + 1 >= L, (t + 1 - L) // DD + 1, 0)
         rows, dims, cols = tl.arange(0, ROWS), tl.arange(0, D), tl.arange(0, BLOCK)
         heads = rows < R
         # append the new token's keys and values: sel's at t, the window's and the cmp raw keys' rings
@@ -170,3 +203,77 @@ if triton is not None:
         out += tl.load(gate + 1, mask=heads, other=0.0)[:, None] * acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
         out += tl.load(gate + 2, mask=heads, other=0.0)[:, None] * acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
         tl.store(OUT + (bg * R + rows[:, None]) * D + dims[None, :], out.to(OUT.dtype.element_ty), mask=heads[:, None])
+
+    @triton.jit
+    def _block_keys(RING, NEW, sn, rows, b, g, first, ring, j, dd, live, L: tl.constexpr, D: tl.constexpr):
+        """Key j (< L) of each row's block from `first`, dimension dd: the ring's for j < L - 1, else the new one."""
+        old = tl.load(RING + (rows * ring + (first + j) % ring) * D + dd, mask=live & (j < L - 1), other=0.0)
+        return old + tl.load(NEW + b * sn + g * D + dd, mask=live & (j == L - 1), other=0.0)
+
+    @triton.jit
+    def _cmp_hidden(KR, VR, NK, NV, snk, snv, POSK, POSV, W1K, W1V, TPOS, H, BG, G, ring, hidden, L: tl.constexpr,
+                    DD: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, KB: tl.constexpr, PART: tl.constexpr,
+                    RT: tl.constexpr, EXACT: tl.constexpr):
+        """fc1(block + pos) of RT rows' blocks (keys: even programs, values: odd) for HB hidden units over one PART
+        of the inputs, into H (the rows whose block completes; the others read nothing)."""
+        kv, part, h0 = tl.program_id(0) % 2, tl.program_id(0) // 2, tl.program_id(1) * HB
+        rows = tl.program_id(2) * RT + tl.arange(0, RT)
+        b, g = rows // G, rows % G
+        first = tl.load(TPOS + b, mask=rows < BG, other=0) - L + 1
+        live = (rows < BG) & (first >= 0) & (first % DD == 0)
+        hid = h0 + tl.arange(0, HB)
+        acc = tl.zeros([RT, HB], dtype=tl.float32)
+        for f0 in range(part * PART, part * PART + PART, KB):
+            f = f0 + tl.arange(0, KB)
+            j, dd = f // D, f % D
+            ok = live[:, None] & (f[None, :] < L * D)
+            w_ok = (hid[None, :] < hidden) & (f[:, None] < L * D)
+            if kv == 0:
+                x = _block_keys(KR, NK, snk, rows[:, None], b[:, None], g[:, None], first[:, None], ring, j[None, :],
+                                dd[None, :], ok, L, D) + tl.load(POSK + f, mask=f < L * D, other=0.0)[None, :]
+                w = tl.load(W1K + hid[None, :] * (L * D) + f[:, None], mask=w_ok, other=0.0)  # fc1's weight, (KB, HB)
+            else:
+                x = _block_keys(VR, NV, snv, rows[:, None], b[:, None], g[:, None], first[:, None], ring, j[None, :],
+                                dd[None, :], ok, L, D) + tl.load(POSV + f, mask=f < L * D, other=0.0)[None, :]
+                w = tl.load(W1V + hid[None, :] * (L * D) + f[:, None], mask=w_ok, other=0.0)
+            acc += _dot(x.to(w.dtype), w, EXACT)
+        parts = tl.num_programs(0) // 2
+        tl.store(H + ((kv * parts + part) * BG + rows[:, None]) * hidden + hid[None, :], acc,
+                 mask=live[:, None] & (hid[None, :] < hidden))
+
+    @triton.jit
+    def _cmp_out(H, B1K, B1V, W2K, W2V, B2V, KR, VR, NK, NV, snk, snv, KC, VC, TPOS, BG, G, ring, Pc, hidden, parts,
+                 L: tl.constexpr, LP: tl.constexpr, DD: tl.constexpr, D: tl.constexpr, HP: tl.constexpr,
+                 MLP: tl.constexpr, V_BIAS: tl.constexpr):
+        """A row's compressed key (program 0) or value (1) where its block completes: fc2(silu(fc1)) (fc1's parts
+        added, + its bias; + the value's fc2 bias), each layer's output in the weights' dtype, or the mean of its
+        keys; the keys into KC transposed, the values into VC."""
+        kv, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        b, g = row // G, row % G
+        first = tl.load(TPOS + b) - L + 1
+        if (first >= 0) & (first % DD == 0):
+            dims = tl.arange(0, D)
+            if MLP:
+                hid = tl.arange(0, HP)
+                z = tl.load((B1K if kv == 0 else B1V) + hid, mask=hid < hidden, other=0.0).to(tl.float32)
+                for part in range(parts):
+                    z += tl.load(H + ((kv * parts + part) * BG + row) * hidden + hid, mask=hid < hidden, other=0.0)
+                W2 = W2K if kv == 0 else W2V
+                z = z.to(W2.dtype.element_ty).to(tl.float32)
+                h = (z / (1 + tl.exp(-z))).to(W2.dtype.element_ty).to(tl.float32)  # silu
+                w = tl.load(W2 + dims[:, None] * hidden + hid[None, :], mask=hid[None, :] < hidden, other=0.0)
+                y = tl.sum(w.to(tl.float32) * h[None, :], 1)
+                if V_BIAS & (kv == 1):
+                    y += tl.load(B2V + dims).to(tl.float32)
+            else:
+                j = tl.arange(0, LP)[:, None]
+                ok = j < L
+                if kv == 0:
+                    x = _block_keys(KR, NK, snk, row, b, g, first, ring, j, dims[None, :], ok, L, D)
+                else:
+                    x = _block_keys(VR, NV, snv, row, b, g, first, ring, j, dims[None, :], ok, L, D)
+                y = tl.sum(x.to(tl.float32), 0) / L
+            if kv == 0:
+                tl.store(KC + (row * D + dims) * Pc + first // DD, y.to(KC.dtype.element_ty))  # keys transposed
+            else:
+                tl.store(VC + (row * Pc + first // DD) * D + dims, y.to(VC.dtype.element_ty))
