@@ -195,7 +195,7 @@ def main() -> None:
     counts, ops = decode_launches(*decode_state(8192, layers), steps)
     kinds = ", ".join(f"{n} {k}" for k, n in collections.Counter(ops).most_common())
     print(f"\nDecoding (Triton decode step, {layers} M7C layers, bf16, {steps} steps from 8,192 tokens): "
-          f"{dict(counts)}, {len(ops)} ATen ops ({kinds}): {(sum(counts.values()) + len(ops)) / layers / steps:.2f} "
+          f"{dict(counts)}, {len(ops)} ATen ops ({kinds}): {(sum(counts.values()) + len(ops)) / layers / steps:.3f} "
           "launches per layer per step")
 
 
