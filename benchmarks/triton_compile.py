@@ -77,8 +77,8 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
             t = torch.full((1,), T - 1)
             phi = [Compressor(SPEC.l, SPEC.d, D, 4 * D, bias).to(dtype) for bias in (False, True)]
             triton_decode.compress_step(*phi, tuple(caches[6:]), tuple(new[4:]), t, caches[0], caches[1], G)
-            triton_decode.decode_step(q[:, :1], gates[:, :1], caches, new, t, G, width, SPEC.w, SPEC.l, SPEC, Ns,
-                                      SPEC.n)
+            triton_decode.decode_step(q[:, :1], gates[:, :1], caches, new, t, torch.zeros(G, dtype=torch.int32), G,
+                                      width, SPEC.w, SPEC.l, SPEC, Ns, SPEC.n)
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)

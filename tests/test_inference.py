@@ -204,7 +204,7 @@ def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
 def triton_decode_case(case: str) -> dict[str, float]:
     """One check of the Triton decode step, interpreted (run in a fresh process under TRITON_INTERPRET=1: Triton
     decides at definition), the C++ step off and the prompts by the C++ family: `m7c`, 20 steps at M7C's shapes
-    against the PyTorch step (`beyond_1e5`); `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
+    against the PyTorch step (`beyond_1e5`), the compressed slots cut into several parts; `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
     a new document started by `reset`; `one-document` and `documents`, `batched_against_alone` with 12 new tokens
     at those sizes; with the Triton step's calls."""
     if case == "compression":
@@ -212,6 +212,8 @@ def triton_decode_case(case: str) -> dict[str, float]:
     calls, real = [], decode._attend_last_triton
     decode._attend_last_triton = lambda *a: calls.append(1) or real(*a)
     decode.cpu_attention.kernels = lambda: None
+    if case in ("m7c", "documents"):  # the compressed slots in parts of 16 (6 at M7C here) or 4, 4 or 2 combined a step
+        decode.triton_decode.CMP_PART, decode.triton_decode.COMBINE = (16, 4) if case == "m7c" else (4, 2)
     cpp = FAMILIES["cpp"]()
     if case in ("one-document", "documents"):
         return {**batched_against_alone(small_model("nsa", cpp, sel_block_size=16), case == "documents", 12),

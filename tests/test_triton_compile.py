@@ -49,8 +49,11 @@ def test_no_kernel_spills_registers(compiled):
 def test_products_run_on_tensor_cores_and_atomics_only_where_meant(compiled):
     """Every kernel's products are tensor-core instructions (the gated sum and the compression's output, a row's
     64 sums of 256 products, have none). Atomics: the forward's counts
-    and slots of the inverse index, each key-gradient program's one add of its keys (sel's dQ rows are written)."""
+    and slots of the inverse index, each key-gradient program's one add of its keys (sel's dQ rows are written);
+    the decode step's one count of a part's arrival, the only ordered one (its stores before, the last part's loads
+    after)."""
     assert {r["kernel"] for r in compiled if not r["tensor_cores"]} == {"_fwd_mix", "_cmp_out"}
     assert {r["kernel"] for r in compiled if r["atomics"]} == {"_fwd_cmp", "_fwd_win", "_bwd_sel_kv",
-                                                               "_bwd_kv (cmp)", "_bwd_kv (win)"}
-    assert not [r for r in compiled if r["ordered_atomics"]]  # every add relaxed: none orders memory
+                                                               "_bwd_kv (cmp)", "_bwd_kv (win)", "_decode"}
+    ordered = {(r["kernel"], r["atomics"], r["ordered_atomics"]) for r in compiled if r["ordered_atomics"]}
+    assert ordered == {("_decode", 1, 1)}, ordered  # the training kernels' adds relaxed: none orders memory

@@ -58,6 +58,7 @@ class LayerCache:
         self.buffers: dict[str, torch.Tensor] = {}
         self.shape: tuple[int, int, int] = (0, 0, 0)  # B, G, D
         self.n_cmp: torch.Tensor | None = None
+        self.arrivals: torch.Tensor | None = None  # (B G,) int32 zeros: the Triton step's count of a row's parts
 
     def allocate(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer of `name`, made for entries like (B, S, G, D) (zeros: unwritten slots are read masked)."""
@@ -66,6 +67,8 @@ class LayerCache:
             self.shape = (B, G, D)
             slots = self.sizes[name] + self.pads.get(name, 0)
             self.buffers[name] = like.new_zeros((B * G, D, slots) if name in TRANSPOSED else (B * G, slots, D))
+            if self.arrivals is None:
+                self.arrivals = torch.zeros(B * G, dtype=torch.int32, device=like.device)
         return self.get(name)
 
     def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:
@@ -163,8 +166,8 @@ def _attend_last_triton(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor
     spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
     names = ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win", "k_cmp", "v_cmp")
     return triton_decode.decode_step(q, gates, [b[name] for name in names], [new[name] for name in names[2:]], t,
-                                     attn.n_groups, width, cache.sizes["k_win"], cache.sizes["k_cmp"], spec, Ns,
-                                     min(spec.n, Ns))
+                                     cache.arrivals, attn.n_groups, width, cache.sizes["k_win"], cache.sizes["k_cmp"],
+                                     spec, Ns, min(spec.n, Ns))
 
 
 def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:

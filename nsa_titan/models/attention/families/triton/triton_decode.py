@@ -1,20 +1,23 @@
 """The Triton decode step: a new token's whole NSA attention over the decoding caches in one launch a layer,
 and on the step a row's compression block completes, its compressed key and value in two more (`compress_step`).
 
-One program a (batch x KV group) row, the group's r query heads as the rows of one tile (padded to 16), over
-the caches as `models/decode.py` keeps them (the keys transposed (B G, D, P), the values (B G, P, D)); the
-products in the caches' dtype (fp32 exactly, bf16 / fp16 on the tensor cores), softmax and sums in fp32:
-  append the new token's keys and values (sel's, the window's ring, the cmp raw keys' ring);
-  cmp   online softmax over the row's compressed slots (n_cmp, a function of t: (t + 1 - l) / d + 1 once
-        t + 1 >= l), BLOCK at a time; then one more pass writes
-        each slot's probability summed over the heads to a scratch row (the block scores' input);
+Programs (a (batch x KV group) row, a part of its compressed slots), the group's r query heads as the rows of one
+tile (padded to 16), over the caches as `models/decode.py` keeps them (the keys transposed (B G, D, P), the values
+(B G, P, D)); the products in the caches' dtype (fp32 exactly, bf16 / fp16 on the tensor cores), softmax and sums
+in fp32. Every part:
+  cmp   online softmax over its CMP_PART compressed slots (of the row's n_cmp, a function of t: (t + 1 - l) / d + 1
+        once t + 1 >= l), BLOCK at a time, into a scratch state; its slots' scores (a head a row) into a scratch
+        row; part 0 first appends the new token's keys and values (sel's, the window's ring, the cmp raw keys'
+        ring). Then it counts itself in (an atomic add); the row's last part to arrive runs the rest:
+  cmp   the parts' states combined, COMBINE at a time; each slot's probability summed over the heads (PROBS
+        slots a step) into a scratch row (the block scores' input);
   top-n each sel block's score is the sum of its cmp members' (l/d + l'/d - 1 slots from j l'/d - l/d + 1),
         SCORES blocks at a time, into the scratch row after the slots; then all Ns of them at once: block 0
         and the two local blocks forced, blocks past the token none; n rounds of an argmax (ties to the lower
         block, as a stable descending sort);
   sel   the chosen blocks' l' keys up to the token, one online softmax across them;
   win   the ring of the last w keys (every slot up to min(t, ring - 1));
-  mix   the gated sum, written in q's dtype.
+  mix   the gated sum, written in q's dtype; and the row's arrival count back to 0 for the next step.
 The compression (`_cmp_hidden`, `_cmp_out`): the MLP phi of the block's l keys (the cmp ring's l - 1 before t and
 the new one) with the rows (batch x group) as a tile's M, its hidden layer split over programs, then its output
 into the slot (t - l + 1) / d of each row whose block completes (the mean phi: one launch).
@@ -38,6 +41,12 @@ except ImportError:  # optional: CPU machines decode with the C++ kernels
 
 BLOCK = 64
 """cmp slots and win keys per step of a loop."""
+CMP_PART = 256
+"""Compressed slots a program of the decode step (a part) attends to."""
+COMBINE = 4
+"""Parts' states combined a step."""
+PROBS = 256
+"""Slots a step of the probabilities' pass."""
 SCORES = 128
 """sel blocks scored per step of a loop (their members' slots, a (SCORES, 8) tile at the paper's sizes)."""
 ROWS = 16
@@ -59,24 +68,28 @@ def problem(device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_g
 
 
 def decode_step(q: torch.Tensor, gates: torch.Tensor, caches: list[torch.Tensor], new: list[torch.Tensor],
-                t: torch.Tensor, G: int, width: int, ring: int, ring_cmp: int, spec: NSASpec, Ns: int, n: int
-                ) -> torch.Tensor:
+                t: torch.Tensor, arrivals: torch.Tensor, G: int, width: int, ring: int, ring_cmp: int, spec: NSASpec,
+                Ns: int, n: int) -> torch.Tensor:
     """q (B, 1, H, D), gates (B, 1, H, 3) fp32; caches kc, vc, k_sel, v_sel, k_win, v_win, k_cmp, v_cmp in the
     decoding layout (`models/decode.py`); the new token's k_sel, v_sel, k_win, v_win, k_cmp, v_cmp (B, 1, G, D),
-    appended first at t (B,) (the rings at t % ring, t % ring_cmp) -> the attention output (B, 1, H, D) in q's
-    dtype: one launch."""
+    appended first at t (B,) (the rings at t % ring, t % ring_cmp); `arrivals` (B G,) int32, zeros (left zeros)
+    -> the attention output (B, 1, H, D) in q's dtype: one launch."""
     B, _, H, D = q.shape
     kc, vc, ks, vs, kw, vw, kr, vr = caches
     q, gates = q.contiguous(), gates.contiguous()
     new = [_keys(x) for x in new]  # (b, g) rows of D
+    parts = triton.cdiv(max(width, 1), CMP_PART)
+    states = q.new_empty(B * G, parts, ROWS, D + 2, dtype=torch.float32)  # a part's acc, m, l
+    scores = q.new_empty(B * G, ROWS, width, dtype=torch.float32)  # each head's slot scores
     scratch = q.new_empty(B * G, width + Ns, dtype=torch.float32)  # a row's slot probabilities, then block scores
     out = torch.empty_like(q)
-    _decode[(B * G,)](q, gates, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, scratch, out,
-                      kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n, D ** -0.5, G,
-                      width + Ns, R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel, STRIDE=spec.l_sel // spec.d,
-                      BEFORE=spec.l // spec.d - 1, MEMBERS=_pow2(spec.l_sel // spec.d + spec.l // spec.d - 1),
-                      NS=_pow2(Ns), N=spec.n, ROWS=ROWS, BLOCK=BLOCK, SCORES=SCORES,
-                      num_warps=2 * WARPS if kc.dtype == torch.float32 else WARPS)
+    _decode[(B * G, parts)](
+        q, gates, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, states, scores, arrivals,
+        scratch, out, kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n, D ** -0.5, G,
+        width + Ns, R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel, STRIDE=spec.l_sel // spec.d,
+        BEFORE=spec.l // spec.d - 1, MEMBERS=_pow2(spec.l_sel // spec.d + spec.l // spec.d - 1), NS=_pow2(Ns),
+        N=spec.n, ROWS=ROWS, BLOCK=BLOCK, CP=CMP_PART, PC=COMBINE, PROBS=PROBS, SCORES=SCORES,
+        num_warps=2 * WARPS if kc.dtype == torch.float32 else WARPS)
     return out
 
 
@@ -135,41 +148,78 @@ if triton is not None:
 
     @triton.jit
     def _decode(Q, GATE, KC, VC, KS, VS, KW, VW, KR, VR, NKS, NVS, NKW, NVW, NKR, NVR, snks, snvs, snkw, snvw, snkr,
-                snvr, TPOS, SCR, OUT, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
+                snvr, TPOS, ST, LG, ARRIVALS, SCR, OUT, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
                 R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, DD: tl.constexpr, LSEL: tl.constexpr,
                 STRIDE: tl.constexpr, BEFORE: tl.constexpr, MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK: tl.constexpr, SCORES: tl.constexpr):
-        bg = tl.program_id(0).to(tl.int64)
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, PC: tl.constexpr, PROBS: tl.constexpr,
+                SCORES: tl.constexpr):
+        bg, part, parts = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
         b = bg // G
         t = tl.load(TPOS + b)
         n_cmp = tl.where(t + 1 >= L, (t + 1 - L) // DD + 1, 0)
         rows, dims, cols = tl.arange(0, ROWS), tl.arange(0, D), tl.arange(0, BLOCK)
         heads = rows < R
-        # append the new token's keys and values: sel's at t, the window's and the cmp raw keys' rings
-        g = bg % G
-        tw, tr = t % ring, t % ring_cmp
-        tl.store(KS + bg * D * Ps + dims * Ps + t, tl.load(NKS + b * snks + g * D + dims))
-        tl.store(VS + (bg * Ps + t) * D + dims, tl.load(NVS + b * snvs + g * D + dims))
-        tl.store(KW + bg * D * Pw + dims * Pw + tw, tl.load(NKW + b * snkw + g * D + dims))
-        tl.store(VW + (bg * Pw + tw) * D + dims, tl.load(NVW + b * snvw + g * D + dims))
-        tl.store(KR + (bg * Pr + tr) * D + dims, tl.load(NKR + b * snkr + g * D + dims))
-        tl.store(VR + (bg * Pr + tr) * D + dims, tl.load(NVR + b * snvr + g * D + dims))
-        tl.debug_barrier()  # written by some threads, read by all
+        if part == 0:  # append the new token's keys and values: sel's at t, the window's and the cmp raw keys' rings
+            g = bg % G
+            tw, tr = t % ring, t % ring_cmp
+            tl.store(KS + bg * D * Ps + dims * Ps + t, tl.load(NKS + b * snks + g * D + dims))
+            tl.store(VS + (bg * Ps + t) * D + dims, tl.load(NVS + b * snvs + g * D + dims))
+            tl.store(KW + bg * D * Pw + dims * Pw + tw, tl.load(NKW + b * snkw + g * D + dims))
+            tl.store(VW + (bg * Pw + tw) * D + dims, tl.load(NVW + b * snvw + g * D + dims))
+            tl.store(KR + (bg * Pr + tr) * D + dims, tl.load(NKR + b * snkr + g * D + dims))
+            tl.store(VR + (bg * Pr + tr) * D + dims, tl.load(NVR + b * snvr + g * D + dims))
         q = tl.load(Q + (bg * R + rows[:, None]) * D + dims[None, :], mask=heads[:, None], other=0.0)
         q = (q.to(tl.float32) * scale).to(KC.dtype.element_ty)  # the products in the caches' dtype
         EXACT: tl.constexpr = KC.dtype.element_ty == tl.float32
         zero, start = tl.zeros([ROWS, D], dtype=tl.float32), tl.full([ROWS], -1e30, dtype=tl.float32)
-        # cmp, then each slot's probability summed over the heads
+        # cmp over this part's slots: its state, and its slots' scores
         KT, V = KC + bg * D * Pc, VC + bg * Pc * D
-        acc_c, m_c, l_c = _run(q, KT, V, Pc, 0, width, n_cmp - 1, zero, start, tl.zeros([ROWS], dtype=tl.float32),
-                               D, BLOCK, EXACT)
-        for j in range(0, width, BLOCK):
+        acc, m, l = _run(q, KT, V, Pc, part * CP, CP, n_cmp - 1, zero, start, tl.zeros([ROWS], dtype=tl.float32), D,
+                         BLOCK, EXACT)
+        for j in range(part * CP, part * CP + CP, BLOCK):
             pos = j + cols
-            ok = pos < n_cmp
+            ok = (pos < n_cmp) & (pos < part * CP + CP)
             k = tl.load(KT + dims[:, None] * Pc + pos[None, :], mask=ok[None, :], other=0.0)
-            s = tl.where(ok[None, :] & heads[:, None], _dot(q, k, EXACT), float("-inf"))
-            p = tl.exp(s - m_c[:, None]) / tl.where(l_c > 0, l_c, 1.0)[:, None]
-            tl.store(SCR + bg * SW + pos, tl.sum(p, 0), mask=pos < width)
+            tl.store(LG + (bg * ROWS + rows[:, None]) * width + pos[None, :], _dot(q, k, EXACT), mask=ok[None, :])
+        state = ST + (bg * parts + part) * ROWS * (D + 2)
+        tl.store(state + rows[:, None] * D + dims[None, :], acc)
+        tl.store(state + ROWS * D + rows, m)
+        tl.store(state + ROWS * D + ROWS + rows, l)
+        tl.debug_barrier()  # every thread's stores made before the part counts itself in (acq_rel, gpu scope)
+        if tl.atomic_add(ARRIVALS + bg, 1) == parts - 1:  # the row's last part: the rest of the step
+            tl.store(ARRIVALS + bg, 0)
+            _finish(GATE, KS, VS, KW, VW, ST, LG, SCR, OUT, Ps, Pw, width, ring, Ns, n, bg, t, n_cmp, parts, SW, q, R,
+                    D, LSEL, STRIDE, BEFORE, MEMBERS, NS, N, ROWS, BLOCK, PC, PROBS, SCORES, EXACT)
+
+    @triton.jit
+    def _finish(GATE, KS, VS, KW, VW, ST, LG, SCR, OUT, Ps, Pw, width, ring, Ns, n, bg, t, n_cmp, parts, SW, q,
+                R: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr, STRIDE: tl.constexpr, BEFORE: tl.constexpr,
+                MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                PC: tl.constexpr, PROBS: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr):
+        """The step after every part's cmp: the parts combined, the slot probabilities, top-n, sel, win, mix."""
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
+        heads = rows < R
+        zero, start = tl.zeros([ROWS, D], dtype=tl.float32), tl.full([ROWS], -1e30, dtype=tl.float32)
+        acc_c, m_c, l_c = zero, start, tl.zeros([ROWS], dtype=tl.float32)
+        for p0 in range(0, parts, PC):  # the parts' states, online
+            ps = p0 + tl.arange(0, PC)
+            state = ST + (bg * parts + ps[:, None]) * ROWS * (D + 2)  # (PC, 1)
+            live = (ps < parts)[:, None]
+            m_p = tl.load(state + ROWS * D + rows[None, :], mask=live, other=-1e30)  # (PC, ROWS)
+            l_p = tl.load(state + ROWS * D + ROWS + rows[None, :], mask=live, other=0.0)
+            a_p = tl.load(state[:, :, None] + rows[None, :, None] * D + dims[None, None, :], mask=live[:, :, None],
+                          other=0.0)  # (PC, ROWS, D)
+            m_new = tl.maximum(m_c, tl.max(m_p, 0))
+            alpha, w = tl.exp(m_c - m_new), tl.exp(m_p - m_new[None, :])
+            l_c = l_c * alpha + tl.sum(l_p * w, 0)
+            acc_c = acc_c * alpha[:, None] + tl.sum(a_p * w[:, :, None], 0)
+            m_c = m_new
+        inv = 1.0 / tl.where(l_c > 0, l_c, 1.0)
+        for j in range(0, width, PROBS):  # each slot's probability summed over the heads
+            pos = j + tl.arange(0, PROBS)
+            s = tl.load(LG + (bg * ROWS + rows[:, None]) * width + pos[None, :],
+                        mask=heads[:, None] & (pos < n_cmp)[None, :], other=float("-inf"))
+            tl.store(SCR + bg * SW + pos, tl.sum(tl.exp(s - m_c[:, None]) * inv[:, None], 0), mask=pos < width)
         tl.debug_barrier()  # the scratch row, written by every thread, read by every thread
         # the block scores, SCORES blocks at a time into the scratch row after the slots, then the top-n
         jt = t // LSEL
@@ -199,7 +249,7 @@ if triton is not None:
                                start, tl.zeros([ROWS], dtype=tl.float32), D, BLOCK, EXACT)
         # the gated sum: a branch with no key gives 0
         gate = GATE + (bg * R + rows) * 3
-        out = tl.load(gate, mask=heads, other=0.0)[:, None] * acc_c / tl.where(l_c > 0, l_c, 1.0)[:, None]
+        out = tl.load(gate, mask=heads, other=0.0)[:, None] * acc_c * inv[:, None]
         out += tl.load(gate + 1, mask=heads, other=0.0)[:, None] * acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
         out += tl.load(gate + 2, mask=heads, other=0.0)[:, None] * acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
         tl.store(OUT + (bg * R + rows[:, None]) * D + dims[None, :], out.to(OUT.dtype.element_ty), mask=heads[:, None])
