@@ -34,7 +34,7 @@ from nsa_titan.models.transformer import Compressor  # noqa: E402
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 H, G, D = 12, 2, 64
 KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_win", "_fwd_mix"), triton_nsa_sel: ("_fwd_sel", "_bwd_sel_kv"),
-           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode", "_cmp_hidden", "_cmp_out")}
+           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode", "_decode_sel_win", "_cmp_hidden", "_cmp_out")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.int32: "i32",
          torch.int64: "i64", torch.bool: "i1"}
@@ -77,7 +77,7 @@ def recorded_launches(dtype: torch.dtype, docs: bool, T: int = 8192) -> list[tup
             t = torch.full((1,), T - 1)
             phi = [Compressor(SPEC.l, SPEC.d, D, 4 * D, bias).to(dtype) for bias in (False, True)]
             triton_decode.compress_step(*phi, tuple(caches[6:]), tuple(new[4:]), t, caches[0], caches[1], G)
-            triton_decode.decode_step(q[:, :1], gates[:, :1], caches, new, t, torch.zeros(G, dtype=torch.int32), G,
+            triton_decode.decode_step(q[:, :1], gates[:, :1], caches, new, t, torch.zeros(G, 2, dtype=torch.int32), G,
                                       width, SPEC.w, SPEC.l, SPEC, Ns, SPEC.n)
     finally:
         for (module, name), fn in saved.items():

@@ -45,7 +45,7 @@ from decode_speed import random_fill  # noqa: E402
 SPEC = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 G, R, D = 2, 6, 64  # M7C: 12 heads in 2 KV groups, head dim 64
 KERNELS = {triton_nsa: ("_fwd_cmp", "_fwd_win", "_fwd_mix"), triton_nsa_sel: ("_fwd_sel", "_bwd_sel_kv"),
-           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode", "_cmp_hidden", "_cmp_out")}
+           triton_nsa_backward: ("_bwd_q", "_bwd_kv"), triton_decode: ("_decode", "_decode_sel_win", "_cmp_hidden", "_cmp_out")}
 METADATA = {"detach", "view", "transpose", "slice", "expand", "_unsafe_view", "select", "unsqueeze", "squeeze", "t",
             "as_strided", "permute", "alias", "unbind", "split", "lift_fresh", "empty", "empty_strided", "reshape",
             "result_type", "to", "contiguous", "new_empty", "new_empty_strided", "empty_like", "flatten", "view_as",

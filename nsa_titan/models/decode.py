@@ -58,7 +58,8 @@ class LayerCache:
         self.buffers: dict[str, torch.Tensor] = {}
         self.shape: tuple[int, int, int] = (0, 0, 0)  # B, G, D
         self.n_cmp: torch.Tensor | None = None
-        self.arrivals: torch.Tensor | None = None  # (B G,) int32 zeros: the Triton step's count of a row's parts
+        self.arrivals: torch.Tensor | None = None  # (B G, 2) int32 zeros: the Triton step's counts of a row's
+        # programs, one a launch
 
     def allocate(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer of `name`, made for entries like (B, S, G, D) (zeros: unwritten slots are read masked)."""
@@ -68,7 +69,7 @@ class LayerCache:
             slots = self.sizes[name] + self.pads.get(name, 0)
             self.buffers[name] = like.new_zeros((B * G, D, slots) if name in TRANSPOSED else (B * G, slots, D))
             if self.arrivals is None:
-                self.arrivals = torch.zeros(B * G, dtype=torch.int32, device=like.device)
+                self.arrivals = torch.zeros(B * G, 2, dtype=torch.int32, device=like.device)
         return self.get(name)
 
     def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:

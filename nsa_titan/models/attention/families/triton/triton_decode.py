@@ -72,24 +72,31 @@ def decode_step(q: torch.Tensor, gates: torch.Tensor, caches: list[torch.Tensor]
                 Ns: int, n: int) -> torch.Tensor:
     """q (B, 1, H, D), gates (B, 1, H, 3) fp32; caches kc, vc, k_sel, v_sel, k_win, v_win, k_cmp, v_cmp in the
     decoding layout (`models/decode.py`); the new token's k_sel, v_sel, k_win, v_win, k_cmp, v_cmp (B, 1, G, D),
-    appended first at t (B,) (the rings at t % ring, t % ring_cmp); `arrivals` (B G,) int32, zeros (left zeros)
-    -> the attention output (B, 1, H, D) in q's dtype: one launch."""
+    appended first at t (B,) (the rings at t % ring, t % ring_cmp); `arrivals` (B G, 2) int32, zeros (left zeros)
+    -> the attention output (B, 1, H, D) in q's dtype: two launches."""
     B, _, H, D = q.shape
     kc, vc, ks, vs, kw, vw, kr, vr = caches
     q, gates = q.contiguous(), gates.contiguous()
     new = [_keys(x) for x in new]  # (b, g) rows of D
-    parts = triton.cdiv(max(width, 1), CMP_PART)
-    states = q.new_empty(B * G, parts, ROWS, D + 2, dtype=torch.float32)  # a part's acc, m, l
+    parts, tail = triton.cdiv(max(width, 1), CMP_PART), spec.n + triton.cdiv(ring, BLOCK)  # programs a row
+    states = q.new_empty(B * G, max(parts, tail), ROWS, D + 2, dtype=torch.float32)  # a program's acc, m, l
     scores = q.new_empty(B * G, ROWS, width, dtype=torch.float32)  # each head's slot scores
     scratch = q.new_empty(B * G, width + Ns, dtype=torch.float32)  # a row's slot probabilities, then block scores
+    chosen = q.new_empty(B * G, spec.n, dtype=torch.int32)  # the top-n's blocks (-1: none)
+    o_cmp = q.new_empty(B * G, ROWS, D, dtype=torch.float32)
     out = torch.empty_like(q)
+    warps = 2 * WARPS if kc.dtype == torch.float32 else WARPS
     _decode[(B * G, parts)](
-        q, gates, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, states, scores, arrivals,
-        scratch, out, kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n, D ** -0.5, G,
-        width + Ns, R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel, STRIDE=spec.l_sel // spec.d,
-        BEFORE=spec.l // spec.d - 1, MEMBERS=_pow2(spec.l_sel // spec.d + spec.l // spec.d - 1), NS=_pow2(Ns),
-        N=spec.n, ROWS=ROWS, BLOCK=BLOCK, CP=CMP_PART, PC=COMBINE, PROBS=PROBS, SCORES=SCORES,
-        num_warps=2 * WARPS if kc.dtype == torch.float32 else WARPS)
+        q, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, states, scores, arrivals, scratch,
+        chosen, o_cmp, kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n, D ** -0.5, G,
+        width + Ns, max(parts, tail), R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel,
+        STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1,
+        MEMBERS=_pow2(spec.l_sel // spec.d + spec.l // spec.d - 1), NS=_pow2(Ns), N=spec.n, ROWS=ROWS, BLOCK=BLOCK,
+        CP=CMP_PART, PC=COMBINE, PROBS=PROBS, SCORES=SCORES, num_warps=warps)
+    _decode_sel_win[(B * G, tail)](
+        q, gates, ks, vs, kw, vw, t, chosen, o_cmp, states, arrivals, out, ks.shape[2], kw.shape[2], ring, D ** -0.5, G,
+        max(parts, tail), R=H // G, D=D, LSEL=spec.l_sel, N=spec.n, ROWS=ROWS, BLOCK=BLOCK, PC=COMBINE,
+        num_warps=warps)
     return out
 
 
@@ -128,15 +135,19 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _run(q, KT, V, P, p0, L, last, acc, m, l, D: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
+    def _run(q, KT, V, P, p0, L, last, acc, m, l, S, sp, D: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr,
+             KEEP: tl.constexpr):
         """The online softmax of q (ROWS, D; pre-scaled, in the caches' dtype) over keys p0 .. p0 + L - 1 (those up
-        to `last`) of KT (D, P), V (P, D)."""
+        to `last`) of KT (D, P), V (P, D); with KEEP, each key's scores also into S (a head's row every sp)."""
         dims, cols = tl.arange(0, D), tl.arange(0, BLOCK)
         for j in range(0, L, BLOCK):
             pos = p0 + j + cols
             ok = (j + cols < L) & (pos <= last)
             k = tl.load(KT + dims[:, None] * P + pos[None, :], mask=ok[None, :], other=0.0)
-            s = tl.where(ok[None, :], _dot(q, k, EXACT), float("-inf"))
+            s = _dot(q, k, EXACT)
+            if KEEP:
+                tl.store(S + tl.arange(0, q.shape[0])[:, None] * sp + pos[None, :], s, mask=ok[None, :])
+            s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))  # m starts finite: a row with no key yet keeps p = 0
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -147,18 +158,65 @@ if triton is not None:
         return acc, m, l
 
     @triton.jit
-    def _decode(Q, GATE, KC, VC, KS, VS, KW, VW, KR, VR, NKS, NVS, NKW, NVW, NKR, NVR, snks, snvs, snkw, snvw, snkr,
-                snvr, TPOS, ST, LG, ARRIVALS, SCR, OUT, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
-                R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, DD: tl.constexpr, LSEL: tl.constexpr,
+    def _query(Q, bg, scale, R: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr):
+        """The row's r query heads (ROWS, D), scaled, in the caches' dtype (the products' operands)."""
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
+        q = tl.load(Q + (bg * R + rows[:, None]) * D + dims[None, :], mask=(rows < R)[:, None], other=0.0)
+        return (q.to(tl.float32) * scale).to(DTYPE)
+
+    @triton.jit
+    def _save(ST, bg, j, SW, acc, m, l, D: tl.constexpr, ROWS: tl.constexpr):
+        """Program j's online-softmax state (acc (ROWS, D), m, l) into the row's slot j of the scratch states."""
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
+        state = ST + (bg * SW + j) * ROWS * (D + 2)
+        tl.store(state + rows[:, None] * D + dims[None, :], acc)
+        tl.store(state + ROWS * D + rows, m)
+        tl.store(state + ROWS * D + ROWS + rows, l)
+
+    @triton.jit
+    def _combine(ST, bg, SW, lo, hi, D: tl.constexpr, ROWS: tl.constexpr, PC: tl.constexpr):
+        """The states lo .. hi - 1 of the row's scratch combined, PC a step: (acc, m, l) of one softmax over all."""
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
+        acc, m, l = (tl.zeros([ROWS, D], dtype=tl.float32), tl.full([ROWS], -1e30, dtype=tl.float32),
+                     tl.zeros([ROWS], dtype=tl.float32))
+        for p0 in range(lo, hi, PC):
+            ps = p0 + tl.arange(0, PC)
+            state = ST + (bg * SW + ps[:, None]) * ROWS * (D + 2)  # (PC, 1)
+            live = (ps < hi)[:, None]
+            m_p = tl.load(state + ROWS * D + rows[None, :], mask=live, other=-1e30)  # (PC, ROWS)
+            l_p = tl.load(state + ROWS * D + ROWS + rows[None, :], mask=live, other=0.0)
+            a_p = tl.load(state[:, :, None] + rows[None, :, None] * D + dims[None, None, :], mask=live[:, :, None],
+                          other=0.0)  # (PC, ROWS, D)
+            m_new = tl.maximum(m, tl.max(m_p, 0))
+            alpha, w = tl.exp(m - m_new), tl.exp(m_p - m_new[None, :])
+            l = l * alpha + tl.sum(l_p * w, 0)
+            acc = acc * alpha[:, None] + tl.sum(a_p * w[:, :, None], 0)
+            m = m_new
+        return acc, m, l
+
+    @triton.jit
+    def _arrive(ARRIVALS, programs):
+        """Count this program in (acq_rel, gpu scope: its stores before, the last one's loads after); True for the
+        row's last, which sets the count back to 0 for the next step."""
+        tl.debug_barrier()  # every thread's stores made before the count
+        last = tl.atomic_add(ARRIVALS, 1) == programs - 1
+        if last:
+            tl.store(ARRIVALS, 0)
+        return last
+
+    @triton.jit
+    def _decode(Q, KC, VC, KS, VS, KW, VW, KR, VR, NKS, NVS, NKW, NVW, NKR, NVR, snks, snvs, snkw, snvw, snkr, snvr,
+                TPOS, ST, LG, ARRIVALS, SCR, CHOSEN, OCMP, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
+                STATES, R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, DD: tl.constexpr, LSEL: tl.constexpr,
                 STRIDE: tl.constexpr, BEFORE: tl.constexpr, MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, PC: tl.constexpr, PROBS: tl.constexpr,
                 SCORES: tl.constexpr):
+        """Launch 1: the append, cmp by parts; the row's last part: the combined cmp output and the top-n."""
         bg, part, parts = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
         b = bg // G
         t = tl.load(TPOS + b)
         n_cmp = tl.where(t + 1 >= L, (t + 1 - L) // DD + 1, 0)
-        rows, dims, cols = tl.arange(0, ROWS), tl.arange(0, D), tl.arange(0, BLOCK)
-        heads = rows < R
+        rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
         if part == 0:  # append the new token's keys and values: sel's at t, the window's and the cmp raw keys' rings
             g = bg % G
             tw, tr = t % ring, t % ring_cmp
@@ -168,60 +226,33 @@ if triton is not None:
             tl.store(VW + (bg * Pw + tw) * D + dims, tl.load(NVW + b * snvw + g * D + dims))
             tl.store(KR + (bg * Pr + tr) * D + dims, tl.load(NKR + b * snkr + g * D + dims))
             tl.store(VR + (bg * Pr + tr) * D + dims, tl.load(NVR + b * snvr + g * D + dims))
-        q = tl.load(Q + (bg * R + rows[:, None]) * D + dims[None, :], mask=heads[:, None], other=0.0)
-        q = (q.to(tl.float32) * scale).to(KC.dtype.element_ty)  # the products in the caches' dtype
         EXACT: tl.constexpr = KC.dtype.element_ty == tl.float32
-        zero, start = tl.zeros([ROWS, D], dtype=tl.float32), tl.full([ROWS], -1e30, dtype=tl.float32)
-        # cmp over this part's slots: its state, and its slots' scores
-        KT, V = KC + bg * D * Pc, VC + bg * Pc * D
-        acc, m, l = _run(q, KT, V, Pc, part * CP, CP, n_cmp - 1, zero, start, tl.zeros([ROWS], dtype=tl.float32), D,
-                         BLOCK, EXACT)
-        for j in range(part * CP, part * CP + CP, BLOCK):
-            pos = j + cols
-            ok = (pos < n_cmp) & (pos < part * CP + CP)
-            k = tl.load(KT + dims[:, None] * Pc + pos[None, :], mask=ok[None, :], other=0.0)
-            tl.store(LG + (bg * ROWS + rows[:, None]) * width + pos[None, :], _dot(q, k, EXACT), mask=ok[None, :])
-        state = ST + (bg * parts + part) * ROWS * (D + 2)
-        tl.store(state + rows[:, None] * D + dims[None, :], acc)
-        tl.store(state + ROWS * D + rows, m)
-        tl.store(state + ROWS * D + ROWS + rows, l)
-        tl.debug_barrier()  # every thread's stores made before the part counts itself in (acq_rel, gpu scope)
-        if tl.atomic_add(ARRIVALS + bg, 1) == parts - 1:  # the row's last part: the rest of the step
-            tl.store(ARRIVALS + bg, 0)
-            _finish(GATE, KS, VS, KW, VW, ST, LG, SCR, OUT, Ps, Pw, width, ring, Ns, n, bg, t, n_cmp, parts, SW, q, R,
-                    D, LSEL, STRIDE, BEFORE, MEMBERS, NS, N, ROWS, BLOCK, PC, PROBS, SCORES, EXACT)
+        q = _query(Q, bg, scale, R, D, ROWS, KC.dtype.element_ty)
+        # cmp over this part's slots: its state, and its slots' scores (a head's row every `width`)
+        acc, m, l = _run(q, KC + bg * D * Pc, VC + bg * Pc * D, Pc, part * CP, CP, n_cmp - 1, tl.zeros([ROWS, D], dtype=tl.float32),
+                         tl.full([ROWS], -1e30, dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32),
+                         LG + bg * ROWS * width, width, D, BLOCK, EXACT, True)
+        _save(ST, bg, part, STATES, acc, m, l, D, ROWS)
+        if _arrive(ARRIVALS + bg * 2, parts):  # the row's last part: the rest of launch 1
+            acc_c, m_c, l_c = _combine(ST, bg, STATES, 0, parts, D, ROWS, PC)
+            inv = 1.0 / tl.where(l_c > 0, l_c, 1.0)
+            tl.store(OCMP + (bg * ROWS + rows[:, None]) * D + dims[None, :], acc_c * inv[:, None])
+            _top_n(LG, SCR, CHOSEN, width, Ns, n, bg, t, n_cmp, SW, m_c, inv, R, LSEL, STRIDE, BEFORE, MEMBERS, NS, N,
+                   ROWS, PROBS, SCORES)
 
     @triton.jit
-    def _finish(GATE, KS, VS, KW, VW, ST, LG, SCR, OUT, Ps, Pw, width, ring, Ns, n, bg, t, n_cmp, parts, SW, q,
-                R: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr, STRIDE: tl.constexpr, BEFORE: tl.constexpr,
-                MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                PC: tl.constexpr, PROBS: tl.constexpr, SCORES: tl.constexpr, EXACT: tl.constexpr):
-        """The step after every part's cmp: the parts combined, the slot probabilities, top-n, sel, win, mix."""
-        rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
-        heads = rows < R
-        zero, start = tl.zeros([ROWS, D], dtype=tl.float32), tl.full([ROWS], -1e30, dtype=tl.float32)
-        acc_c, m_c, l_c = zero, start, tl.zeros([ROWS], dtype=tl.float32)
-        for p0 in range(0, parts, PC):  # the parts' states, online
-            ps = p0 + tl.arange(0, PC)
-            state = ST + (bg * parts + ps[:, None]) * ROWS * (D + 2)  # (PC, 1)
-            live = (ps < parts)[:, None]
-            m_p = tl.load(state + ROWS * D + rows[None, :], mask=live, other=-1e30)  # (PC, ROWS)
-            l_p = tl.load(state + ROWS * D + ROWS + rows[None, :], mask=live, other=0.0)
-            a_p = tl.load(state[:, :, None] + rows[None, :, None] * D + dims[None, None, :], mask=live[:, :, None],
-                          other=0.0)  # (PC, ROWS, D)
-            m_new = tl.maximum(m_c, tl.max(m_p, 0))
-            alpha, w = tl.exp(m_c - m_new), tl.exp(m_p - m_new[None, :])
-            l_c = l_c * alpha + tl.sum(l_p * w, 0)
-            acc_c = acc_c * alpha[:, None] + tl.sum(a_p * w[:, :, None], 0)
-            m_c = m_new
-        inv = 1.0 / tl.where(l_c > 0, l_c, 1.0)
-        for j in range(0, width, PROBS):  # each slot's probability summed over the heads
+    def _top_n(LG, SCR, CHOSEN, width, Ns, n, bg, t, n_cmp, SW, m_c, inv, R: tl.constexpr, LSEL: tl.constexpr,
+               STRIDE: tl.constexpr, BEFORE: tl.constexpr, MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
+               ROWS: tl.constexpr, PROBS: tl.constexpr, SCORES: tl.constexpr):
+        """The slot probabilities (of the heads' scores, max m_c and 1 / sum inv) summed over the heads, the block
+        scores, and the row's top-n blocks into CHOSEN (N a row; -1: none)."""
+        rows = tl.arange(0, ROWS)
+        for j in range(0, width, PROBS):
             pos = j + tl.arange(0, PROBS)
             s = tl.load(LG + (bg * ROWS + rows[:, None]) * width + pos[None, :],
-                        mask=heads[:, None] & (pos < n_cmp)[None, :], other=float("-inf"))
+                        mask=(rows < R)[:, None] & (pos < n_cmp)[None, :], other=float("-inf"))
             tl.store(SCR + bg * SW + pos, tl.sum(tl.exp(s - m_c[:, None]) * inv[:, None], 0), mask=pos < width)
         tl.debug_barrier()  # the scratch row, written by every thread, read by every thread
-        # the block scores, SCORES blocks at a time into the scratch row after the slots, then the top-n
         jt = t // LSEL
         last = tl.minimum(jt - 2, Ns - 1)
         members = tl.arange(0, MEMBERS)
@@ -236,23 +267,44 @@ if triton is not None:
         score = tl.load(SCR + bg * SW + width + blocks, mask=blocks < Ns, other=0.0)
         score = tl.where((blocks > 0) & (blocks <= last), score, float("inf"))  # block 0 and the local ones
         score = tl.where((blocks > jt) | (blocks >= Ns), float("-inf"), score)
-        acc_s, m_s, l_s = zero, start, tl.zeros([ROWS], dtype=tl.float32)
-        for c in range(N):
+        for c in range(N):  # n rounds of an argmax, ties to the lower block
             best = tl.max(score, 0)
             j = tl.argmax(score, 0, tie_break_left=True)
             score = tl.where(blocks == j, float("-inf"), score)
-            if (c < n) & (best > float("-inf")):
-                acc_s, m_s, l_s = _run(q, KS + bg * D * Ps, VS + bg * Ps * D, Ps, j * LSEL, LSEL, t, acc_s, m_s, l_s,
-                                       D, LSEL, EXACT)
-        # win over the ring
-        acc_w, m_w, l_w = _run(q, KW + bg * D * Pw, VW + bg * Pw * D, Pw, 0, ring, tl.minimum(t, ring - 1), zero,
-                               start, tl.zeros([ROWS], dtype=tl.float32), D, BLOCK, EXACT)
-        # the gated sum: a branch with no key gives 0
-        gate = GATE + (bg * R + rows) * 3
-        out = tl.load(gate, mask=heads, other=0.0)[:, None] * acc_c * inv[:, None]
-        out += tl.load(gate + 1, mask=heads, other=0.0)[:, None] * acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
-        out += tl.load(gate + 2, mask=heads, other=0.0)[:, None] * acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
-        tl.store(OUT + (bg * R + rows[:, None]) * D + dims[None, :], out.to(OUT.dtype.element_ty), mask=heads[:, None])
+            tl.store(CHOSEN + bg * N + c, tl.where((c < n) & (best > float("-inf")), j, -1))
+
+    @triton.jit
+    def _decode_sel_win(Q, GATE, KS, VS, KW, VW, TPOS, CHOSEN, OCMP, ST, ARRIVALS, OUT, Ps, Pw, ring, scale, G,
+                        STATES, R: tl.constexpr, D: tl.constexpr, LSEL: tl.constexpr, N: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr, PC: tl.constexpr):
+        """Launch 2: program j < N attends to the row's j-th chosen block (its l' keys up to the token), the others
+        to BLOCK slots each of the window's ring (up to min(t, ring - 1)); the row's last: sel's and win's states
+        combined, the gated sum with cmp's output, in q's dtype."""
+        bg, j, programs = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
+        t = tl.load(TPOS + bg // G)
+        EXACT: tl.constexpr = KS.dtype.element_ty == tl.float32
+        q = _query(Q, bg, scale, R, D, ROWS, KS.dtype.element_ty)
+        zero, start = tl.zeros([ROWS, D], dtype=tl.float32), tl.full([ROWS], -1e30, dtype=tl.float32)
+        if j < N:
+            block = tl.load(CHOSEN + bg * N + j)
+            acc, m, l = _run(q, KS + bg * D * Ps, VS + bg * Ps * D, Ps, block * LSEL, tl.where(block >= 0, LSEL, 0), t,
+                             zero, start, tl.zeros([ROWS], dtype=tl.float32), OUT, 0, D, LSEL, EXACT, False)
+        else:
+            acc, m, l = _run(q, KW + bg * D * Pw, VW + bg * Pw * D, Pw, (j - N) * BLOCK, BLOCK, tl.minimum(t, ring - 1),
+                             zero, start, tl.zeros([ROWS], dtype=tl.float32), OUT, 0, D, BLOCK, EXACT, False)
+        _save(ST, bg, j, STATES, acc, m, l, D, ROWS)
+        if _arrive(ARRIVALS + bg * 2 + 1, programs):
+            rows, dims = tl.arange(0, ROWS), tl.arange(0, D)
+            heads = rows < R
+            acc_s, _, l_s = _combine(ST, bg, STATES, 0, N, D, ROWS, PC)
+            acc_w, _, l_w = _combine(ST, bg, STATES, N, programs, D, ROWS, PC)
+            gate = GATE + (bg * R + rows) * 3  # a branch with no key gives 0
+            out = tl.load(gate, mask=heads, other=0.0)[:, None] * tl.load(OCMP + (bg * ROWS + rows[:, None]) * D
+                                                                          + dims[None, :])
+            out += tl.load(gate + 1, mask=heads, other=0.0)[:, None] * acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
+            out += tl.load(gate + 2, mask=heads, other=0.0)[:, None] * acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
+            tl.store(OUT + (bg * R + rows[:, None]) * D + dims[None, :], out.to(OUT.dtype.element_ty),
+                     mask=heads[:, None])
 
     @triton.jit
     def _block_keys(RING, NEW, sn, rows, b, g, first, ring, j, dd, live, L: tl.constexpr, D: tl.constexpr):
