@@ -282,7 +282,7 @@ def triton_decode() -> dict[str, dict]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, case):
-    """The Triton decode kernel (one launch a layer) equals the PyTorch step (fp32, 1e-5) at M7C's shapes and across
+    """The Triton decode step (two launches a layer) equals the PyTorch step (fp32, 1e-5) at M7C's shapes and across
     a `reset`; 4 prompts of different lengths batched (with and without documents) equal each decoded alone and
     the full forward; its compression (two launches where a block completes) equals the Compressor (fp32, 1e-5)."""
     found = triton_decode[case]

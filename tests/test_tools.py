@@ -64,6 +64,20 @@ def test_triton_work_prints_the_launches_of_each_setting():
     assert options and all(int(r[4]) > 2 for r in options)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_decode_prediction_counts_the_compression_and_predicts_each_context():
+    """`benchmarks/decode_prediction.py`: the compression's launches recorded (one of each kernel over d steps, no
+    ATen op), and a row per batch and context with the step as built, the next design and dense."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_prediction.py"), "--contexts", "8192",
+                           "65536", "--batch", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "{'_cmp_hidden': 1, '_cmp_out': 1, 'ATen ops': 0}" in proc.stdout
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [r[1].strip() for r in rows] == ["8,192", "65,536"]
+    for r in rows:  # fitted / pessimistic, the next design, dense: positive times
+        assert all(float(x) > 0 for x in (*r[2].split("/"), r[3], r[4])), r
+
+
 def test_gpu_prediction_calibrates_then_predicts_every_kernel_fitted_and_pessimistic():
     """`benchmarks/gpu_prediction.py`: the calibration on the H100 profile (each old kernel predicted back in sample
     and left out, the ones it cannot fit named), the new family's kernels (and every fill and cast) at the T asked

@@ -11,7 +11,7 @@ A decoding step for the token at position t reads:
 projections; `step` then extends one token at a time through the same layer pieces (projections,
 compression, gates, the branch mix, the block's residuals). Both equal a full forward pass. On CPUs
 (float32 or bfloat16) a step's three branches and their mix are one call of NSA's C++ kernels over the caches
-as they lie (`_attend_last_cpp`), on CUDA one launch of the Triton decode kernel (`_attend_last_triton`),
+as they lie (`_attend_last_cpp`), on CUDA two launches of the Triton decode step (`_attend_last_triton`),
 else PyTorch's ops; all give the same logits.
 
 With documents (a prompt packed from several, `document_ids`), the caches hold each row's last
@@ -162,8 +162,8 @@ def _attend_last_cpp(attn: NSAAttention, kernels: ModuleType, q: torch.Tensor, g
 
 def _attend_last_triton(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor, cache: LayerCache,
                         new: dict[str, torch.Tensor], t: torch.Tensor, width: int, t_max: int) -> torch.Tensor:
-    """`_attend_last_cpp` as one launch of the Triton decode kernel (`triton_decode`), which first appends the new
-    token's keys and values (`new`, by name) to the caches."""
+    """`_attend_last_cpp` as two launches of the Triton decode step (`triton_decode`), the first of which appends the
+    new token's keys and values (`new`, by name) to the caches."""
     spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
     names = ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win", "k_cmp", "v_cmp")
     return triton_decode.decode_step(q, gates, [b[name] for name in names], [new[name] for name in names[2:]], t,

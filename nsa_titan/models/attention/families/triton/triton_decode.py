@@ -1,23 +1,22 @@
-"""The Triton decode step: a new token's whole NSA attention over the decoding caches in one launch a layer,
+"""The Triton decode step: a new token's whole NSA attention over the decoding caches in two launches a layer,
 and on the step a row's compression block completes, its compressed key and value in two more (`compress_step`).
 
-Programs (a (batch x KV group) row, a part of its compressed slots), the group's r query heads as the rows of one
-tile (padded to 16), over the caches as `models/decode.py` keeps them (the keys transposed (B G, D, P), the values
-(B G, P, D)); the products in the caches' dtype (fp32 exactly, bf16 / fp16 on the tensor cores), softmax and sums
-in fp32. Every part:
-  cmp   online softmax over its CMP_PART compressed slots (of the row's n_cmp, a function of t: (t + 1 - l) / d + 1
-        once t + 1 >= l), BLOCK at a time, into a scratch state; its slots' scores (a head a row) into a scratch
-        row; part 0 first appends the new token's keys and values (sel's, the window's ring, the cmp raw keys'
-        ring). Then it counts itself in (an atomic add); the row's last part to arrive runs the rest:
-  cmp   the parts' states combined, COMBINE at a time; each slot's probability summed over the heads (PROBS
-        slots a step) into a scratch row (the block scores' input);
-  top-n each sel block's score is the sum of its cmp members' (l/d + l'/d - 1 slots from j l'/d - l/d + 1),
-        SCORES blocks at a time, into the scratch row after the slots; then all Ns of them at once: block 0
-        and the two local blocks forced, blocks past the token none; n rounds of an argmax (ties to the lower
-        block, as a stable descending sort);
-  sel   the chosen blocks' l' keys up to the token, one online softmax across them;
-  win   the ring of the last w keys (every slot up to min(t, ring - 1));
-  mix   the gated sum, written in q's dtype; and the row's arrival count back to 0 for the next step.
+The group's r query heads are the rows of one tile (padded to 16), over the caches as `models/decode.py` keeps
+them (the keys transposed (B G, D, P), the values (B G, P, D)); the products in the caches' dtype (fp32 exactly,
+bf16 / fp16 on the tensor cores), softmax and sums in fp32. Work is cut into programs that fill the GPU; the last
+program of a (batch x KV group) row to count itself in (an atomic add, acq_rel: its stores before, the last one's
+loads after) finishes the row and sets the count back to 0 for the next step.
+`_decode`, a program per part of CMP_PART compressed slots:
+  append part 0 writes the new token's keys and values (sel's, the window's ring, the cmp raw keys' ring);
+  cmp   online softmax over its slots (of the row's n_cmp, a function of t: (t + 1 - l) / d + 1 once t + 1 >= l),
+        BLOCK at a time, keeping the slots' scores (a head a row), into a scratch state;
+  last  the parts' states combined (COMBINE a step): cmp's output; each slot's probability summed over the heads
+        (PROBS slots a step); each sel block's score, the sum of its cmp members' (l/d + l'/d - 1 slots from
+        j l'/d - l/d + 1), SCORES blocks a step; then all Ns at once: block 0 and the two local blocks forced,
+        blocks past the token none; n rounds of an argmax (ties to the lower block, as a stable descending sort).
+`_decode_sel_win`, a program per chosen block and per BLOCK slots of the window's ring:
+  sel   the block's l' keys up to the token; win: its slots up to min(t, ring - 1); each an online softmax;
+  last  sel's states and win's combined, the gated sum with cmp's output, written in q's dtype.
 The compression (`_cmp_hidden`, `_cmp_out`): the MLP phi of the block's l keys (the cmp ring's l - 1 before t and
 the new one) with the rows (batch x group) as a tile's M, its hidden layer split over programs, then its output
 into the slot (t - l + 1) / d of each row whose block completes (the mean phi: one launch).
