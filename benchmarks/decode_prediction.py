@@ -18,8 +18,8 @@ programs of PART / INPUTS steps that read fc1's weights (2 MB) and the blocks' k
 `_cmp_out`, a step a row and key or value (the partial sums, fc2's weights).
 Dense is flash-decoding by the same model: its keys BLOCK a step, each row's cut into parts that fill the 132
 SMs, then a combine launch (no H100 measurement of a decode step exists yet). The next design (not built): the
-block scores summed by each part (its members' probabilities per head, scaled by the combined softmax after), so
-that the last part reads n_heads x Ns sums instead of n_heads x Nc scores.
+block scores summed by each part (its members' probabilities per head, 64 blocks a step, scaled by the combined
+softmax after), so that the last part reads n_heads x Ns sums instead of n_heads x Nc scores.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def chain(C: int, by_part: bool = False) -> tuple[int, int, int, int]:
     parts = _cdiv(max(Nc, 1), triton_decode.CMP_PART)
     part = 1 + _cdiv(min(Nc, triton_decode.CMP_PART), triton_decode.BLOCK) + 1
     tail = _cdiv(parts, triton_decode.COMBINE) + _cdiv(Ns, triton_decode.SCORES)
-    tail += 0 if by_part else _cdiv(Nc, triton_decode.PROBS)
+    if by_part:  # each part sums its blocks' member probabilities per head, 64 blocks a step
+        part += _cdiv(triton_decode.CMP_PART // (SPEC.l_sel // SPEC.d) + 1, 64)
+    else:
+        tail += _cdiv(Nc, triton_decode.PROBS)
     window = _cdiv(SPEC.w, triton_decode.BLOCK)
     last = 1 + _cdiv(SPEC.n, triton_decode.COMBINE) + _cdiv(window, triton_decode.COMBINE) + 1
     return part, tail, SPEC.n, last
