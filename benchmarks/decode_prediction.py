@@ -7,8 +7,8 @@ a kernel's time is the larger of its steps spread over 132 SMs, its longest prog
 step alone (lat), its HBM bytes at 3.0 TB/s and its launches. The decode step (`triton_decode`, bf16, 4 warps,
 the M7C layer: 2 KV groups of 6 heads, head dim 64, the paper's l, d, l', n, w) is two launches. `_decode`: B x G x
 parts programs, each the append (part 0, a step), its CMP_PART compressed slots (BLOCK a step: the softmax, their
-scores kept) and its state (a step); the row's last part then combines the parts (COMBINE a step), sums
-the slot probabilities (PROBS a step), scores the blocks (SCORES a step) and runs n top-n rounds (an argmax over
+scores kept), its state (a step) and its blocks' member sums (PART_BLOCKS a step); the row's last part then
+combines the parts (COMBINE a step), scores the blocks (SCORES a step) and runs n top-n rounds (an argmax over
 the Ns scores each, at the cost of the profile's insertion round). `_decode_sel_win`: B x G x (n + w / BLOCK)
 programs of a step (a chosen block, or BLOCK window keys), the row's last combining them (COMBINE a step) and
 the mix (a step). Bytes: every key and value read, the scratch both ways, q and the output. On the step a block
@@ -17,9 +17,9 @@ completes (one in d = 16) the compression's two launches, recorded as
 programs of PART / INPUTS steps that read fc1's weights (2 MB) and the blocks' keys and write partial sums;
 `_cmp_out`, a step a row and key or value (the partial sums, fc2's weights).
 Dense is flash-decoding by the same model: its keys BLOCK a step, each row's cut into parts that fill the 132
-SMs, then a combine launch (no H100 measurement of a decode step exists yet). The next design (not built): the
-block scores summed by each part (its members' probabilities per head, 64 blocks a step, scaled by the combined
-softmax after), so that the last part reads n_heads x Ns sums instead of n_heads x Nc scores.
+SMs, then a combine launch (no H100 measurement of a decode step exists yet). The design before (2026-11-30,
+409d9cd): the last part summed every slot's probability over the heads (PROBS = 256 slots a step) before the
+block scores.
 """
 
 from __future__ import annotations
@@ -60,26 +60,26 @@ def compression_ms(batch: int, x: Costs) -> float:
     return 1e3 * (first.seconds(x) + second.seconds(x))
 
 
-def chain(C: int, by_part: bool = False) -> tuple[int, int, int, int]:
+def chain(C: int, before: bool = False) -> tuple[int, int, int, int]:
     """(a part's steps, the last part's steps after them, top-n rounds, launch 2's last program's steps) of the decode
-    step at C cached positions; with `by_part`, the next design's (the slot probabilities' pass gone)."""
+    step at C cached positions; with `before`, the design before (the slot probabilities' pass in the last part)."""
     Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
     parts = _cdiv(max(Nc, 1), triton_decode.CMP_PART)
     part = 1 + _cdiv(min(Nc, triton_decode.CMP_PART), triton_decode.BLOCK) + 1
     tail = _cdiv(parts, triton_decode.COMBINE) + _cdiv(Ns, triton_decode.SCORES)
-    if by_part:  # each part sums its blocks' member probabilities per head, 64 blocks a step
-        part += _cdiv(triton_decode.CMP_PART // (SPEC.l_sel // SPEC.d) + 1, 64)
+    if before:
+        tail += _cdiv(Nc, 256)
     else:
-        tail += _cdiv(Nc, triton_decode.PROBS)
+        part += _cdiv(triton_decode.CMP_PART // (SPEC.l_sel // SPEC.d) + 1, triton_decode.PART_BLOCKS)
     window = _cdiv(SPEC.w, triton_decode.BLOCK)
     last = 1 + _cdiv(SPEC.n, triton_decode.COMBINE) + _cdiv(window, triton_decode.COMBINE) + 1
     return part, tail, SPEC.n, last
 
 
-def nsa_ms(C: int, batch: int, x: Costs, by_part: bool = False) -> float:
+def nsa_ms(C: int, batch: int, x: Costs, before: bool = False) -> float:
     """Predicted ms of one layer's decode attention at C positions for `batch` rows (the compression amortised over
-    d steps): the step as built, or the next design (`chain`)."""
-    part, tail, rounds, last = chain(C, by_part)
+    d steps): the step as built, or the design before (`chain`)."""
+    part, tail, rounds, last = chain(C, before)
     Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
     parts, rows, n = _cdiv(max(Nc, 1), triton_decode.CMP_PART), batch * G, min(SPEC.n, Ns)
     keys = Nc + n * SPEC.l_sel + SPEC.w
@@ -125,13 +125,13 @@ def main() -> None:
         for C in a.contexts:
             f = nsa_ms(C, batch, fitted)
             p = max(nsa_ms(C, batch, x) for x in worse)
-            s = nsa_ms(C, batch, fitted, by_part=True)
+            s = nsa_ms(C, batch, fitted, before=True)
             d = dense_ms(C, batch, fitted)
             rows.append([batch, f"{C:,}", f"{1e3 * f:.1f} / {1e3 * p:.1f}", f"{1e3 * s:.1f}", f"{1e3 * d:.1f}",
                          f"{d / f:.2f}x / {d / p:.2f}x", f"{d / s:.2f}x"])
     print(table(rows, ["batch", "context", "NSA decode step, fitted / pessimistic (us a layer and token)",
-                       "block scores by part (not built), fitted (us)", "dense flash-decoding, fitted (us)",
-                       "dense / NSA", "dense / next design"]))
+                       "the design before, fitted (us)", "dense flash-decoding, fitted (us)", "dense / NSA",
+                       "dense / the design before"]))
 
 if __name__ == "__main__":
     main()

@@ -9,11 +9,13 @@ loads after) finishes the row and sets the count back to 0 for the next step.
 `_decode`, a program per part of CMP_PART compressed slots:
   append part 0 writes the new token's keys and values (sel's, the window's ring, the cmp raw keys' ring);
   cmp   online softmax over its slots (of the row's n_cmp, a function of t: (t + 1 - l) / d + 1 once t + 1 >= l),
-        BLOCK at a time, keeping the slots' scores (a head a row), into a scratch state;
-  last  the parts' states combined (COMBINE a step): cmp's output; each slot's probability summed over the heads
-        (PROBS slots a step); each sel block's score, the sum of its cmp members' (l/d + l'/d - 1 slots from
-        j l'/d - l/d + 1), SCORES blocks a step; then all Ns at once: block 0 and the two local blocks forced,
-        blocks past the token none; n rounds of an argmax (ties to the lower block, as a stable descending sort).
+        BLOCK at a time, into a scratch state, keeping the slots' scores (a head a row);
+  sums  for each sel block with members among its slots (l/d + l'/d - 1 slots from j l'/d - l/d + 1), their
+        exp(score - its max) summed per head, PART_BLOCKS blocks a step;
+  last  the parts' states combined (COMBINE a step): cmp's output; each block's score, its parts' sums scaled by
+        their max against the combined softmax and summed over the heads (SCORES blocks a step); then all Ns at
+        once: block 0 and the two local blocks forced, blocks past the token none; n rounds of an argmax (ties to
+        the lower block, as a stable descending sort).
 `_decode_sel_win`, a program per chosen block and per BLOCK slots of the window's ring:
   sel   the block's l' keys up to the token; win: its slots up to min(t, ring - 1); each an online softmax;
   last  sel's states and win's combined, the gated sum with cmp's output, written in q's dtype.
@@ -44,8 +46,8 @@ CMP_PART = 256
 """Compressed slots a program of the decode step (a part) attends to."""
 COMBINE = 4
 """Parts' states combined a step."""
-PROBS = 256
-"""Slots a step of the probabilities' pass."""
+PART_BLOCKS = 64
+"""sel blocks a part sums the member probabilities of a step."""
 SCORES = 128
 """sel blocks scored per step of a loop (their members' slots, a (SCORES, 8) tile at the paper's sizes)."""
 ROWS = 16
@@ -79,19 +81,22 @@ def decode_step(q: torch.Tensor, gates: torch.Tensor, caches: list[torch.Tensor]
     new = [_keys(x) for x in new]  # (b, g) rows of D
     parts, tail = triton.cdiv(max(width, 1), CMP_PART), spec.n + triton.cdiv(ring, BLOCK)  # programs a row
     states = q.new_empty(B * G, max(parts, tail), ROWS, D + 2, dtype=torch.float32)  # a program's acc, m, l
+    stride = spec.l_sel // spec.d
+    assert CMP_PART % stride == 0, "a part's first slot starts a sel block's stride"
     scores = q.new_empty(B * G, ROWS, width, dtype=torch.float32)  # each head's slot scores
-    scratch = q.new_empty(B * G, width + Ns, dtype=torch.float32)  # a row's slot probabilities, then block scores
+    sums = q.new_empty(B * G, parts, ROWS, CMP_PART // stride + 1, dtype=torch.float32)  # a part's blocks' sums
+    scratch = q.new_empty(B * G, Ns, dtype=torch.float32)  # a row's block scores
     chosen = q.new_empty(B * G, spec.n, dtype=torch.int32)  # the top-n's blocks (-1: none)
     o_cmp = q.new_empty(B * G, ROWS, D, dtype=torch.float32)
     out = torch.empty_like(q)
     warps = 2 * WARPS if kc.dtype == torch.float32 else WARPS
     _decode[(B * G, parts)](
-        q, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, states, scores, arrivals, scratch,
-        chosen, o_cmp, kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n, D ** -0.5, G,
-        width + Ns, max(parts, tail), R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel,
-        STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1,
-        MEMBERS=_pow2(spec.l_sel // spec.d + spec.l // spec.d - 1), NS=_pow2(Ns), N=spec.n, ROWS=ROWS, BLOCK=BLOCK,
-        CP=CMP_PART, PC=COMBINE, PROBS=PROBS, SCORES=SCORES, num_warps=warps)
+        q, kc, vc, ks, vs, kw, vw, kr, vr, *new, *(x.stride(0) for x in new), t, states, scores, sums, arrivals,
+        scratch, chosen, o_cmp, kc.shape[2], ks.shape[2], kw.shape[2], kr.shape[1], width, ring, ring_cmp, Ns, n,
+        D ** -0.5, G, max(parts, tail), R=H // G, D=D, L=spec.l, DD=spec.d, LSEL=spec.l_sel, STRIDE=stride,
+        BEFORE=spec.l // spec.d - 1, MEMBERS=_pow2(stride + spec.l // spec.d - 1), NS=_pow2(Ns), N=spec.n, ROWS=ROWS,
+        BLOCK=BLOCK, CP=CMP_PART, PB=CMP_PART // stride + 1, PC=COMBINE, BB=PART_BLOCKS, SCORES=SCORES,
+        num_warps=warps)
     _decode_sel_win[(B * G, tail)](
         q, gates, ks, vs, kw, vw, t, chosen, o_cmp, states, arrivals, out, ks.shape[2], kw.shape[2], ring, D ** -0.5, G,
         max(parts, tail), R=H // G, D=D, LSEL=spec.l_sel, N=spec.n, ROWS=ROWS, BLOCK=BLOCK, PC=COMBINE,
@@ -205,11 +210,11 @@ if triton is not None:
 
     @triton.jit
     def _decode(Q, KC, VC, KS, VS, KW, VW, KR, VR, NKS, NVS, NKW, NVW, NKR, NVR, snks, snvs, snkw, snvw, snkr, snvr,
-                TPOS, ST, LG, ARRIVALS, SCR, CHOSEN, OCMP, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale, G, SW,
-                STATES, R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, DD: tl.constexpr, LSEL: tl.constexpr,
+                TPOS, ST, LG, SUMS, ARRIVALS, SCR, CHOSEN, OCMP, Pc, Ps, Pw, Pr, width, ring, ring_cmp, Ns, n, scale,
+                G, STATES, R: tl.constexpr, D: tl.constexpr, L: tl.constexpr, DD: tl.constexpr, LSEL: tl.constexpr,
                 STRIDE: tl.constexpr, BEFORE: tl.constexpr, MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, PC: tl.constexpr, PROBS: tl.constexpr,
-                SCORES: tl.constexpr):
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, PB: tl.constexpr, PC: tl.constexpr,
+                BB: tl.constexpr, SCORES: tl.constexpr):
         """Launch 1: the append, cmp by parts; the row's last part: the combined cmp output and the top-n."""
         bg, part, parts = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
         b = bg // G
@@ -232,38 +237,52 @@ if triton is not None:
                          tl.full([ROWS], -1e30, dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32),
                          LG + bg * ROWS * width, width, D, BLOCK, EXACT, True)
         _save(ST, bg, part, STATES, acc, m, l, D, ROWS)
+        tl.debug_barrier()  # the part's scores, written by some threads, read by others
+        # its blocks' member sums per head: block part * CP / STRIDE + i, i < PB (a block's first members may lie in
+        # the part before, its last in the one after)
+        members = tl.arange(0, MEMBERS)
+        for i0 in range(0, PB, BB):
+            i = i0 + tl.arange(0, BB)
+            slot = (part * (CP // STRIDE) + i)[:, None] * STRIDE - BEFORE + members[None, :]  # (BB, MEMBERS)
+            inside = ((i < PB)[:, None] & (members < STRIDE + BEFORE)[None, :] & (slot >= part * CP)
+                      & (slot < part * CP + CP) & (slot < n_cmp))
+            s = tl.load(LG + (bg * ROWS + rows[:, None, None]) * width + slot[None, :, :],
+                        mask=(rows < R)[:, None, None] & inside[None, :, :], other=float("-inf"))
+            tl.store(SUMS + ((bg * parts + part) * ROWS + rows[:, None]) * PB + i[None, :],
+                     tl.sum(tl.exp(s - m[:, None, None]), 2), mask=(i < PB)[None, :])
         if _arrive(ARRIVALS + bg * 2, parts):  # the row's last part: the rest of launch 1
             acc_c, m_c, l_c = _combine(ST, bg, STATES, 0, parts, D, ROWS, PC)
             inv = 1.0 / tl.where(l_c > 0, l_c, 1.0)
             tl.store(OCMP + (bg * ROWS + rows[:, None]) * D + dims[None, :], acc_c * inv[:, None])
-            _top_n(LG, SCR, CHOSEN, width, Ns, n, bg, t, n_cmp, SW, m_c, inv, R, LSEL, STRIDE, BEFORE, MEMBERS, NS, N,
-                   ROWS, PROBS, SCORES)
+            _top_n(ST, SUMS, SCR, CHOSEN, Ns, n, bg, t, parts, STATES, m_c, inv, R, D, LSEL, STRIDE, BEFORE, NS, N,
+                   ROWS, CP, PB, SCORES)
 
     @triton.jit
-    def _top_n(LG, SCR, CHOSEN, width, Ns, n, bg, t, n_cmp, SW, m_c, inv, R: tl.constexpr, LSEL: tl.constexpr,
-               STRIDE: tl.constexpr, BEFORE: tl.constexpr, MEMBERS: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
-               ROWS: tl.constexpr, PROBS: tl.constexpr, SCORES: tl.constexpr):
-        """The slot probabilities (of the heads' scores, max m_c and 1 / sum inv) summed over the heads, the block
-        scores, and the row's top-n blocks into CHOSEN (N a row; -1: none)."""
+    def _top_n(ST, SUMS, SCR, CHOSEN, Ns, n, bg, t, parts, STATES, m_c, inv, R: tl.constexpr, D: tl.constexpr,
+               LSEL: tl.constexpr, STRIDE: tl.constexpr, BEFORE: tl.constexpr, NS: tl.constexpr, N: tl.constexpr,
+               ROWS: tl.constexpr, CP: tl.constexpr, PB: tl.constexpr, SCORES: tl.constexpr):
+        """Each block's score (the sums of the parts its members lie in, each scaled by exp(its max - m_c) and
+        1 / sum inv, summed over the heads) into SCR, then the row's top-n blocks into CHOSEN (N a row; -1: none)."""
         rows = tl.arange(0, ROWS)
-        for j in range(0, width, PROBS):
-            pos = j + tl.arange(0, PROBS)
-            s = tl.load(LG + (bg * ROWS + rows[:, None]) * width + pos[None, :],
-                        mask=(rows < R)[:, None] & (pos < n_cmp)[None, :], other=float("-inf"))
-            tl.store(SCR + bg * SW + pos, tl.sum(tl.exp(s - m_c[:, None]) * inv[:, None], 0), mask=pos < width)
-        tl.debug_barrier()  # the scratch row, written by every thread, read by every thread
-        jt = t // LSEL
-        last = tl.minimum(jt - 2, Ns - 1)
-        members = tl.arange(0, MEMBERS)
+        heads = (rows < R)[None, :]
         for j0 in range(0, Ns, SCORES):
             blocks = j0 + tl.arange(0, SCORES)
-            slot = blocks[:, None] * STRIDE - BEFORE + members[None, :]
-            inside = (members[None, :] < STRIDE + BEFORE) & (slot >= 0) & (slot < width)
-            score = tl.sum(tl.load(SCR + bg * SW + slot, mask=inside, other=0.0), 1)
-            tl.store(SCR + bg * SW + width + blocks, score, mask=blocks < Ns)
-        tl.debug_barrier()
+            first = tl.maximum(blocks * STRIDE - BEFORE, 0) // CP  # the parts of its first and last members
+            score = tl.zeros([SCORES], dtype=tl.float32)
+            for side in tl.static_range(2):
+                p = first if side == 0 else (blocks * STRIDE + STRIDE - 1) // CP
+                use = ((blocks < Ns) & (p < parts) & ((side == 0) | (p != first)))[:, None] & heads
+                m_p = tl.load(ST + (bg * STATES + p[:, None]) * ROWS * (D + 2) + ROWS * D + rows[None, :], mask=use,
+                              other=-1e30)  # (SCORES, ROWS)
+                part_sum = tl.load(SUMS + ((bg * parts + p[:, None]) * ROWS + rows[None, :]) * PB
+                                   + (blocks - p * (CP // STRIDE))[:, None], mask=use, other=0.0)
+                score += tl.sum(part_sum * tl.exp(m_p - m_c[None, :]) * inv[None, :], 1)
+            tl.store(SCR + bg * Ns + blocks, score, mask=blocks < Ns)
+        tl.debug_barrier()  # the scores, written by some threads, read by all
+        jt = t // LSEL
+        last = tl.minimum(jt - 2, Ns - 1)
         blocks = tl.arange(0, NS)
-        score = tl.load(SCR + bg * SW + width + blocks, mask=blocks < Ns, other=0.0)
+        score = tl.load(SCR + bg * Ns + blocks, mask=blocks < Ns, other=0.0)
         score = tl.where((blocks > 0) & (blocks <= last), score, float("inf"))  # block 0 and the local ones
         score = tl.where((blocks > jt) | (blocks >= Ns), float("-inf"), score)
         for c in range(N):  # n rounds of an argmax, ties to the lower block
