@@ -17,9 +17,8 @@ completes (one in d = 16) the compression's two launches, recorded as
 programs of PART / INPUTS steps that read fc1's weights (2 MB) and the blocks' keys and write partial sums;
 `_cmp_out`, a step a row and key or value (the partial sums, fc2's weights).
 Dense is flash-decoding by the same model: its keys BLOCK a step, each row's cut into parts that fill the 132
-SMs, then a combine launch (no H100 measurement of a decode step exists yet). The design before (2026-11-30,
-409d9cd): the last part summed every slot's probability over the heads (PROBS = 256 slots a step) before the
-block scores.
+SMs, then a combine launch (no H100 measurement of a decode step exists yet). The design before (`BEFORE`): the
+last part summed every slot's probability over the heads before the block scores.
 """
 
 from __future__ import annotations
@@ -60,19 +59,25 @@ def compression_ms(batch: int, x: Costs) -> float:
     return 1e3 * (first.seconds(x) + second.seconds(x))
 
 
+BEFORE = {"CMP_PART": 256, "COMBINE": 4, "PROBS": 256}
+"""The design of 409d9cd (2026-11-30): its constants, and the last part's pass over the slot probabilities."""
+
+
 def chain(C: int, before: bool = False) -> tuple[int, int, int, int]:
     """(a part's steps, the last part's steps after them, top-n rounds, launch 2's last program's steps) of the decode
-    step at C cached positions; with `before`, the design before (the slot probabilities' pass in the last part)."""
+    step at C cached positions; with `before`, the design of 409d9cd (`BEFORE`)."""
     Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
-    parts = _cdiv(max(Nc, 1), triton_decode.CMP_PART)
-    part = 1 + _cdiv(min(Nc, triton_decode.CMP_PART), triton_decode.BLOCK) + 1
-    tail = _cdiv(parts, triton_decode.COMBINE) + _cdiv(Ns, triton_decode.SCORES)
+    cp, combine = (BEFORE["CMP_PART"], BEFORE["COMBINE"]) if before else (triton_decode.CMP_PART,
+                                                                          triton_decode.COMBINE)
+    parts = _cdiv(max(Nc, 1), cp)
+    part = 1 + _cdiv(min(Nc, cp), triton_decode.BLOCK) + 1
+    tail = _cdiv(parts, combine) + _cdiv(Ns, triton_decode.SCORES)
     if before:
-        tail += _cdiv(Nc, 256)
+        tail += _cdiv(Nc, BEFORE["PROBS"])
     else:
-        part += _cdiv(triton_decode.CMP_PART // (SPEC.l_sel // SPEC.d) + 1, triton_decode.PART_BLOCKS)
+        part += _cdiv(cp // (SPEC.l_sel // SPEC.d) + 1, triton_decode.PART_BLOCKS)
     window = _cdiv(SPEC.w, triton_decode.BLOCK)
-    last = 1 + _cdiv(SPEC.n, triton_decode.COMBINE) + _cdiv(window, triton_decode.COMBINE) + 1
+    last = 1 + _cdiv(SPEC.n, combine) + _cdiv(window, combine) + 1
     return part, tail, SPEC.n, last
 
 
@@ -81,7 +86,8 @@ def nsa_ms(C: int, batch: int, x: Costs, before: bool = False) -> float:
     d steps): the step as built, or the design before (`chain`)."""
     part, tail, rounds, last = chain(C, before)
     Nc, Ns = SPEC.num_cmp_blocks(C), SPEC.num_sel_blocks(C)
-    parts, rows, n = _cdiv(max(Nc, 1), triton_decode.CMP_PART), batch * G, min(SPEC.n, Ns)
+    cp = BEFORE["CMP_PART"] if before else triton_decode.CMP_PART
+    parts, rows, n = _cdiv(max(Nc, 1), cp), batch * G, min(SPEC.n, Ns)
     keys = Nc + n * SPEC.l_sel + SPEC.w
     scratch = (parts + SPEC.n + SPEC.w // triton_decode.BLOCK) * triton_decode.ROWS * (D + 2) + (
         triton_decode.ROWS * Nc + Nc + Ns + triton_decode.ROWS * D)

@@ -42,9 +42,9 @@ except ImportError:  # optional: CPU machines decode with the C++ kernels
 
 BLOCK = 64
 """cmp slots and win keys per step of a loop."""
-CMP_PART = 256
+CMP_PART = 128
 """Compressed slots a program of the decode step (a part) attends to."""
-COMBINE = 4
+COMBINE = 8
 """Parts' states combined a step."""
 PART_BLOCKS = 64
 """sel blocks a part sums the member probabilities of a step."""
