@@ -348,7 +348,7 @@ if triton is not None:
             j, dd = f // D, f % D
             ok = live[:, None] & (f[None, :] < L * D)
             w_ok = (hid[None, :] < hidden) & (f[:, None] < L * D)
-            if kv == 0:
+            if kv == 0:  # branches, not a pointer chosen at run time (with one, fp32 spilled 3 KB on sm_90)
                 x = _block_keys(KR, NK, snk, rows[:, None], b[:, None], g[:, None], first[:, None], ring, j[None, :],
                                 dd[None, :], ok, L, D) + tl.load(POSK + f, mask=f < L * D, other=0.0)[None, :]
                 w = tl.load(W1K + hid[None, :] * (L * D) + f[:, None], mask=w_ok, other=0.0)  # fc1's weight, (KB, HB)
@@ -387,11 +387,8 @@ if triton is not None:
                     y += tl.load(B2V + dims).to(tl.float32)
             else:
                 j = tl.arange(0, LP)[:, None]
-                ok = j < L
-                if kv == 0:
-                    x = _block_keys(KR, NK, snk, row, b, g, first, ring, j, dims[None, :], ok, L, D)
-                else:
-                    x = _block_keys(VR, NV, snv, row, b, g, first, ring, j, dims[None, :], ok, L, D)
+                RING, NEW, sn = KR if kv == 0 else VR, NK if kv == 0 else NV, snk if kv == 0 else snv
+                x = _block_keys(RING, NEW, sn, row, b, g, first, ring, j, dims[None, :], j < L, L, D)
                 y = tl.sum(x.to(tl.float32), 0) / L
             if kv == 0:
                 tl.store(KC + (row * D + dims) * Pc + first // DD, y.to(KC.dtype.element_ty))  # keys transposed
