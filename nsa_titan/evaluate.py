@@ -25,7 +25,7 @@ perplexity and bits per byte, which equal the harness's on a Hugging Face export
 declared maximum (`[model] max_seq_len`, or the RoPE scaling's reach; docs/long-context.md);
 `--by_position` splits the loss by the position of the predicted token (in its document, with
 document masking) in buckets of `--bucket` tokens. The lm_eval task runs lm-evaluation-harness's
-loglikelihood tasks on the model in this process (`lm_harness.py`), as a run's `[eval]` does.
+loglikelihood tasks on the model in this process (`observe/lm_harness.py`), as a run's `[eval]` does.
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-from .cli import ArgumentParser, run_command
+from .checkpoint.inference import load_model
 from .config import ConfigError, JobConfig, cp_multiple, validation_sets
 from .data import DataError, Tokenizer
 from .data.sources import open_text_stream
 from .data.validation import streamed_batches
-from .evals import eval_layout, evaluate_recall, position_sums, recall_batch
-from .inference import load_model
-from .lm_harness import Harness, rolling_windows, score
-from .loss import IGNORE_INDEX, cross_entropy_loss
+from .distributed.parallel import apply_cp
+from .models.loss import IGNORE_INDEX, lm_loss
 from .models.transformer import NSAAttention, Transformer
-from .parallel import apply_cp
-from .plots import line_chart
+from .observe.evals import eval_layout, evaluate_recall, position_sums, recall_batch
+from .observe.lm_harness import Harness, rolling_windows, score
+from .observe.plots import line_chart
+from .system.cli import ArgumentParser, run_command
 
 
 def load_at(checkpoint: str, config: str | None, overrides: list[str] | None, seq_len: int = 0,
@@ -101,7 +101,7 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
         if batches and k >= batches:
             break
         logits = model(inputs, doc_ids if masking else None)
-        loss = cross_entropy_loss(logits, labels) if model.cp is None else model.cp.loss(logits, labels)
+        loss = lm_loss(logits, labels, model.cp)
         if by_position:
             buckets += position_sums(model, logits, labels, doc_ids if masking else None, bucket, buckets.shape[1])
         text_bytes = sum(len(tokenizer.decode(row).encode()) for row in labels.tolist())

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .checkpoint import CheckpointError, load_tensors, read_model_file, write_model_file
-from .cli import ArgumentParser, run_command
 from .config import DTYPES
 from .config import Checkpoint as CheckpointConfig
-from .extras import require_hf
-from .paths import config_of_checkpoint
+from .config.paths import config_of_checkpoint
+from .system.cli import ArgumentParser, run_command
+from .system.extras import require_hf
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from .cli import ArgumentParser, run_command
+from .checkpoint.inference import load_model
 from .config import ConfigError
 from .data import Tokenizer
 from .data.batch import document_ids
-from .inference import load_model
 from .models.decode import Decoder
 from .models.transformer import Transformer
+from .system.cli import ArgumentParser, run_command
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -6,14 +6,14 @@
 processes, `--max-restarts`) and adds four things:
 
 - **Stop signals.** SIGTERM, SIGUSR1 and SIGINT are passed on to every local rank, which finishes
-  its step, saves a checkpoint and exits 0 (`nsa_titan/stop.py`); torchrun keeps SIGHUP and
+  its step, saves a checkpoint and exits 0 (`nsa_titan/runtime/stop.py`); torchrun keeps SIGHUP and
   SIGQUIT (hard stop). A second SIGINT kills the ranks at once. Ranks that have not exited
   `SHUTDOWN_TIMEOUT` seconds after the signal are killed.
 - **Exit codes.** The exit code is the first failed rank's: 2 bad input, 3 halted on a non-finite
   step, 4 the last save failed, 75 data unreadable through its retries (saved), 124 a detected hang,
   128 + N a rank killed by signal N; 0 when every rank exited 0.
 - **One run per folder.** The job takes `[job] dump_folder` before any rank starts, and holds it
-  across torchrun's restarts (`nsa_titan/ownership.py`); a folder held by another live run is
+  across torchrun's restarts (`nsa_titan/runtime/ownership.py`); a folder held by another live run is
   refused with exit code 2, nothing written.
 - **Errors.** A config or folder problem is found here, before any rank starts. A rank that stops
   on bad input writes its one-line message to torchrun's error file; this prints that line once,
@@ -37,15 +37,16 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from .checkpoint.hf_folder import check_initial_source
-from .cli import EXIT_BAD_INPUT, make_folder, run_command
 from .config import load_config, resolve_path
-from .env import set_launcher_env
 from .config import parse_args as parse_config
-from .failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED, RELAYED
-from .fault import EXIT_HANG
-from .ownership import FolderOwner, job_key
-from .paths import RunPaths
-from .stop import EXIT_ABORTED, STOP_SIGNALS
+from .config.paths import RunPaths, make_folder
+from .runtime.failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED, RELAYED
+from .runtime.ownership import FolderOwner, job_key
+from .runtime.stop import EXIT_ABORTED
+from .runtime.watchdog import EXIT_HANG
+from .system.cli import EXIT_BAD_INPUT, run_command
+from .system.env import set_launcher_env
+from .system.signals import STOP_SIGNALS
 
 VERDICTS = (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY)
 """Exit codes of a rank that stopped on a verdict of its own, explained by its one line."""
@@ -196,7 +197,7 @@ def _show_owner_lines() -> None:
     """The folder owner's lines (taken over, taken back, lost) on the launcher's stderr, as its own."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("nsa_titan: %(message)s"))
-    log = logging.getLogger("nsa_titan.ownership")
+    log = logging.getLogger("nsa_titan.runtime.ownership")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .cli import ArgumentParser, run_command
 from .config import DTYPES, JobConfig, ac_layers, cp_multiple, derive, grad_accum_steps, load_config
 from .data import build_tokenizer
-from .loss import cross_entropy_loss
+from .distributed.parallel import apply_ac, build_mesh, parallelize
+from .models.loss import cross_entropy_loss
 from .models.rope import rope_tables
 from .models.transformer import Transformer, TransformerBlock
-from .parallel import apply_ac, build_mesh, parallelize
+from .system.cli import ArgumentParser, run_command
 
 GIB = 2**30
 

@@ -25,30 +25,31 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, TrainState
-from .cli import BAD_INPUT, make_folder, note_failure, report, run_command, setup_logging
 from .config import DTYPES, JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
+from .config.paths import RunPaths, make_folder
 from .data import (DataError, DataUnavailable, HeldOutSets, Sample, build_dataloader, build_tokenizer, dead_workers,
                    shutdown_workers)
-from .debug_hooks import install_debug_hooks
-from .diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
-from .env import LAUNCHED_BY, set_deterministic
+from .distributed.parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .export import export_trained
-from .evals import InRunEvals
-from .extras import require_hf, require_wandb
-from .failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, relayed, report_failure
-from .fault import Heartbeat, StepWatchdog, set_collective_timeout
-from .guard import UpdateGuard, suspect
-from .loss import IGNORE_INDEX, cross_entropy_loss
-from .metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup, peak_flops,
-                      peak_memory_gib, run_summary)
 from .models.attention import describe_attention, model_family, set_explore_step
+from .models.loss import IGNORE_INDEX, lm_loss
 from .models.transformer import Transformer, nsa_spec
+from .observe.evals import InRunEvals
+from .observe.metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup,
+                              peak_flops, peak_memory_gib, run_summary)
+from .observe.validate import validate
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from .ownership import FolderOwner, job_key, other_holder
-from .parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
-from .paths import RunPaths
-from .stop import StopRequest
-from .validate import validate
+from .runtime.diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
+from .runtime.failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, relayed, report_failure
+from .runtime.fault_injection import install_faults
+from .runtime.guard import UpdateGuard, suspect
+from .runtime.ownership import FolderOwner, job_key, other_holder
+from .runtime.stop import StopRequest
+from .runtime.watchdog import Heartbeat, StepWatchdog, set_collective_timeout
+from .system.cli import note_failure, report, run_command, setup_logging
+from .system.env import LAUNCHED_BY, set_deterministic
+from .system.errors import BadInput
+from .system.extras import require_hf, require_wandb
 
 logger = logging.getLogger("nsa_titan")
 
@@ -135,10 +136,10 @@ class Trainer:
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
                 other_owner=lambda: other_holder(self.paths.root, job_key()))
-            install_debug_hooks(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
-                                dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
-                                world_size=self.world_size, current_step=lambda: self.state.step,
-                                batches_per_step=self.grad_accum_steps)
+            install_faults(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
+                           dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
+                           world_size=self.world_size, current_step=lambda: self.state.step,
+                           batches_per_step=self.grad_accum_steps)
             resumed = self.checkpointer.load()
             self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -169,7 +170,7 @@ class Trainer:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of this rank's micro-batch (its share under context parallelism)."""
-        return cross_entropy_loss(logits, labels) if self.model.cp is None else self.model.cp.loss(logits, labels)
+        return lm_loss(logits, labels, self.model.cp)
 
     def next_batch(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The next micro-batch on the device (inputs, labels, document ids or None), its wait counted as data wait."""
@@ -428,7 +429,7 @@ def _run(argv: list[str] | None) -> int:
                    f"(the error line above says why); exit code {EXIT_SAVE_FAILED}")
             return EXIT_SAVE_FAILED
         return 0
-    except BAD_INPUT:
+    except BadInput:
         raise  # one line and exit code 2 (run_command)
     except Exception as e:
         rank, what = os.environ.get("RANK", "0"), f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"

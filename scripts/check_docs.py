@@ -1,6 +1,6 @@
 """Check every command the README and docs/ show, without running it.
 
-    python scripts/check_docs.py [FILE.md ...]      # default: README.md, docs/**/*.md, tests/README.md
+    python scripts/check_docs.py [FILE.md ...]      # default: README.md, docs/**/*.md, tests/ and benchmarks/README.md
 
 A command is a line of a ```bash block (continuation lines joined), or an inline code span of the text
 that starts with `python`, `./run_train.sh` or `make`. For each one:
@@ -146,7 +146,8 @@ def check(files: list[Path]) -> list[str]:
 
 
 def default_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "tests" / "README.md"]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "tests" / "README.md",
+            ROOT / "benchmarks" / "README.md"]
 
 
 def main(argv: list[str] | None = None) -> int:

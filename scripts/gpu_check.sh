@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first GPU any of us gets, in one command: every GPU-only test, the attention benchmark in bf16
-# against the fastest dense kernels (benchmarks/gpu_attention.py, with where NSA's time goes at 32k),
+# against the fastest dense kernels (benchmarks/gpu/gpu_attention.py, with where NSA's time goes at 32k),
 # and M7C training throughput and MFU on one GPU at seq 8k and 32k; a markdown report at the end
 # (default outputs/gpu_check/report.md). Without CUDA it says so and exits 0. Not yet timed whole on
 # one H100 (the tests took 1.7 minutes, the attention about 1.5); PARTS="tests attention", then
@@ -50,7 +50,7 @@ fi
 
 if want attention; then
   section "Attention, bf16, M7C shape: NSA vs SDPA's flash and cuDNN kernels (and flash-attn), forward and backward apart, with documents; where NSA's time goes at 32k"
-  run python3 benchmarks/gpu_attention.py --T 8192 32768 65536 --profile 32768
+  run python3 benchmarks/gpu/gpu_attention.py --T 8192 32768 65536 --profile 32768
 fi
 
 if want train; then
@@ -58,7 +58,7 @@ if want train; then
   # SDPA then takes a T x T mask)
   for seq in 8192 32768; do
     section "M7C training throughput and MFU on one GPU, seq $seq (bf16, compile, AC full, document masking as m7c.toml)"
-    run python3 benchmarks/train_throughput.py --config train_configs/m7c.toml --steps 20 \
+    run python3 benchmarks/training/train_throughput.py --config train_configs/m7c.toml --steps 20 \
       --variants nsa-compiled-ac dense-compiled-ac -- --training.seq_len "$seq" \
       --training.local_batch_size "$(( seq < 16384 ? 16384 / seq : 1 ))" --data.path data/python_docs --data.name= \
       --data.tokenizer sentencepiece --data.tokenizer_path data/python_docs/tokenizer.model --validation.enable false --eval.enable false \

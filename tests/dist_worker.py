@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from nsa_titan.config import load_config
-from nsa_titan.diagnostics import clean_name, missing_grads
-from nsa_titan.parallel import device_for_rank, init_distributed
-from nsa_titan.cli import setup_logging
+from nsa_titan.runtime.diagnostics import clean_name, missing_grads
+from nsa_titan.distributed.parallel import device_for_rank, init_distributed
+from nsa_titan.system.cli import setup_logging
 from nsa_titan.train import Trainer
 
 def full(t: torch.Tensor) -> torch.Tensor:

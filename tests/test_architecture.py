@@ -1,5 +1,6 @@
-"""House rules of the code, checked: module sizes, process-wide effects owned and undone, fault
-injection kept out of the production classes, the Trainer's fields declared in one place."""
+"""House rules of the code, checked: the package's layout (entry points on top, no import circle, module
+sizes), process-wide effects owned and undone, fault injection kept out of the production classes, the
+Trainer's fields declared in one place."""
 
 from __future__ import annotations
 
@@ -17,16 +18,133 @@ import torch.nn as nn
 
 from nsa_titan.checkpoint import CheckpointManager, TrainState
 from nsa_titan.config import Checkpoint
-from nsa_titan.stop import STOP_SIGNALS, StopRequest
+from nsa_titan.runtime.stop import StopRequest
+from nsa_titan.system.signals import STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nsa_titan"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
+ENTRY_POINTS = ["evaluate.py", "export.py", "generate.py", "launch.py", "plan.py", "train.py"]
+"""The commands users run as `python -m nsa_titan.NAME`, the only modules at the package's top."""
+PACKAGES = ["checkpoint", "config", "data", "distributed", "hf", "models", "observe", "optim", "runtime", "system"]
+
+
 def test_no_module_is_longer_than_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+def test_the_top_level_holds_only_entry_points_and_packages():
+    """`nsa_titan/` holds the entry points and the packages; each entry point runs as `python -m`, and every
+    folder of Python code is a package (with its own `__init__.py`)."""
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", *ENTRY_POINTS]
+    assert sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__") == PACKAGES
+    for name in ENTRY_POINTS:
+        assert 'if __name__ == "__main__":' in (PACKAGE / name).read_text(), name
+    folders = {p.parent for p in MODULES}
+    assert all((f / "__init__.py").is_file() for f in folders), sorted(str(f) for f in folders
+                                                                      if not (f / "__init__.py").is_file())
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of `package` it imports (dotted names; a package is its `__init__`): imports at
+    module level, inside functions and under TYPE_CHECKING alike. `from P import name` is an import of the
+    module P.name where that is a module, else of P."""
+    root = package.parent
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:  # the module that defines `name` (a module, or a name in one)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets: set[str] = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Import):
+                targets |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom):
+                base = ".".join([*here[:len(here) - n.level + 1], *([n.module] if n.module else [])]) if n.level \
+                    else n.module or ""
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in n.names}
+        graph[module] = {m for t in targets if (m := owner(t)) and m != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other, directly or through others (Tarjan's strongly
+    connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_inside_the_package():
+    graph = import_graph(PACKAGE)
+    assert "nsa_titan.models.attention.spec" in graph["nsa_titan.models.attention.documents"]  # the graph is read
+    assert "nsa_titan.system.cli" in graph["nsa_titan.train"]
+    assert import_circles(graph) == []
+
+
+LAYERS = [["system"], ["config"], ["distributed", "optim"], ["models"], ["data"], ["checkpoint"], ["runtime", "hf"],
+          ["observe"]]
+"""The packages from the bottom up (docs/architecture.md): each imports only packages of the layers below it;
+the entry points, above them all, import any."""
+
+
+def test_packages_import_only_the_layers_below():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    assert sorted(layer) == sorted(set(PACKAGES) - {"__pycache__"})
+    upward = set()
+    for module, targets in import_graph(PACKAGE).items():
+        here = module.split(".")[1] if "." in module else None
+        for target in targets:
+            there = target.split(".")[1] if "." in target else None
+            if here in layer and there is not None and here != there and not layer.get(there, len(LAYERS)) < layer[here]:
+                upward.add(f"{module} -> {target}")
+    assert not upward, sorted(upward)
+
+
+def test_an_import_circle_is_found(tmp_path):
+    """A circle through a lazy import and a TYPE_CHECKING import is caught; a package importing its children is
+    not one."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import A\n")
+    (pkg / "a.py").write_text("A = 1\n\ndef f():\n    from .sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import A\n")
+    assert import_circles(import_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]
+    (pkg / "sub" / "b.py").write_text("import os\n")
+    assert import_circles(import_graph(pkg)) == []
 
 
 PROBE = """
@@ -81,57 +199,48 @@ def _writes_environ(node: ast.AST) -> bool:
 
 
 def test_environment_variables_are_set_in_env_py_only():
-    writers = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in MODULES if p.name != "env.py"
+    writers = [f"{p.relative_to(ROOT)}:{n.lineno}" for p in MODULES if p != PACKAGE / "system" / "env.py"
                for n in ast.walk(ast.parse(p.read_text())) if _writes_environ(n)]
     assert not writers, writers
-    assert any(_writes_environ(n) for n in ast.walk(ast.parse((PACKAGE / "env.py").read_text())))
+    assert any(_writes_environ(n) for n in ast.walk(ast.parse((PACKAGE / "system" / "env.py").read_text())))
 
 
-def _imports(path: Path) -> set[str]:
-    """The nsa_titan modules `path` imports, at module level or inside a function, as dotted names."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    found = set()
-    for n in ast.walk(ast.parse(path.read_text())):
-        if isinstance(n, ast.ImportFrom):
-            base = package.rsplit(".", n.level - 1)[0] if n.level else ""
-            module = ".".join(x for x in (base, n.module) if x) if n.level else n.module or ""
-            found |= {module} | {f"{module}.{a.name}" for a in n.names}
-        elif isinstance(n, ast.Import):
-            found |= {a.name for a in n.names}
-    return found
-
-
-def test_the_checkpoint_package_imports_no_higher_layer():
-    """checkpoint/ is below the trainer and the Hugging Face exporter: it never imports nsa_titan.hf (the
-    end-of-run export is the trainer's), nor the trainer, nor the export command."""
-    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
-        higher = {m for m in _imports(path) if m.split(".")[:2] in (["nsa_titan", "hf"], ["nsa_titan", "train"],
-                                                                     ["nsa_titan", "export"], ["nsa_titan", "extras"])}
-        assert not higher, f"{path.relative_to(ROOT)} imports {sorted(higher)}"
-    assert "nsa_titan.hf" in {m[:12] for m in _imports(PACKAGE / "export.py")}  # the check sees lazy imports
+def test_the_checkpoint_package_needs_no_extra_and_no_entry_point():
+    """checkpoint/ is below the trainer and the Hugging Face exporter (the layers): it never imports nsa_titan.hf (the
+    end-of-run export is the trainer's), nor an entry point, nor the optional extras."""
+    graph = import_graph(PACKAGE)
+    for module, targets in graph.items():
+        if module.startswith("nsa_titan.checkpoint"):
+            bad = {t for t in targets if t.startswith(("nsa_titan.hf", "nsa_titan.system.extras"))
+                   or t.count(".") == 1 and t.split(".")[1] in {n.removesuffix(".py") for n in ENTRY_POINTS}}
+            assert not bad, f"{module} imports {sorted(bad)}"
+    assert "nsa_titan.hf.export" in graph["nsa_titan.export"]  # the graph sees lazy imports
 
 
 def test_the_attention_package_keeps_what_families_share_and_a_folder_per_family():
-    """The top level holds the rules, documents, reference, routing and the dense baseline; each kernel family
+    """The top level holds the spec, rules, documents, reference, routing and the dense baseline; each kernel family
     all of its code in a folder (the C++ sources with the C++ family); the branch-by-branch path chooses no
     family (before, `fast.py` and `families/` imported each other)."""
     attention = PACKAGE / "models" / "attention"
     assert sorted(p.name for p in attention.glob("*.py")) == ["__init__.py", "common.py", "dense.py", "documents.py",
-                                                              "reference.py", "routing.py"]
+                                                              "reference.py", "routing.py", "spec.py"]
     families = attention / "families"
     assert sorted(p.name for p in families.iterdir() if p.is_dir() and (p / "__init__.py").is_file()) == [
         "cpp", "pytorch", "triton"]
     assert (families / "cpp" / "csrc" / "cpu_attention.cpp").is_file()
-    for path in (families / "pytorch").glob("*.py"):
-        assert not any(m.startswith("nsa_titan.models.attention.families.choose") for m in _imports(path)), path
+    graph = import_graph(PACKAGE)
+    pytorch = {m: t for m, t in graph.items() if m.startswith("nsa_titan.models.attention.families.pytorch")}
+    assert len(pytorch) >= 5
+    assert not any("nsa_titan.models.attention.families.choose" in t for t in pytorch.values()), pytorch
 
 
 def test_production_classes_know_nothing_of_fault_injection():
-    for path in [PACKAGE / "train.py", PACKAGE / "fault.py", PACKAGE / "failure.py", *(PACKAGE / "data").glob("*.py"),
+    runtime = PACKAGE / "runtime"
+    for path in [PACKAGE / "train.py", runtime / "watchdog.py", runtime / "failure.py", *(PACKAGE / "data").glob("*.py"),
                  *(PACKAGE / "checkpoint").glob("*.py")]:
         text = path.read_text()
         assert not any(key in text for key in ("fault_hang", "fault_nan", "kill_in_save", "fault_raise")), path
-    assert "install_debug_hooks" in (PACKAGE / "train.py").read_text()  # the one place they are installed
+    assert "install_faults" in (PACKAGE / "train.py").read_text()  # the one place they are installed
 
 
 def test_trainer_declares_every_field_in_init():
@@ -182,7 +291,7 @@ def test_a_checkpoint_group_exists_only_when_checkpointing(enable, tmp_path, mon
 
 
 def test_malloc_tuning_is_for_cpu_ranks_and_yields_to_the_user(monkeypatch):
-    from nsa_titan import env
+    from nsa_titan.system import env
 
     for key in [*env.MALLOC_TUNING, "NSA_TITAN_MALLOC"]:
         monkeypatch.delenv(key, raising=False)

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from nsa_titan import export
 from nsa_titan.checkpoint import load_tensors
-from nsa_titan.checkpoint.integrity import HASH, file_hash
+from nsa_titan.checkpoint.integrity import HASH
+from nsa_titan.system.hashing import file_hash
 
 from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
 from jobs import assert_states_equal
@@ -204,7 +205,7 @@ def test_checkpoint_without_part_of_the_state_stops_and_the_loader_workers_end(s
     (step / ".metadata").write_bytes(pickle.dumps(meta))
     manifest = json.loads((step / ".complete").read_text())
     manifest["files"][".metadata"] = (step / ".metadata").stat().st_size
-    manifest[HASH][".metadata"] = file_hash(step / ".metadata")
+    manifest[HASH][".metadata"] = file_hash(step / ".metadata", HASH)
     (step / ".complete").write_text(json.dumps(manifest))
     before = tree_digest(dump / "checkpoint")
     proc = single(dump, "--training.steps", "6")
@@ -264,7 +265,7 @@ def test_hsdp_checkpoint_loads_under_fsdp_and_on_one_rank(tmp_path):
 
 SIDE_GROUP = """
 import os, sys, torch, torch.distributed as dist
-from nsa_titan.parallel import side_group
+from nsa_titan.distributed.parallel import side_group
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
 torch.set_num_threads(2)  # the default 1-rank CPU job's intra-op threads
 dist.init_process_group("gloo")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nsa_titan import hostcpu
+from nsa_titan.system import hostcpu
 from nsa_titan.config import ConfigError
 from nsa_titan.models.attention.common import block_readers
 from nsa_titan.models.attention import Documents, Kernels, NSASpec, choose_family

@@ -104,7 +104,7 @@ def test_every_command_in_the_docs_checks_out():
     ("./run_train.sh --training.stepz 10", "unknown key 'stepz' in [training]"),
     ("./run_train.sh --config train_configs/nope.toml", "train_configs/nope.toml does not exist"),
     ("python -m nsa_titan.nope CKPT", "module nsa_titan.nope does not exist"),
-    ("python benchmarks/attention_speed.py --nope 1", "--nope is not an option of benchmarks/attention_speed.py"),
+    ("python benchmarks/kernels/attention_speed.py --nope 1", "--nope is not an option of benchmarks/kernels/attention_speed.py"),
     ("python -m nsa_titan.export CKPT --data.path data/nowhere", "data/nowhere does not exist"),
     ("make tests", "make has no target tests"),
 ])

@@ -1,4 +1,4 @@
-"""Evaluations inside a run (`[eval]`, `nsa_titan/evals.py`): at 2 ranks under FSDP (run_train.sh, the shipped
+"""Evaluations inside a run (`[eval]`, `nsa_titan/observe/evals.py`): at 2 ranks under FSDP (run_train.sh, the shipped
 settings) and with context parallelism 2, the loss by position, the recall probe and lm-eval's local tasks of
 step N equal `python -m nsa_titan.evaluate` on step N's checkpoint, to printed precision, in the metrics
 files; and a run with them trains exactly as one without."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nsa_titan.config import ConfigError, Model, load_config
-from nsa_titan.lm_harness import score
+from nsa_titan.observe.lm_harness import score
 from nsa_titan.models.transformer import Transformer
 
 from conftest import TINY, tb_losses, torchrun
@@ -142,7 +142,7 @@ def test_rows_scored_in_batches_score_as_each_alone(attention):
 
 
 def test_unknown_and_generation_tasks_are_refused_with_the_fix(tmp_path):
-    from nsa_titan.lm_harness import Harness
+    from nsa_titan.observe.lm_harness import Harness
 
     tasks = local_tasks(tmp_path / "tasks")
     with pytest.raises(ConfigError, match=r"tasks \['no_such_task'\] are not known to lm-eval nor in .*: check"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nsa_titan.checkpoint.folders import commit, scan, verify
-from nsa_titan.failure import CONSEQUENT, EXIT_RETRY, cause_of, explain, relayed
+from nsa_titan.runtime.failure import CONSEQUENT, EXIT_RETRY, cause_of, explain, relayed
 from nsa_titan.launch import failures
 
 

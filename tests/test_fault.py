@@ -12,7 +12,7 @@ import torch.nn as nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nsa_titan.config import ActivationCheckpoint, Model, ac_layers
-from nsa_titan.parallel import apply_ac
+from nsa_titan.distributed.parallel import apply_ac
 
 from conftest import TINY, launch_ranks, tb_run, torchrun
 

@@ -1,4 +1,4 @@
-"""One run owns its folder (`nsa_titan/ownership.py`), and a resumed run owns the steps after the one it
+"""One run owns its folder (`nsa_titan/runtime/ownership.py`), and a resumed run owns the steps after the one it
 loaded: through `run_train.sh` with the shipped defaults (async saves, loader workers, 2 ranks), and the
 owner record's rules in-process (live, dead and stale holders; takeovers one at a time)."""
 
@@ -19,7 +19,7 @@ import pytest
 
 from nsa_titan.checkpoint import inspect_folder
 from nsa_titan.launch import child_pids
-from nsa_titan.ownership import OWNER_FILE, FolderInUse, FolderOwner, OwnerRecord, _process_start
+from nsa_titan.runtime.ownership import OWNER_FILE, FolderInUse, FolderOwner, OwnerRecord, _process_start
 
 from conftest import ROOT, free_port, tree_digest
 from jobs import SMALL, Job, run_job
@@ -69,7 +69,7 @@ def test_a_gone_holder_is_taken_over_with_one_warning_and_released_at_the_end(tm
 
 
 def test_the_same_job_joins_a_live_holder_and_takes_a_gone_ones_back_at_once(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="nsa_titan.ownership")
+    caplog.set_level(logging.INFO, logger="nsa_titan.runtime.ownership")
     write_record(tmp_path, job="slurm job 7 step batch", host="node-0", heartbeat=time.time())  # another node's
     joined = FolderOwner.claim(tmp_path, 30, 300, job="slurm job 7 step batch")
     assert not joined.holds and not caplog.records
@@ -95,7 +95,7 @@ def test_the_holder_renews_its_heartbeat_and_notices_a_lost_record(tmp_path):
 
 def test_two_takers_of_one_gone_record_one_wins(tmp_path):
     write_record(tmp_path, pid=dead_pid())
-    code = ("import sys; from pathlib import Path; from nsa_titan.ownership import FolderOwner, FolderInUse\n"
+    code = ("import sys; from pathlib import Path; from nsa_titan.runtime.ownership import FolderOwner, FolderInUse\n"
             "try:\n    FolderOwner.claim(Path(sys.argv[1]), 30, 300); print('took')\n"
             "except FolderInUse as e:\n    print('refused')\nimport time; time.sleep(2)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,

@@ -25,9 +25,9 @@ from nsa_titan.data.packing import PackedTextDataset
 from nsa_titan.data.sources import open_text_stream
 from nsa_titan.data.train_tokenizer import train_tokenizer
 from nsa_titan.evaluate import evaluate_documents
-from nsa_titan.lm_harness import rolling_windows
+from nsa_titan.observe.lm_harness import rolling_windows
 from nsa_titan.generate import generate
-from nsa_titan.inference import load_model
+from nsa_titan.checkpoint.inference import load_model
 from nsa_titan.models.rope import SCALED as SCALED_KEYS, hf_rope_parameters
 from nsa_titan.models.transformer import Transformer
 

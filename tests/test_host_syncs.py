@@ -3,7 +3,7 @@
 a copy of host data in (`torch.tensor([...])`: a pageable copy that waits for the stream). The GPU
 families (Triton, PyTorch) are checked here without a GPU: every op and tensor method the forward and
 backward call is watched for one that would read the device or copy host data in, the Triton kernels
-recorded and not run (`benchmarks/triton_work.py`, which also counts the Triton family's launches). `tests/test_gpu.py` checks the same on CUDA with
+recorded and not run (`benchmarks/gpu/triton_work.py`, which also counts the Triton family's launches). `tests/test_gpu.py` checks the same on CUDA with
 `torch.cuda.set_sync_debug_mode("error")`."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa_titan
 from nsa_titan.config import load_config
-from nsa_titan.loss import cross_entropy_loss
+from nsa_titan.models.loss import cross_entropy_loss
 from nsa_titan.models.attention import FAMILIES, Family
 from nsa_titan.models.attention.families.pytorch import fast_shared
 from nsa_titan.models.attention.families.triton import triton_nsa
@@ -30,8 +30,8 @@ from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import triton_work  # noqa: E402  (records the Triton launches)
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu import triton_work  # noqa: E402  (records the Triton launches)
 
 needs_triton = pytest.mark.skipif(triton_nsa.triton is None, reason="triton is not installed")
 
@@ -153,7 +153,7 @@ LAUNCHES = 12
 @needs_triton
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
 def test_triton_family_launches_a_handful_of_kernels_at_any_t(docs):
-    """Triton kernels and the ATen ops that would launch a GPU kernel, counted as `benchmarks/triton_work.py`
+    """Triton kernels and the ATen ops that would launch a GPU kernel, counted as `benchmarks/gpu/triton_work.py`
     counts them: the same few at T = 512 and at 65,536 (no chunk loop), at most 12."""
     counts = {T: triton_work.launches(T, docs) for T in (512, 65536)}
     (small, small_ops), (large, large_ops) = counts[512], counts[65536]

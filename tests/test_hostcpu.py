@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_titan import hostcpu
+from nsa_titan.system import hostcpu
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nsa_titan import generate as generate_cli
 from nsa_titan.config import Model
 from nsa_titan.evaluate import evaluate
-from nsa_titan.inference import load_model
+from nsa_titan.checkpoint.inference import load_model
 from nsa_titan.data.batch import document_ids
 from nsa_titan.models import decode
 from nsa_titan.models.attention import FAMILIES, Family

@@ -16,11 +16,11 @@ import torch
 from nsa_titan.checkpoint import inspect_folder, load_tensors
 from nsa_titan.config import ConfigError, Model, load_config, max_context
 from nsa_titan.data import HeldOutSets
-from nsa_titan.evals import token_positions
+from nsa_titan.observe.evals import token_positions
 from nsa_titan.evaluate import evaluate
 from nsa_titan.generate import generate
-from nsa_titan.inference import load_model
-from nsa_titan.loss import cross_entropy_loss
+from nsa_titan.checkpoint.inference import load_model
+from nsa_titan.models.loss import cross_entropy_loss
 from nsa_titan.models.rope import check_source, hf_rope_parameters, rope_of, rope_settings, rope_tables
 
 from conftest import ROOT, tb_losses

@@ -30,7 +30,7 @@ from nsa_titan.config import ConfigError, Data, Source, Validation, load_config
 from nsa_titan.data import DataError, HeldOutSets, build_dataloader, build_tokenizer, shutdown_workers
 from nsa_titan.data.loader import is_held_out
 from nsa_titan.data.prepare import prepare
-from nsa_titan.data.prepared import MIX_BLOCK, Mixture, file_hash
+from nsa_titan.data.prepared import MIX_BLOCK, Mixture, part_hash
 from nsa_titan.data.tokenizer import ByteTokenizer
 
 from conftest import ROOT, tb_run
@@ -235,7 +235,7 @@ def test_a_killed_prepare_continues_and_ends_identical(tmp_path):
     docs = a["sources"]["python_docs"]
     assert a["sources"] == b["sources"] and len(docs["parts"]) > 40 and len(docs["holdout"]) > 2
     for part in docs["parts"] + docs["holdout"]:
-        assert file_hash(killed / "python_docs" / part["file"]) == part["xxh3"]
+        assert part_hash(killed / "python_docs" / part["file"]) == part["xxh3"]
 
 
 def test_streamed_length_bounds_keep_only_documents_within_them(corpora):
@@ -360,7 +360,7 @@ def earlier(three, tmp_path_factory) -> Path:
 
 def folder_state(folder: Path) -> dict[str, tuple[int, str]]:
     """Every file under `folder`: its size and content hash."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, file_hash(p)) for p in folder.rglob("*") if p.is_file()}
+    return {str(p.relative_to(folder)): (p.stat().st_size, part_hash(p)) for p in folder.rglob("*") if p.is_file()}
 
 
 def bad(tmp_path, three, three_prepared, case: str) -> list[str]:

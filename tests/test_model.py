@@ -131,7 +131,7 @@ def test_accounting_is_by_structure_not_by_name(attention, tie):
     """Every parameter is in exactly one part, and wrapping the blocks (AC, compile: new parameter
     names) changes neither the parts nor the FLOPs."""
     from nsa_titan.config import Compile
-    from nsa_titan.parallel import apply_ac, apply_compile
+    from nsa_titan.distributed.parallel import apply_ac, apply_compile
 
     cfg = Model(**{**TINY, "attention": attention, "tie_embeddings": tie})
     with torch.device("meta"):

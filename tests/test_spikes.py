@@ -1,4 +1,4 @@
-"""Loss spikes (`nsa_titan/guard.py`) as a run meets them: an injected spike flagged on every rank with its
+"""Loss spikes (`nsa_titan/runtime/guard.py`) as a run meets them: an injected spike flagged on every rank with its
 batch, `skip` leaving the model and optimizer of the step before bit for bit, and the detector's rules.
 Exact resume with spike detection on is every resume test's (`warn` is the default)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from nsa_titan.checkpoint.folders import verify
 from nsa_titan.config import Fault
-from nsa_titan.guard import SpikeDetector, UpdateGuard
+from nsa_titan.runtime.guard import SpikeDetector, UpdateGuard
 
 from jobs import assert_states_equal, run_job
 

@@ -1,6 +1,6 @@
 """The check and benchmark scripts' contracts that need no GPU: `scripts/gpu_check.sh` on a machine
-without CUDA, `benchmarks/attention_speed.py --profile` and `--interleave`, and
-`benchmarks/triton_work.py`."""
+without CUDA, `benchmarks/kernels/attention_speed.py --profile` and `--interleave`, and
+`benchmarks/gpu/triton_work.py`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_gpu_check_without_cuda_says_so_exits_0_and_writes_no_report(tmp_path):
 
 
 def test_attention_profile_prints_where_the_time_goes():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_speed.py"), "--profile", "fast-core",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels" / "attention_speed.py"), "--profile", "fast-core",
                            "1024"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Self CPU time total" in proc.stdout
@@ -35,7 +35,7 @@ def test_attention_profile_prints_where_the_time_goes():
 
 
 def test_attention_interleave_takes_each_ratio_within_a_round():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_speed.py"), "--T", "512",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels" / "attention_speed.py"), "--T", "512",
                            "--repeats", "3", "--interleave", "--variants", "fast-core", "dense-core", "reference-core",
                            "--reference_max_T", "256", "--allocators", "tuned"],
                           capture_output=True, text=True, timeout=600)
@@ -53,7 +53,7 @@ def test_attention_interleave_takes_each_ratio_within_a_round():
 def test_triton_work_prints_the_launches_of_each_setting():
     """The script's table: the same 6 Triton launches and 4 ATen ops at 512 and 2,048, with and without
     documents; with the off-paper options the PyTorch score gradient's ops come on top."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_work.py"), "--T", "512", "2048"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "triton_work.py"), "--T", "512", "2048"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:7]] for line in proc.stdout.splitlines() if line.startswith("| 5")
@@ -66,9 +66,9 @@ def test_triton_work_prints_the_launches_of_each_setting():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_decode_prediction_counts_the_compression_and_predicts_each_context():
-    """`benchmarks/decode_prediction.py`: the compression's launches recorded (one of each kernel over d steps, no
+    """`benchmarks/gpu/decode_prediction.py`: the compression's launches recorded (one of each kernel over d steps, no
     ATen op), and a row per batch and context with the step as built, the next design and dense."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_prediction.py"), "--contexts", "8192",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "decode_prediction.py"), "--contexts", "8192",
                            "65536", "--batch", "1"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "{'_cmp_hidden': 1, '_cmp_out': 1, 'ATen ops': 0}" in proc.stdout
@@ -79,10 +79,10 @@ def test_decode_prediction_counts_the_compression_and_predicts_each_context():
 
 
 def test_gpu_prediction_calibrates_then_predicts_every_kernel_fitted_and_pessimistic():
-    """`benchmarks/gpu_prediction.py`: the calibration on the H100 profile (each old kernel predicted back in sample
+    """`benchmarks/gpu/gpu_prediction.py`: the calibration on the H100 profile (each old kernel predicted back in sample
     and left out, the ones it cannot fit named), the new family's kernels (and every fill and cast) at the T asked
     for with both sets of constants, the totals against the measured dense time, and the M7C training step."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_prediction.py"), "--T", "8192"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_prediction.py"), "--T", "8192"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -112,7 +112,7 @@ def test_line_chart_draws_each_series_its_band_and_marks(tmp_path):
     from matplotlib import colors
     from PIL import Image
 
-    from nsa_titan.plots import line_chart
+    from nsa_titan.observe.plots import line_chart
 
     a, b = {1: 0.1, 2: 0.5, 4: 0.9}, {1: 0.2, 2: 0.3, 4: 0.4}
     band = ({x: y - 0.1 for x, y in a.items()}, {x: y + 0.1 for x, y in a.items()})

@@ -11,7 +11,7 @@ import subprocess
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import ROOT, tb_run
-from nsa_titan import hostcpu
+from nsa_titan.system import hostcpu
 
 pytestmark = pytest.mark.multiprocess
 

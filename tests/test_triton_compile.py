@@ -1,4 +1,4 @@
-"""The Triton family's kernels compiled for an H100 on a machine without a GPU (`benchmarks/triton_compile.py`).
+"""The Triton family's kernels compiled for an H100 on a machine without a GPU (`benchmarks/gpu/triton_compile.py`).
 
 The interpreter (tests/test_families.py) checks what the kernels compute; only Triton's compiler says whether
 they build for a GPU (a kernel can run interpreted and not compile) and how they use its registers. Each kernel
@@ -19,12 +19,12 @@ from conftest import ROOT
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")]
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    import triton_compile
+    from benchmarks.gpu import triton_compile
     from triton.runtime.interpreter import InterpretedFunction
 
     from nsa_titan.models.attention.families.triton import triton_nsa

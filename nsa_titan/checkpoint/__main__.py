@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import ArgumentParser, run_command
+from ..system.cli import ArgumentParser, run_command
 from .errors import CheckpointError
 from .folders import MANIFEST, NO_HASHES, PARTIAL_DIR, STEP_DIR, Found, inspect_folder, recorded_hashes, scan, verify
 from .integrity import HASH

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..system.errors import BadInput
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint that cannot be used, named, with the problem and the way out."""
+
+    kind = "checkpoint"
 
 
 def root_cause(error: BaseException) -> tuple[str, bool]:

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .integrity import HASH, file_hash, verify_files
+from ..system.hashing import file_hash
+from .integrity import HASH, verify_files
 
 MANIFEST = ".complete"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -98,7 +99,7 @@ def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str,
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest_data = {"step": step, "world_size": world_size, "files": files}
     if hashes is not None:
-        manifest_data[HASH] = {name: hashes.get(name) or file_hash(tmp / name) for name in files}
+        manifest_data[HASH] = {name: hashes.get(name) or file_hash(tmp / name, HASH) for name in files}
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps(manifest_data, indent=1))
     for path in (manifest, tmp):  # the manifest's bytes, then its name in the folder, on disk before the rename

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..config import Model
+from ..config.paths import config_of_checkpoint
 from ..models.rope import check_source, describe, hf_rope_parameters, rope_of, rope_settings
-from ..paths import config_of_checkpoint
 from .errors import CheckpointError
 
 MODEL_TYPE = "nsa_titan"

@@ -13,27 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..system.hashing import file_hash
+
 HASH = "xxh3_128"
-"""The hash's name: the manifest's key for the hashes, and the prefix of each one printed."""
-_PIECE = 8 << 20
+"""The hash's name (xxhash's constructor): the manifest's key for the hashes, and the prefix of each one printed."""
 _HASHES = "__nsa_titan_file_hashes__"
 """The fqn of the write result that carries a rank's file hashes to the coordinator (never saved)."""
-
-
-def file_hash(path: Path) -> str:
-    """The XXH3-128 hex digest of the file's content, read in 8 MiB pieces."""
-    h, buffer = xxhash.xxh3_128(), bytearray(_PIECE)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 class HashingWriter(FileSystemWriter):
@@ -50,7 +40,7 @@ class HashingWriter(FileSystemWriter):
             return super().write_data(plan, planner)
         results = super().write_data(plan, planner).wait()
         files = sorted({r.storage_data.relative_path for r in results})
-        mine = WriteResult(MetadataIndex(_HASHES), 0, {f: file_hash(Path(self.path) / f) for f in files})
+        mine = WriteResult(MetadataIndex(_HASHES), 0, {f: file_hash(Path(self.path) / f, HASH) for f in files})
         done: Future = Future()
         done.set_result([*results, mine])
         return done
@@ -64,7 +54,7 @@ class HashingWriter(FileSystemWriter):
 
 def mismatch(folder: Path, name: str, expected: str) -> str | None:
     """None if `folder/name` hashes to `expected`, else the problem, naming both hashes."""
-    found = file_hash(folder / name)
+    found = file_hash(folder / name, HASH)
     if found == expected:
         return None
     return (f"file {name} does not match its recorded content ({HASH} {found}, the manifest recorded {expected}): "

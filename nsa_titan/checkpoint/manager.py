@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from ..config import Checkpoint as CheckpointConfig
-from ..parallel import side_group
+from ..distributed.parallel import side_group
+from ..models.rope import describe, rope_of
 from .errors import CheckpointError, root_cause
 from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorded_hashes, scan, set_aside
-from ..models.rope import describe, rope_of
 from .hf_folder import check_initial_source, check_settings, is_hf_folder, read_hf_folder
 from .integrity import HashingWriter, verify_files
 from .model_file import check_fit, read_model_file, saved_shapes, shapes

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import DTYPES
-from ..paths import model_config_path
+from ..config.paths import model_config_path
 from .errors import CheckpointError
 from .folders import NO_HASHES, newest_verified, recorded_hashes, verify
 

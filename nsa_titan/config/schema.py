@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from ..system.errors import BadInput
 from .data_sections import Data, Recall, Source, Validation  # in a file of their own, for length
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -20,8 +21,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """The dtype names the config uses (mixed precision, export)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput, ValueError):
     """A configuration problem, with the key, the bad value and the fix in its message."""
+
+    kind = "config"
 
 
 @dataclass
@@ -283,7 +286,7 @@ class Metrics:
 
 @dataclass
 class Eval:
-    """Evaluations inside the run (`nsa_titan/evals.py`) on the model being trained, by every rank, each equal
+    """Evaluations inside the run (`nsa_titan/observe/evals.py`) on the model being trained, by every rank, each equal
     to `python -m nsa_titan.evaluate` on that step's checkpoint."""
 
     enable: bool = False
@@ -361,7 +364,7 @@ class Debug:
     memory_snapshot_step: int = 0
     """Write a CUDA memory snapshot after this step to <dump_folder>/profile/ (0: off; GPUs only)."""
     fault_hang_rank: int = -1
-    """Fault injection for tests (installed by `debug_hooks.py`): this rank sleeps forever at
+    """Fault injection for tests (installed by `runtime/fault_injection.py`): this rank sleeps forever at
     fault_hang_step, in fault_hang_where."""
     fault_hang_step: int = 0
     """Fault injection for tests: the step at which fault_hang_rank hangs (0: never)."""

@@ -1,9 +1,13 @@
 """The errors of the data pipeline: bad input (a message naming the problem and the fix), and a source
 that a flaky network kept from being read."""
 
+from ..system.errors import BadInput
 
-class DataError(ValueError):
+
+class DataError(BadInput, ValueError):
     """A dataset, file or tokenizer that cannot be used, with what to do about it."""
+
+    kind = "data"
 
 
 class DataUnavailable(RuntimeError):

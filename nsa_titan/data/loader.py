@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
-import os
 import signal
 import warnings
 
@@ -17,7 +15,7 @@ from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import Data, Recall, data_sources
-from ..stop import ignore_stop_signals
+from ..system.signals import die_with_parent, ignore_stop_signals
 from .packing import PackedTextDataset
 from .prepared import PreparedLoader, PreparedWindows, open_prepared
 from .recall import RecallTokens, recall_layout
@@ -27,8 +25,6 @@ from .tokenizer import Tokenizer
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata's own call
 
-PR_SET_PDEATHSIG = 1
-"""prctl(2): the signal a process gets when its parent dies."""
 SNAPSHOT_EVERY = 16
 """Workers send their state (shuffle buffer included) every this many batches, not every batch;
 a restore replays the batches since the last snapshot, which is exact and cheap."""
@@ -69,15 +65,10 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
 
 def start_worker(worker_id: int) -> None:
     """`worker_init_fn` of the training loaders' workers: the rank decides when they stop, not a stop signal
-    (`stop.ignore_stop_signals`), and they die with their rank. A SIGKILLed rank's workers would otherwise live
+    (`signals.ignore_stop_signals`), and they die with their rank. A SIGKILLed rank's workers would otherwise live
     on, each blocked at its exit on a result queue that its sibling holds open, and keep the job's output open."""
     ignore_stop_signals(worker_id)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (AttributeError, OSError):  # not Linux: no parent-death signal
-        return
-    if os.getppid() == 1:  # the rank died before the request took effect
-        os._exit(0)
+    die_with_parent()
 
 
 def is_held_out(text: str, share: float) -> bool:

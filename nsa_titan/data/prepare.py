@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from ..cli import ArgumentParser, run_command
 from ..config import ConfigError, Data, JobConfig, Source, data_sources, load_config, to_toml
+from ..system.cli import ArgumentParser, run_command
 from .errors import DataError
 from .loader import is_held_out
-from .prepared import FORMAT, MANIFEST, PREPARED_AS, file_hash, fingerprint, token_dtype
+from .prepared import FORMAT, MANIFEST, PREPARED_AS, fingerprint, part_hash, token_dtype
 from .sources import open_text_stream
 from .tokenizer import Tokenizer, build_tokenizer, document_tokens
 
@@ -87,7 +87,7 @@ def _entries(folder: Path, kind: str, parts: int, dtype: str) -> list[dict[str, 
     for p in range(parts):
         tokens, docs = _part_files(folder, p, kind)
         if n := tokens.stat().st_size // np.dtype(dtype).itemsize:
-            entries.append({"file": tokens.name, "tokens": n, "documents": len(np.load(docs)), "xxh3": file_hash(tokens)})
+            entries.append({"file": tokens.name, "tokens": n, "documents": len(np.load(docs)), "xxh3": part_hash(tokens)})
     return entries
 
 

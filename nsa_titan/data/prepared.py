@@ -24,6 +24,7 @@ import xxhash
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import Data, Source, data_sources
+from ..system.hashing import file_hash
 from .batch import Sample, eos_documents
 from .errors import DataError
 from .synthetic import IndexedSamples
@@ -55,13 +56,9 @@ def fingerprint(tokenizer: Tokenizer) -> str:
     return h.hexdigest()
 
 
-def file_hash(path: Path) -> str:
-    """The xxh3-64 of a file's bytes, read in 64 MiB pieces."""
-    h = xxhash.xxh3_64()
-    with path.open("rb") as f:
-        while piece := f.read(1 << 26):
-            h.update(piece)
-    return h.hexdigest()
+def part_hash(path: Path) -> str:
+    """A token part's content hash as the manifest records it (`xxh3`: XXH3-64, prepared format 2)."""
+    return file_hash(path, "xxh3_64")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -131,7 +128,7 @@ def open_prepared(data: Data, tokenizer: Tokenizer, held_out: bool = False) -> l
         for part in parts:
             file = folder / src.label / part["file"]
             size = file.stat().st_size if file.is_file() else None
-            if size != part["tokens"] * np.dtype(manifest["dtype"]).itemsize or file_hash(file) != part["xxh3"]:
+            if size != part["tokens"] * np.dtype(manifest["dtype"]).itemsize or part_hash(file) != part["xxh3"]:
                 raise DataError(f"[data] prepared: {file} is {'missing' if size is None else 'truncated or altered'} "
                                 f"(its size or content hash differs from {folder / MANIFEST}): prepare again")
         out.append(PreparedSource(folder, src.label, parts, np.dtype(manifest["dtype"])))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Recall
-from ..loss import IGNORE_INDEX
+from ..models.loss import IGNORE_INDEX
 from .batch import Sample
 from .synthetic import IndexedSamples
 

@@ -23,7 +23,7 @@ from datasets import IterableDataset, load_dataset
 from datasets.data_files import DataFilesList
 
 from ..config import HUB_ID, URL, is_remote
-from ..env import own_streaming_retries
+from ..system.env import own_streaming_retries
 from .errors import DataError
 from .retry import Retrier, transient
 

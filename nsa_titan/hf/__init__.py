@@ -9,7 +9,7 @@ do), so that in this process an export loads without `trust_remote_code`; elsewh
 
 from __future__ import annotations
 
-from ..extras import require_hf
+from ..system.extras import require_hf
 
 require_hf("nsa_titan.hf")
 

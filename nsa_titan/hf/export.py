@@ -26,10 +26,10 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from ..checkpoint import CheckpointError, check_fit, shapes
+from ..checkpoint.inference import SINGLE_PROCESS
 from ..config import DTYPES, JobConfig, derive, load_config, max_context
 from ..data import Tokenizer, build_tokenizer
 from ..data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
-from ..inference import SINGLE_PROCESS
 from ..models.rope import SCALED, hf_rope_parameters
 from ..models.transformer import Transformer
 from . import NSATitanConfig, NSATitanForCausalLM

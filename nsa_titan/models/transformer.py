@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Model as ModelConfig
-from ..context_parallel import ContextSplit, attend_in_parts, gather_keys
+from ..distributed.context_parallel import ContextSplit, attend_in_parts, gather_keys
 from .attention import BRANCHES, Documents, Family, NSASpec, dense_causal
+from .attention.dense import with_block_masks
 from .attention.families.choose import Auto
 from .attention.families.reference import Reference
-from .attention.dense import with_block_masks
 from .nsa_stats import gate_stats, selection_stats
 from .rope import apply_rope, rope_tables
 

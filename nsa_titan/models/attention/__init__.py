@@ -2,14 +2,15 @@
 the block scores' straight-through gradient `routing`), the families themselves (`families/`: reference,
 pytorch, cpp, triton, one folder each), and the dense causal baseline (`dense`)."""
 
-from .common import BRANCHES, NSASpec, cmp_visibility, mix_branches, select_blocks, sel_members, top_n
-from .documents import Documents
+from .common import BRANCHES, cmp_visibility, mix_branches, select_blocks, sel_members, top_n
 from .dense import dense_causal
+from .documents import Documents
 from .families.choose import FAMILIES, Family, choose_family, describe_attention, model_family
 from .families.pytorch.fast import nsa_fast
 from .families.pytorch.kernels import Kernels
 from .reference import masked_attention, nsa_reference
 from .routing import set_explore_step, with_score_grad
+from .spec import NSASpec
 
 __all__ = [
     "BRANCHES", "Documents", "FAMILIES", "Family", "Kernels", "NSASpec", "choose_family", "cmp_visibility",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
+from .spec import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
 
 
 @dataclass(frozen=True)

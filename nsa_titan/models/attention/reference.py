@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .common import cmp_visibility, masked_softmax, mix_branches, select_blocks
 from .documents import Documents
-from .common import NSASpec, cmp_visibility, masked_softmax, mix_branches, select_blocks
+from .spec import NSASpec
 
 
 def masked_attention(

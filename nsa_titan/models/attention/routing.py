@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import torch
 
+from .common import choose_blocks, forced_blocks, masked_softmax, member_slots, query_positions
+from .documents import Documents
 from .families.cpp import cpu_attention
 from .families.pytorch import ops
-from .common import NSASpec, choose_blocks, forced_blocks, masked_softmax, member_slots, query_positions
-from .documents import Documents
+from .spec import NSASpec
 
 CHUNK_LOGITS = 2**23
 """How many logits (batch x group heads x queries x keys) backward takes at once: it takes the queries a chunk

@@ -13,9 +13,9 @@ from typing import ClassVar
 
 import torch
 
-from ..common import NSASpec
 from ..documents import Documents
 from ..routing import with_score_grad
+from ..spec import NSASpec
 
 Tensor = torch.Tensor
 

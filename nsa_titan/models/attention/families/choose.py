@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ....config import ConfigError, Model
-from ..common import NSASpec
+from ..spec import NSASpec
 from .base import Family, Tensor
 from .cpp.family import Cpp
 from .pytorch.family import Flash, PyTorch

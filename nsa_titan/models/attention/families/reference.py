@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..common import NSASpec
 from ..documents import Documents
 from ..reference import nsa_reference
+from ..spec import NSASpec
 from .base import Family, Tensor
 
 

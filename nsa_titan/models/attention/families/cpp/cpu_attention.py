@@ -34,10 +34,11 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from .....hostcpu import cpu_flags
+from .....system.hostcpu import cpu_flags
 from ... import common
-from ...common import NSASpec, block_readers
+from ...common import block_readers
 from ...documents import Documents
+from ...spec import NSASpec
 
 SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp", Path(__file__).parent / "csrc" / "tiles.h")
 """The kernel and its vector layer (a header, built in; `tests/test_cpu_attention.py` also builds it alone)."""
@@ -52,20 +53,20 @@ FUSED_BACKWARD_KEYS = (256, 1024)
 fused attention chunk by chunk (`fast_shared`), which beats this kernel's query-by-query backward there:
 the first for groups of fewer than 4 query heads, the second for 4 or more (the kernel adds each key's dk, dv
 once for the group's heads: the more heads, the more work per key). Shorter runs, and every win branch, stay
-here. 2-core Intel Xeon (AVX-512), both on 2 threads (`benchmarks/cpu_kernel.py`, 2026-11-26): M7C (6
+here. 2-core Intel Xeon (AVX-512), both on 2 threads (`benchmarks/kernels/cpu_kernel.py`, 2026-11-26): M7C (6
 heads a group) cmp 103-119 against 124-142 ms at 8k (511 keys), 376 against 381 ms at 16k, 1.72 against
 1.49 s at 32k (2,047 keys); recall.toml (2 heads, 511 keys) 35-44 against 21-32 ms; win (w = 512) 225
 against 284-316 ms at 8k and 0.98 against 1.00 s at 32k, (w = 64) 10-15 against 15-23 ms."""
 FORWARD_ROWS_MAX_KEYS = 8192
 """The sel forward goes query by query up to this many keys per (batch, group), block by block beyond
-(2-core Intel Xeon, AVX-512, M7C shape, `benchmarks/sel_backward.py --forward`: 0.085 against 0.092 s at
+(2-core Intel Xeon, AVX-512, M7C shape, `benchmarks/kernels/sel_backward.py --forward`: 0.085 against 0.092 s at
 4k, 0.177 against 0.186 s at 8k, 0.53 against 0.48 s at 16k, 1.13 against 0.84 s at 32k, 2.89 against
 2.17 s at 64k). Query by query, each query reads its n blocks from all over the sequence, out of cache."""
 CHUNK_BYTES = 1 << 20
 """The block-by-block sel forward and backward take the queries in chunks of this many bytes of q (as
 many of dO and dq, or of the output), so that a chunk's rows stay in cache while the blocks they chose
 pass (backward at 32k: 2.41 s in one chunk, 1.73 s in chunks of 1 MiB = 682 queries;
-`benchmarks/sel_backward.py`)."""
+`benchmarks/kernels/sel_backward.py`)."""
 
 
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fopenmp"]

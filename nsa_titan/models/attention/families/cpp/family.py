@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention
-from ...common import NSASpec
-from ..pytorch.kernels import Kernels
+from ...spec import NSASpec
 from ..pytorch.family import Branchwise
+from ..pytorch.kernels import Kernels
+from . import cpu_attention
 
 
 class Cpp(Branchwise):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ...common import NSASpec
 from ...documents import Documents
+from ...spec import NSASpec
 from ..base import Family, Tensor
 from .fast import nsa_fast
 from .kernels import Kernels, flash_problem

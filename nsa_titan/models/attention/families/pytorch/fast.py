@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
-from ...common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec, mix_branches
+from ...common import mix_branches
 from ...documents import Documents
+from ...spec import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
+from . import ops
 from .kernels import Kernels, window_flash
 
 

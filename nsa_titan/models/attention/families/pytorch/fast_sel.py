@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_attention
-from ...common import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
 from ...documents import ChunkBounds
+from ...spec import N_FORCED_INITIAL, N_FORCED_LOCAL, NSASpec
+from . import fused_attention
 
 CHUNK_SEL = 4096
 """Most queries per sel chunk: bounds the gathered rows (C x n x heads x D per KV group)."""

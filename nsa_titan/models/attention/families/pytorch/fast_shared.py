@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_attention
-from ..cpp import cpu_attention
-from ...common import NSASpec, choose_blocks
+from ...common import choose_blocks
 from ...documents import ChunkBounds, Documents
+from ...spec import NSASpec
+from ..cpp import cpu_attention
+from . import fused_attention
 
 CHUNK_CMP = 256
 """Queries per cmp chunk on CPUs (a chunk's scores stay near the caches)."""

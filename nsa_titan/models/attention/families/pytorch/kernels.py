@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...common import NSASpec
 from ...documents import Documents, varlen_boundaries
+from ...spec import NSASpec
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cpp import cpu_attention
-from ...common import NSASpec
 from ...documents import ChunkBounds, Documents
+from ...spec import NSASpec
+from ..cpp import cpu_attention
 from .fast_sel import selected_backward, selected_forward
 from .fast_shared import shared_backward, shared_forward
 

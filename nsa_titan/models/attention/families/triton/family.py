@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from ...documents import Documents
+from ...spec import NSASpec
+from ..base import Family
 from . import triton_nsa as kernels
 from . import triton_nsa_backward as backward_kernels
 from . import triton_nsa_sel as sel_kernels
-from ...common import NSASpec
-from ...documents import Documents
-from ..base import Family
 
 Tensor = torch.Tensor
 OptTensor = Tensor | None

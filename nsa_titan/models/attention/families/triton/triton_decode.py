@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ...common import NSASpec
+from ...spec import NSASpec
 from .family import _keys, _pow2
 from .triton_nsa import problem as family_problem
 

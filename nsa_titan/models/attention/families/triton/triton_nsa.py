@@ -24,16 +24,16 @@ The host side, the custom op and its backward are `family.py` beside this file. 
 run inside the kernels, and no value is read back to the host: the op can be captured in a CUDA graph.
 Rules of the kernels: l and l' multiples of d (sel block j's cmp members are the l/d + l'/d - 1 slots from
 j l'/d - l/d + 1), head dim and l' powers of two >= 16 (`problem`). Block sizes are set so that no kernel
-spills registers on sm_90 in bf16 or fp16 (`benchmarks/triton_compile.py`).
+spills registers on sm_90 in bf16 or fp16 (`benchmarks/gpu/triton_compile.py`).
 Checked on the CPU under TRITON_INTERPRET=1 against the reference (tests/test_families.py);
-`benchmarks/triton_work.py` counts its launches.
+`benchmarks/gpu/triton_work.py` counts its launches.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...common import NSASpec
+from ...spec import NSASpec
 
 try:
     import triton
@@ -64,7 +64,7 @@ the dQ rows' atomic add, 72 with the load of sel's output for delta that replace
 READER_STEPS = 32
 """Steps of a program over the inverse index (`triton_nsa_sel`): its span is READER_STEPS tiles of
 readers, so the first block, which every query reads, is shared among Tq / span programs (64: 0.68 ms predicted
-at 8k, 32: 0.56, 16: 0.57; `benchmarks/gpu_prediction.py`)."""
+at 8k, 32: 0.56, 16: 0.57; `benchmarks/gpu/gpu_prediction.py`)."""
 
 
 def topn_blocks(spec: NSASpec, n: int) -> int:

@@ -1,0 +1,166 @@
+"""Fault injection for tests, installed from `[debug]` and nowhere else: the trainer and the
+checkpoint manager know nothing of it. Each hook uses a public seam of the object it changes
+(module and optimizer hooks, the checkpoint manager's storage writer).
+
+  fault_hang_rank / fault_hang_step / fault_hang_where  a rank sleeps forever in the forward pass
+                                                        or the optimizer step (the watchdog's test)
+  fault_nan_step                                        rank 0's logits, and so its loss, become NaN
+  fault_spike_step                                      every rank's logits are scaled by 30 (a loss spike),
+                                                        the first time the run reaches that step
+  fault_kill_in_save_step                               the last rank SIGKILLs itself once its files
+                                                        of that step's checkpoint are written
+  fault_fail_commit_step                                that step's save folder vanishes once written
+                                                        (rank 0), so that its commit fails
+  fault_raise_rank / fault_raise_step / fault_raise_where
+                                                        a rank raises at that step, in torchrun's first
+                                                        attempt only: a loader worker on the step's batch
+                                                        (`data`), the forward runs out of memory
+                                                        (`forward`), the heartbeat's write finds the disk
+                                                        full (`write`)
+
+A loader worker killed as the out-of-memory killer does needs no hook: `kill -9` its pid.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.data import get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from ..checkpoint import CheckpointManager
+from ..checkpoint.integrity import HashingWriter
+from ..config import Debug
+from .watchdog import Heartbeat
+
+
+def _hang_forever(where: str, rank: int, step: int) -> None:
+    """Never return (the watchdog must find this frame)."""
+    _say(f"rank {rank} hangs in the {where} of step {step}")
+    while True:
+        time.sleep(3600)
+
+
+def _say(line: str) -> None:
+    print(f"fault injection: {line}", file=sys.stderr, flush=True)
+
+
+class _CorruptBatch:
+    """The loader's collate_fn, raising in the worker that makes batch `index` of the run (the workers take
+    the batches in turn, counted from the run's first)."""
+
+    def __init__(self, collate: Callable, index: int, rank: int, step: int):
+        self.collate, self.index, self.rank, self.step, self.made = collate, index, rank, step, 0
+
+    def __call__(self, samples: list) -> object:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        index, self.made = self.made * workers + worker, self.made + 1
+        if index == self.index:
+            _say(f"rank {self.rank}'s loader worker {worker} raises on the batch of step {self.step}")
+            raise ValueError(f"a corrupt document in the batch of step {self.step} (fault injection)")
+        return self.collate(samples)
+
+
+def _raise_out_of_memory(rank: int, step: int) -> None:
+    _say(f"rank {rank} runs out of memory in the forward of step {step}")
+    raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (fault injection at step {step})")
+
+
+def _failing_write(heartbeat: Heartbeat, rank: int, step: int) -> None:
+    """The heartbeat's record of `step` finds the disk full."""
+    plain = heartbeat.write
+
+    def write(**record: object) -> None:
+        if record.get("step") == step and "event" not in record:
+            _say(f"rank {rank}'s heartbeat write of step {step} fails")
+            raise OSError(errno.ENOSPC, "No space left on device (fault injection)", heartbeat.file.name)
+        plain(**record)
+
+    heartbeat.write = write
+
+
+def _install_raise(d: Debug, model: nn.Module, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
+                   rank: int, current_step: Callable[[], int], batches_per_step: int) -> None:
+    """The `fault_raise_*` fault, in torchrun's first attempt only."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank != d.fault_raise_rank or d.fault_raise_step <= 0 or not first_attempt:
+        return
+    step = d.fault_raise_step
+    if d.fault_raise_where == "data":
+        dataloader.collate_fn = _CorruptBatch(dataloader.collate_fn, (step - 1) * batches_per_step, rank, step)
+    elif d.fault_raise_where == "forward":
+        next(iter(model.layers.values())).register_forward_pre_hook(
+            lambda module, args: _raise_out_of_memory(rank, step)
+            if current_step() == step and torch.is_grad_enabled() else None)
+    elif heartbeat is not None:
+        _failing_write(heartbeat, rank, step)
+
+
+class _KillAfterWrite(HashingWriter):
+    """SIGKILL this rank once its checkpoint files are written."""
+
+    def write_data(self, plan, planner):
+        super().write_data(plan, planner).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _VanishBeforeCommit(HashingWriter):
+    """Remove the save's folder once every rank has written it (rank 0, DCP's coordinator): its commit fails."""
+
+    def finish(self, metadata, results):
+        super().finish(metadata, results)
+        shutil.rmtree(self.path)
+
+
+def install_faults(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        checkpointer: CheckpointManager, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
+                        rank: int, world_size: int, current_step: Callable[[], int], batches_per_step: int) -> None:
+    """Install the hooks the `[debug] fault_*` keys ask for (none by default), before the loader's workers start."""
+    _install_raise(d, model, dataloader, heartbeat, rank, current_step, batches_per_step)
+    if rank == d.fault_hang_rank and d.fault_hang_step > 0:
+        if d.fault_hang_where == "forward":
+            next(iter(model.layers.values())).register_forward_pre_hook(
+                lambda module, args: _hang_forever("forward", rank, current_step())
+                if current_step() == d.fault_hang_step and torch.is_grad_enabled() else None)
+        else:
+            optimizer.register_step_pre_hook(
+                lambda opt, args, kwargs: _hang_forever("optimizer step", rank, current_step())
+                if current_step() == d.fault_hang_step else None)
+    if rank == 0 and d.fault_nan_step > 0:
+        model.register_forward_hook(
+            lambda module, args, out: out * float("nan")
+            if current_step() == d.fault_nan_step and torch.is_grad_enabled() else None)
+    if d.fault_spike_step > 0:
+        fired: list[int] = []  # once: a rolled-back run reaches that step again, on other batches
+
+        def spike(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            if current_step() != d.fault_spike_step or not torch.is_grad_enabled() or len(fired) >= batches_per_step:
+                return None
+            fired.append(1)
+            return out * 30.0
+
+        model.register_forward_hook(spike)
+    if rank == world_size - 1 and d.fault_kill_in_save_step > 0:
+        plain = checkpointer.storage_writer
+
+        def writer(path: Path, step: int) -> HashingWriter:
+            return _KillAfterWrite(str(path)) if step == d.fault_kill_in_save_step else plain(path, step)
+
+        checkpointer.storage_writer = writer
+    if rank == 0 and d.fault_fail_commit_step > 0:
+        plain_writer = checkpointer.storage_writer
+
+        def vanishing(path: Path, step: int) -> HashingWriter:
+            return _VanishBeforeCommit(str(path)) if step == d.fault_fail_commit_step else plain_writer(path, step)
+
+        checkpointer.storage_writer = vanishing

@@ -1,0 +1,133 @@
+"""Whether a step's update is applied: a non-finite gradient norm (halt, or skip) and a loss spike (warn, or
+skip), decided the same way on every rank.
+
+A loss spike: the loss averaged over the ranks more than `[fault] spike_threshold` standard deviations above
+its running mean, an exponentially weighted mean and variance over `spike_window` steps, looked for once that
+many steps have been folded in (a spike is not). Its warning names the step, the loss, how far out it is, the
+gradient norm and the batch (this rank's sources, and a prepared run's global samples); `skip` drops its
+update (the batch counts as read, the optimizer does not step); `rollback` drops it too and, after enough
+spikes close together, has the trainer reload the newest checkpoint while the data goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import Fault
+from .failure import TrainingHalted
+
+logger = logging.getLogger("nsa_titan")
+
+SUSPECT_AFTER_RESUME = 10
+"""A non-finite step within this many steps of a resume names the checkpoint resumed from as a suspect."""
+
+
+def suspect(resumed_from: Path | None, steps_since_resume: int) -> str:
+    """For a non-finite step's report: the checkpoint this run resumed from, named as a suspect when the step
+    came within SUSPECT_AFTER_RESUME steps of the resume; else nothing."""
+    if resumed_from is None or steps_since_resume > SUSPECT_AFTER_RESUME:
+        return ""
+    return (f". This run resumed from {resumed_from} {steps_since_resume} step(s) before: that checkpoint is a "
+            f"suspect (check it with `python -m nsa_titan.checkpoint verify {resumed_from}`, or resume from an "
+            f"older one with --checkpoint.load_step)")
+
+
+@dataclass
+class Spike:
+    loss: float
+    loss_mean: float
+    loss_sd: float
+    grad_norm: float
+    norm_mean: float
+
+    def line(self, step: int) -> str:
+        return (f"loss spike at step {step}: loss {self.loss:.4f}, {(self.loss - self.loss_mean) / self.loss_sd:.1f} sd "
+                f"above its running mean {self.loss_mean:.4f} (sd {self.loss_sd:.4f}); grad norm {self.grad_norm:.4f} "
+                f"(running mean {self.norm_mean:.4f})")
+
+
+class SpikeDetector:
+    """The running estimate of the loss and the gradient norm; `check` returns a Spike, or folds the step in."""
+
+    def __init__(self, threshold: float, window: int):
+        self.threshold, self.window, self.alpha = threshold, window, 2.0 / (window + 1)
+        self.mean = {"loss": 0.0, "grad_norm": 0.0}
+        self.var = {"loss": 0.0, "grad_norm": 0.0}
+        self.seen = self.spikes = 0
+
+    def check(self, loss: float, grad_norm: float) -> Spike | None:
+        sd = max(math.sqrt(self.var["loss"]), 1e-12)
+        if self.seen >= self.window and loss > self.mean["loss"] + self.threshold * sd:
+            self.spikes += 1
+            return Spike(loss, self.mean["loss"], sd, grad_norm, self.mean["grad_norm"])
+        for name, x in (("loss", loss), ("grad_norm", grad_norm)):
+            diff = x - self.mean[name] if self.seen else 0.0
+            self.mean[name] = self.mean[name] + self.alpha * diff if self.seen else x
+            self.var[name] = (1 - self.alpha) * (self.var[name] + self.alpha * diff * diff)
+        self.seen += 1
+        return None
+
+
+class UpdateGuard:
+    """The step's update checks, with their counts for the run's summary."""
+
+    def __init__(self, f: Fault, rank: int, world_size: int):
+        self.f, self.rank, self.world_size = f, rank, world_size
+        self.skips_in_a_row = self.skips_total = self.spikes_skipped = 0
+        self.skipped = False  # whether the last step's update was dropped
+        self.recent: list[int] = []  # the steps of the spikes within spike_rollback_steps
+        self.roll_back_due = ""  # why the trainer is to reload the newest checkpoint now (`rollback`)
+        self.spikes = SpikeDetector(f.spike_threshold, f.spike_window) if f.spikes != "off" else None
+
+    def values(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float]:
+        """(this rank's loss, the global gradient norm, the loss averaged over the ranks when spikes are watched):
+        one host sync, and one small all-reduce when they are."""
+        watched = torch.stack([loss.float(), grad_norm.float(), loss.float()])
+        if self.spikes is not None:
+            dist.all_reduce(watched[2:], op=dist.ReduceOp.SUM)
+        loss_value, norm_value, total = watched.tolist()
+        return loss_value, norm_value, total / self.world_size
+
+    def nonfinite(self, step: int, loss_value: float, norm_value: float, where: str | None, suspect: str) -> None:
+        """`halt`: stop with a report (saving nothing); `skip`: count it (the caller drops the update)."""
+        what = (f"step {step}: non-finite gradient norm {norm_value} (rank {self.rank} loss {loss_value}); first "
+                f"parameter with a non-finite gradient: {where or 'none (the loss itself)'}{suspect}")
+        if self.f.nonfinite == "halt":
+            raise TrainingHalted(f"{what}. Halted without saving: the existing checkpoints are the last good "
+                                 f"state. Lower the lr, check the data, or set [fault] nonfinite = 'skip'")
+        self.skips_in_a_row += 1
+        self.skips_total += 1
+        self.skipped = True
+        logger.warning("%s: update skipped (%d in a row, %d in total)", what, self.skips_in_a_row, self.skips_total)
+        if self.skips_in_a_row >= self.f.max_consecutive_skips:
+            raise TrainingHalted(f"{self.skips_in_a_row} non-finite steps in a row (max_consecutive_skips = "
+                                 f"{self.f.max_consecutive_skips}); last: {what}")
+
+    def spike_allows(self, step: int, mean_loss: float, norm_value: float, batch: Callable[[], str]) -> bool:
+        """Whether the update goes ahead: not for a spike under `skip` (warned with the step's `batch()`)."""
+        spike = self.spikes.check(mean_loss, norm_value) if self.spikes is not None else None
+        skip = spike is not None and self.f.spikes in ("skip", "rollback")
+        if spike is not None:
+            self.spikes_skipped += skip
+            logger.warning("%s; batch: rank %d's of step %d%s%s", spike.line(step), self.rank, step, batch(),
+                           "; update skipped" if skip else "")
+            self.recent = [s for s in self.recent if s > step - self.f.spike_rollback_steps] + [step]
+            if self.f.spikes == "rollback" and len(self.recent) >= self.f.spike_rollback_count:
+                self.recent = []
+                self.roll_back_due = (f"{self.f.spike_rollback_count} loss spike(s) within "
+                                      f"{self.f.spike_rollback_steps} steps, the last at step {step}")
+        if not skip:
+            self.skips_in_a_row = 0
+        self.skipped = skip
+        return not skip
+
+    def counts(self) -> tuple[int, int]:
+        """(loss spikes, updates skipped for them) in this run."""
+        return (self.spikes.spikes if self.spikes else 0), self.spikes_skipped

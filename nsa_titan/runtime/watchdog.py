@@ -1,0 +1,198 @@
+"""Fault detection: a step watchdog, a heartbeat and collective timeouts.
+
+A rank whose step makes no progress past its limit writes the stack of every thread (to
+stderr and to `<dump_folder>/fault/rank<R>_stacks.txt`), a final heartbeat record, and exits
+non-zero, so torchrun stops the whole job instead of letting it hang. A rank that was blocked
+inside a collective says so: it is waiting for another rank, whose own report shows where that
+rank is stuck.
+
+Until the loop ends, the watchdog also reads the job's store for another rank's failure
+(`failure.announced`; a failing rank announces itself just before it exits): a rank that has made no
+progress for `PEER_GRACE_S` since (blocked in a collective the failed rank never joins, as NCCL waits)
+says so and exits, seconds after the cause, and after it, so that torchrun reports the cause.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import Fault
+from ..system.cli import note_failure
+from .failure import announce, announced, exit_now
+
+logger = logging.getLogger(__name__)
+
+EXIT_HANG = 124
+"""Exit code of a rank stopped by the watchdog (as timeout(1) uses)."""
+REPORT_GRACE_S = 5.0
+"""After its report a stuck rank waits this long before exiting: its peers' watchdogs fire at
+about the same time, and torchrun stops them all as soon as one rank exits."""
+COLLECTIVE_GRACE_S = 15.0
+"""A rank blocked in a collective waits longer, so that the stuck rank it waits for exits first
+(and torchrun names that rank as the first failure)."""
+BACKSTOP_S = 30.0
+"""If the watchdog thread itself cannot run (the GIL held in C code), faulthandler dumps the
+stacks and exits this much later."""
+PEER_POLL_S = 1.0
+"""How often the watchdog reads the job's store for another rank's failure."""
+PEER_GRACE_S = 3.0
+"""A rank still in the loop this long after another rank's failure (or after losing the store) leaves."""
+EXIT_AFTER_PEER = 1
+"""Exit code of a rank that the watchdog ends after another rank's failure (the job's code is the cause's)."""
+
+
+class Heartbeat:
+    """One JSON line per step in `<folder>/rank<R>.jsonl` (the run's heartbeat folder); flushed each time."""
+
+    def __init__(self, folder: Path, rank: int):
+        path = folder / f"rank{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+        self.lock = threading.Lock()
+
+    def write(self, **record: Any) -> None:
+        with self.lock:
+            self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _in_collective(frame: Any) -> str | None:
+    """The torch.distributed function the main thread is blocked in, if any."""
+    for f, _ in traceback.walk_stack(frame):
+        path = f.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in path:
+            return f"{f.f_code.co_name} ({path.split('/torch/')[-1]}:{f.f_lineno})"
+    return None
+
+
+class StepWatchdog:
+    """A thread that fires when no `beat()` came for longer than the current limit."""
+
+    def __init__(self, cfg: Fault, folder: Path, rank: int, heartbeat: Heartbeat | None):
+        """`folder`: where the stack dumps go (the run's fault folder)."""
+        self.cfg, self.rank, self.heartbeat = cfg, rank, heartbeat
+        folder.mkdir(parents=True, exist_ok=True)
+        self.stack_path = folder / f"rank{rank}_stacks.txt"
+        self.backstop_file = (folder / f"rank{rank}_stacks_backstop.txt").open("w")
+        self.main_thread = threading.main_thread().ident
+        self.step, self.what, self.limit = 0, "start-up", cfg.first_step_timeout_seconds
+        self.last = time.monotonic()
+        self.fired = False
+        self.watching_peers = True  # from start-up to the loop's end: another rank's failure ends this rank
+        self.peer_seen: float | None = None  # when another rank's failure (or the store's loss) was first seen
+        self.peer_why = ""  # which of the two
+        self.stopped = threading.Event()
+        self._arm_backstop()
+        self.thread = threading.Thread(target=self._run, name="nsa_titan-watchdog", daemon=True)
+        self.thread.start()
+
+    def beat(self, step: int, what: str, first_step_done: bool) -> None:
+        """Progress: now working on `what` of `step`, under the limit for its phase."""
+        self.step, self.what, self.last = step, what, time.monotonic()
+        self.limit = self.cfg.step_timeout_seconds if first_step_done else self.cfg.first_step_timeout_seconds
+        self.fired = False
+        self._arm_backstop()
+
+    def watch_peers(self, on: bool) -> None:
+        """Whether another rank's failure ends this rank: from start-up (once the process group is up) to the
+        loop's end or this rank's own failure; not while it closes (a rank done first may have left)."""
+        self.watching_peers, self.peer_seen = on, None
+
+    def _arm_backstop(self) -> None:
+        faulthandler.dump_traceback_later(self.limit + BACKSTOP_S, exit=self.cfg.action == "exit",
+                                          file=self.backstop_file)
+
+    def _run(self) -> None:
+        polled = time.monotonic()
+        while not self.stopped.wait(min(1.0, self.limit / 20)):
+            waited = time.monotonic() - self.last
+            if waited > self.limit and not self.fired:
+                self.fired = True
+                self._fire(waited)
+            if self.watching_peers and time.monotonic() - polled >= PEER_POLL_S:
+                polled = time.monotonic()
+                self._check_peers()
+
+    def _check_peers(self) -> None:
+        """Leave if another rank failed (announced in the store) or the store is gone (its host, rank 0 or the
+        launcher, exited, and a second read PEER_GRACE_S later confirms it) and this rank has made no
+        progress for PEER_GRACE_S since. An announced failure is read once, not again."""
+        if self.peer_seen is not None and self.last > self.peer_seen:  # progress since: all is well after all
+            self.peer_seen = None
+        if self.peer_seen is None:
+            self.peer_why = self._peer_failure()
+            self.peer_seen = time.monotonic() if self.peer_why else None
+            return
+        if time.monotonic() - self.peer_seen < PEER_GRACE_S or not self.watching_peers:
+            return
+        if not self.peer_why.startswith("the failure") and not self._peer_failure():  # the store is back
+            self.peer_seen = None
+            return
+        line = f"nsa_titan: rank {self.rank} stopped in {self.what} of step {self.step} after {self.peer_why}"
+        logging.getLogger("nsa_titan").error("%s", line.removeprefix("nsa_titan: "))
+        note_failure(line)
+        exit_now(EXIT_AFTER_PEER)
+
+    def _peer_failure(self) -> str:
+        """Another rank's failure in words, from the store, or the store's loss; "" if neither. The store is
+        asked once more only to confirm its loss (each failed read logs a warning of c10d's)."""
+        try:
+            first = announced()
+        except Exception:  # noqa: BLE001 - the store cannot be reached
+            return "losing the job's store (the rank or launcher hosting it has exited)"
+        return f"the failure of rank {first[0]}" if first is not None and first[0] != self.rank else ""
+
+    def _fire(self, waited: float) -> None:
+        frame = sys._current_frames().get(self.main_thread)
+        collective = _in_collective(frame) if frame is not None else None
+        note = (f"It was blocked in a collective, {collective}: it is waiting for another rank, whose own "
+                f"report shows where that rank is stuck." if collective else
+                "It was not inside a collective: this rank itself is stuck (see the main thread's stack).")
+        message = (f"nsa_titan watchdog: rank {self.rank} made no progress for {waited:.0f} s in {self.what} of "
+                   f"step {self.step} (limit {self.limit:.0f} s). {note} Stacks of all threads: {self.stack_path}")
+        with self.stack_path.open("w") as f:
+            f.write(message + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        print(message, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        note_failure(message)
+        if self.heartbeat is not None:
+            self.heartbeat.write(event="hang", step=self.step, phase=self.what, waited_s=round(waited, 1),
+                                 in_collective=collective, stacks=str(self.stack_path))
+        if self.cfg.action == "exit":
+            time.sleep(COLLECTIVE_GRACE_S if collective else REPORT_GRACE_S)
+            if not collective:  # this rank is the stuck one: the others need not wait for their own limits
+                announce(self.rank, message)
+            os._exit(EXIT_HANG)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        faulthandler.cancel_dump_traceback_later()
+        self.backstop_file.close()
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """The timeout of every process group this rank belongs to (as torchtitan does after step 1)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]:
+        try:
+            _set_pg_timeout(timedelta(seconds=seconds), group)
+        except (RuntimeError, ValueError) as e:  # a backend that cannot change it
+            logger.debug("could not set the timeout of %s: %s", group, e)

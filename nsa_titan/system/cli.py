@@ -1,0 +1,76 @@
+"""What every command-line entry point shares: bad input ends in one line and exit code 2.
+
+Bad input is a `BadInput` (`ConfigError`, `DataError`, `CheckpointError`, `MissingExtra`) or a wrong flag: the message names
+the problem and the fix, and no traceback follows. Under `nsa_titan.launch` a rank does not print
+it but writes it to torchrun's error file, and the launcher prints it once for the whole job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from .env import LAUNCHED_BY, quiet_libraries
+from .errors import BadInput
+
+EXIT_BAD_INPUT = 2
+
+
+def bad_input_line(prog: str, e: BaseException) -> str:
+    """`prog: <kind> error: <message>` on one line."""
+    kind = e.kind if isinstance(e, BadInput) else "input"
+    return f"{prog}: {kind} error: " + " ".join(str(e).split("\n"))
+
+
+def note_failure(line: str) -> bool:
+    """Leave `line` in torchrun's error file, where the launcher reads why a rank failed; False if none."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+    Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    return True
+
+
+def report(line: str) -> None:
+    """Print `line` to stderr, or, under the launcher, leave it to the launcher to print once."""
+    if not (os.environ.get(LAUNCHED_BY) and note_failure(line)):
+        print(line, file=sys.stderr, flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a wrong flag is one line (`prog: error: ... (see --help)`) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def run_command(prog: str, command: Callable[[], int]) -> int:
+    """Run an entry point's body, with the quiet library loggers (`env.quiet_libraries`); bad input
+    becomes one line on stderr and exit code 2."""
+    quiet_libraries()
+    try:
+        return command()
+    except BadInput as e:
+        report(bad_input_line(prog, e))
+        return EXIT_BAD_INPUT
+
+
+def setup_logging() -> None:
+    """Log lines as `[rankR] time LEVEL message` on stdout: INFO on rank 0, warnings and errors on the others."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
