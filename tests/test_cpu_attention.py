@@ -4,9 +4,11 @@ of the queries, both sel backwards; and how the kernel choice takes them or fall
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,6 +55,54 @@ def test_each_checkout_and_each_change_of_the_sources_has_its_own_build(tmp_path
     assert there != here and cpu_attention._build_tag() == there
     copies[1].write_text(copies[1].read_text() + "\n// edited\n")
     assert cpu_attention._build_tag() not in (here, there)
+
+
+def fake_ninja(folder: Path, version: str) -> Path:
+    """A `ninja` in `folder` that reports `version` and fails every build, logging each call (where, what) to
+    folder/calls."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ninja = folder / "ninja"
+    ninja.write_text(f'#!/bin/sh\necho "$(pwd) $@" >> {folder / "calls"}\n'
+                     f'[ "$1" = "--version" ] && {{ echo {version}; exit 0; }}\nexit 1\n')
+    ninja.chmod(0o755)
+    return folder
+
+
+def test_each_ninja_has_its_own_build(tmp_path, monkeypatch):
+    """Two ninja versions read each other's build log as changed commands and rebuild: the build's name tags the
+    version of the ninja on PATH, so that each builds once, in a folder of its own."""
+    here = cpu_attention._build_tag()
+    real = cpu_attention.ninja_version()
+    assert real
+    monkeypatch.setenv("PATH", f"{fake_ninja(tmp_path / 'other', '1.11.1')}:{os.environ['PATH']}")
+    assert cpu_attention.ninja_version() == "1.11.1" and cpu_attention._build_tag() != here
+    monkeypatch.setenv("PATH", f"{fake_ninja(tmp_path / 'same', real)}:{os.environ['PATH']}")
+    assert cpu_attention._build_tag() == here
+
+
+@pytest.mark.multiprocess
+def test_a_process_with_another_ninja_leaves_the_build_alone(tmp_path):
+    """A process of this interpreter with another ninja first on PATH builds in its own folder (here its ninja
+    fails, so it says the kernels did not build) and leaves this environment's build as it was: the next process
+    with this environment's ninja loads it without building."""
+    assert cpu_attention.problem(CPU, torch.float32, M7C, 6, 64) is None
+    from torch.utils.cpp_extension import _get_build_directory
+
+    built = Path(_get_build_directory(f"nsa_titan_cpu_attention_{cpu_attention._build_tag()}", verbose=False))
+    library = next(built.glob("*.so"))
+    before = library.stat().st_mtime_ns
+    probe = ("import torch; from nsa_titan.models.attention.families.cpp import cpu_attention as c; "
+             "from nsa_titan.models.attention import NSASpec; "
+             "print(c.problem(torch.device('cpu'), torch.float32, NSASpec(), 6, 64))")
+    other = fake_ninja(tmp_path / "other", "1.11.1")
+    env = {**os.environ, "PATH": f"{other}:{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert "did not build" in done.stdout, done.stdout + done.stderr
+    builds = [line.split()[0] for line in (other / "calls").read_text().splitlines() if line.split()[1:2] == ["-v"]]
+    assert builds and str(built) not in builds  # it tried, in a folder of its own
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "None", done.stdout + done.stderr
+    assert library.stat().st_mtime_ns == before
 
 
 HEADS_AND_DIMS = [(r, 16 * dv) for r in cpu_attention.HEADS for dv in (1, 2, 4, 8)]  # the driver's order

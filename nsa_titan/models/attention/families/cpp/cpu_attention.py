@@ -25,6 +25,8 @@ import contextlib
 import functools
 import hashlib
 import platform
+import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -74,11 +76,25 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fopenmp"
 libgomp, loaded already: the same threads, `torch.set_num_threads` holds); without it, one thread."""
 
 
+def ninja_version() -> str:
+    """The version of the ninja torch builds with (the first on PATH: torch runs `ninja`), or "" if none."""
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return ""
+    try:
+        return subprocess.run([ninja, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _build_tag() -> str:
-    """A tag of this CPU's instruction sets, the flags, the sources and where they are: a build for -march=native
-    is only loaded where it was made, a changed header (which torch's own source check does not read) is rebuilt,
-    and each checkout keeps its own build (one build folder for two paths would be rebuilt at every switch)."""
-    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, str(SOURCES[0]),
+    """A tag of this CPU's instruction sets, the flags, the sources and where they are, and the ninja: a build for
+    -march=native is only loaded where it was made, a changed header (which torch's own source check does not read)
+    is rebuilt, each checkout keeps its own build (one build folder for two paths would be rebuilt at every
+    switch), and so does each ninja version (two read each other's build log as changed commands: a process of
+    the venv's interpreter with the system's ninja first on PATH rebuilt the venv's build, two minutes on 2 cores,
+    and the next process of the other kind rebuilt it back)."""
+    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, str(SOURCES[0]), f"ninja {ninja_version()}",
                      *(p.read_text() for p in SOURCES)])
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
