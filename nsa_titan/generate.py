@@ -10,7 +10,8 @@ done; prompt i samples with seed + i, so its text does not depend on the batch i
 The prompt is prefilled by the training forward; every new token is one incremental step over
 the per-branch KV caches (see nsa_titan/models/decode.py), whose logits equal a full forward's.
 The prompt and the new tokens fit the model's declared maximum context (docs/long-context.md);
-config overrides (`--model.max_seq_len 8192`) apply to the checkpoint's config.
+config overrides (`--model.max_seq_len 8192`, `--model.decode_kernels torch`) apply to the checkpoint's config.
+The decoding step's kernel is checked against the model's forward first (`[model] verify_kernels`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .data import Tokenizer
 from .data.batch import document_ids
 from .models.decode import Decoder
 from .models.transformer import Transformer
+from .runtime.kernel_check import verified_decode
 from .system.cli import ArgumentParser, run_command
 
 
@@ -54,16 +56,17 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
 
 
 def decode_rows(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                temperature: float, top_k: int, top_p: float, seeds: list[int], document_masking: bool
-                ) -> Iterator[torch.Tensor]:
+                temperature: float, top_k: int, top_p: float, seeds: list[int], document_masking: bool,
+                kernel: str = "auto") -> Iterator[torch.Tensor]:
     """Each step's new token (B,) of every prompt, the prompts (token ids) left-padded into one batch (the
     padding a document of its own; each row decodes at its own position). Row b samples with its own
-    generator, seeded `seeds[b]`, so its tokens do not depend on the rows beside it."""
+    generator, seeded `seeds[b]`, so its tokens do not depend on the rows beside it. `kernel`: the decoding
+    step's (`[model] decode_kernels`)."""
     eos, width = tokenizer.eos_id, max(map(len, prompts))
     ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    decoder = Decoder(model)
+    decoder = Decoder(model, kernel)
     logits = decoder.prefill(ids, document_ids(ids, mask, eos if document_masking else None))[:, -1]
     for k in range(max_new_tokens):
         token = torch.cat([sample_next(logits[b:b + 1], temperature, top_k, top_p, g) for b, g in enumerate(gens)])
@@ -73,11 +76,12 @@ def decode_rows(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int
 
 
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 50, top_p: float = 1.0, seed: int = 0, document_masking: bool = False) -> Iterator[int]:
+             top_k: int = 50, top_p: float = 1.0, seed: int = 0, document_masking: bool = False,
+             kernel: str = "auto") -> Iterator[int]:
     """Yield new token ids one at a time (stops at <eos>). With `document_masking` (as the model was
     trained), an <eos> in the prompt ends a document and the new tokens continue the last one."""
     for token in decode_rows(model, tokenizer, [prompt_ids(tokenizer, prompt)], max_new_tokens, temperature, top_k,
-                             top_p, [seed], document_masking):
+                             top_p, [seed], document_masking, kernel):
         if int(token) == tokenizer.eos_id:
             return
         yield int(token)
@@ -85,7 +89,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_toke
 
 def generate_batch(model: Transformer, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
                    temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0, seed: int = 0,
-                   document_masking: bool = False, batch_size: int = 8) -> list[list[int]]:
+                   document_masking: bool = False, batch_size: int = 8, kernel: str = "auto") -> list[list[int]]:
     """The new token ids of each prompt (up to <eos>), `batch_size` prompts decoded at once; prompt i samples
     with seed `seed + i`, so each row's tokens are those of `generate(prompt, seed=seed + i)`."""
     out: list[list[int]] = []
@@ -95,7 +99,7 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, prompts: list[str],
         done = torch.zeros(len(chunk), dtype=torch.bool)
         seeds = [seed + first + i for i in range(len(chunk))]
         for token in decode_rows(model, tokenizer, chunk, max_new_tokens, temperature, top_k, top_p, seeds,
-                                 document_masking):
+                                 document_masking, kernel):
             done |= token == tokenizer.eos_id
             for b in (~done).nonzero().flatten().tolist():
                 rows[b].append(int(token[b]))
@@ -145,16 +149,19 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     context = lambda tok: max(len(prompt_ids(tok, p)) for p in prompts) + args.max_new_tokens  # noqa: E731
     model, tokenizer, cfg = load_model(args.checkpoint, args.config, overrides,
                                        context=("the prompt and --max_new_tokens", context))
+    weight = model.output.weight  # the decoding step's kernel, checked here ([model] decode_kernels, verify_kernels)
+    kernel = verified_decode(cfg.model, weight.device, weight.dtype)
     sampling = (args.temperature, args.top_k, args.top_p, args.seed, cfg.training.document_masking)
     if len(prompts) > 1:
-        rows = generate_batch(model, tokenizer, prompts, args.max_new_tokens, *sampling, batch_size=args.batch_size)
+        rows = generate_batch(model, tokenizer, prompts, args.max_new_tokens, *sampling, batch_size=args.batch_size,
+                              kernel=kernel)
         for i, (prompt, row) in enumerate(zip(prompts, rows)):
             print(f"[{i}] {prompt}{tokenizer.decode(row)}")
         return 0
     ids: list[int] = []
     shown = ""
     print(prompts[0], end="", flush=True)
-    for token in generate(model, tokenizer, prompts[0], args.max_new_tokens, *sampling):
+    for token in generate(model, tokenizer, prompts[0], args.max_new_tokens, *sampling, kernel=kernel):
         ids.append(token)
         text = tokenizer.decode(ids)
         print(text[len(shown):], end="", flush=True)  # stream what the new token added

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, TrainState
-from .config import DTYPES, JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
+from .config import JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
 from .config.paths import RunPaths, make_folder
 from .data import (DataError, DataUnavailable, HeldOutSets, Sample, build_dataloader, build_tokenizer, dead_workers,
                    shutdown_workers)
 from .distributed.parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .export import export_trained
-from .models.attention import describe_attention, model_family, set_explore_step
+from .models.attention import describe_attention, set_explore_step
 from .models.loss import IGNORE_INDEX, lm_loss
-from .models.transformer import Transformer, nsa_spec
+from .models.transformer import Transformer
 from .observe.evals import InRunEvals
 from .observe.metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup,
                               peak_flops, peak_memory_gib, run_summary)
@@ -41,8 +41,9 @@ from .observe.validate import validate
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .runtime.diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
 from .runtime.failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, relayed, report_failure
-from .runtime.fault_injection import install_faults
+from .runtime.fault_injection import install_faults, kernel_fault
 from .runtime.guard import UpdateGuard, suspect
+from .runtime.kernel_check import checked_kernels
 from .runtime.ownership import FolderOwner, job_key, other_holder
 from .runtime.stop import StopRequest
 from .runtime.watchdog import Heartbeat, StepWatchdog, set_collective_timeout
@@ -52,6 +53,7 @@ from .system.errors import BadInput
 from .system.extras import require_hf, require_wandb
 
 logger = logging.getLogger("nsa_titan")
+
 
 class Trainer:
     """Owns everything a run needs; `train()` runs the loop."""
@@ -97,10 +99,9 @@ class Trainer:
             self.cfg = cfg = derive(cfg, self.world_size, self.tokenizer.vocab_size)
             log_setup(cfg, self.tokenizer.vocab_size, self.device, self.paths.root)
 
-            # Model: built on meta, wrapped, then materialised and initialised.
+            # Model: its kernels checked here ([model] verify_kernels); built on meta, wrapped, materialised, initialised.
+            family = checked_kernels(cfg, self.device, *kernel_fault(cfg.debug)) if m.attention == "nsa" else None
             cp = cfg.parallelism.context_parallel_degree
-            family = (model_family(m, self.device, DTYPES[t.mixed_precision_param], nsa_spec(m))
-                      if m.attention == "nsa" else None)
             multiple = cp_multiple(m, cp)
             with torch.device("meta"):  # under cp the sequence is padded to a multiple of 2 x cp chunks
                 model = Transformer(cfg.model, -(-t.seq_len // multiple) * multiple, family)

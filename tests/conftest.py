@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +25,12 @@ from nsa_titan.models.transformer import Transformer
 from nsa_titan.optim import build_lr_scheduler, build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The kernels' verdicts (`[model] verify_kernels`) in a folder of this session's: each kernel is checked once
+    a session, whatever an earlier run on this machine kept (NSA_TITAN_CACHE, if set, wins)."""
+    os.environ.setdefault("NSA_TITAN_CACHE", tempfile.mkdtemp(prefix="nsa_titan_cache_"))
 
 # A tiny NSA model whose sequence holds several blocks of every kind: 15 cmp blocks,
 # 8 selection blocks of which 4 are chosen, a window shorter than the sequence.

@@ -5,7 +5,7 @@
 
 REQUEST.json: {"folders": {name: {"dir", "ids": [[...]], "prompt": [...]}}, "new_tokens": N, "texts": [...],
 "batch_texts": [...]}.
-Per folder: the class's module, the logits of `ids`, greedy generate() of `prompt` with the tokens the
+Per folder: the decoding step's kernel (as exported, and with `decode_kernels="torch"` given), the class's module, the logits of `ids`, greedy generate() of `prompt` with the tokens the
 blocks ran through a full forward and the incremental steps taken, the logits of one more token after a
 prefilled cache (and whether the prefix was recomputed for it), AutoTokenizer's ids of `texts`, and greedy
 generate() of `batch_texts` in one left-padded batch and each alone, and what a right-padded batch gets.
@@ -23,6 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 def check(folder: str, ids: list[list[int]], prompt: list[int], req: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    kernels = {"decode_kernel": model.decode_kernel(),  # its check, once, before anything is counted
+               "decode_kernel_torch": AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                                         decode_kernels="torch").decode_kernel()}
     from nsa_titan.models.decode import Decoder  # the installed nsa_titan the remote code runs
     from nsa_titan.models.transformer import TransformerBlock
 
@@ -39,7 +42,7 @@ def check(folder: str, ids: list[list[int]], prompt: list[int], req: dict) -> di
 
     TransformerBlock.forward, Decoder.step = counted_forward, counted_step
     try:
-        return _record(model, tokenizer, ids, prompt, req, counts)
+        return {**_record(model, tokenizer, ids, prompt, req, counts), **kernels}
     finally:
         TransformerBlock.forward, Decoder.step = block_forward, step
 

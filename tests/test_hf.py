@@ -25,6 +25,7 @@ from nsa_titan.data.packing import PackedTextDataset
 from nsa_titan.data.sources import open_text_stream
 from nsa_titan.data.train_tokenizer import train_tokenizer
 from nsa_titan.evaluate import evaluate_documents
+from nsa_titan.models.decode import Decoder
 from nsa_titan.observe.lm_harness import rolling_windows
 from nsa_titan.generate import generate
 from nsa_titan.checkpoint.inference import load_model
@@ -142,6 +143,8 @@ def test_greedy_generate_equals_nsa_titans_through_the_cache(exported, loaded, n
     ours = list(generate(model, tok, PROMPT, 12, temperature=0, document_masking=cfg.training.document_masking))
     theirs = got["generated"][:-1] if got["generated"][-1:] == [tok.eos_id] else got["generated"]
     assert theirs == ours and len(ours) >= 3
+    # The decoding step's kernel: `auto` as exported (the C++ step on CPUs for NSA), `torch` when asked for.
+    assert got["decode_kernel"] == Decoder(model).kernel and got["decode_kernel_torch"] == "torch"
     # The prompt went through the blocks once; every new token after the first was one incremental step.
     assert got["generate_counts"] == {"block_tokens": len(got["prompt"]) * got["n_layers"],
                                       "steps": len(got["generated"]) - 1}

@@ -40,12 +40,12 @@ def small_model(attention: str, family: Family | None = None, **sizes: int) -> T
 def step_path(request, monkeypatch) -> str:
     """A decoding step's NSA attention by NSA's C++ kernels (asserted taken), or in PyTorch."""
     if request.param == "pytorch":
-        monkeypatch.setattr(decode.cpu_attention, "kernels", lambda: None)
+        monkeypatch.setattr(decode, "DECODE_KERNELS", ("torch",))  # what `auto` takes
         yield request.param
         return
     calls = []
-    real = decode._attend_last_cpp
-    monkeypatch.setattr(decode, "_attend_last_cpp", lambda *a: calls.append(1) or real(*a))
+    real = decode.STEPS["cpp"]
+    monkeypatch.setitem(decode.STEPS, "cpp", lambda *a: calls.append(1) or real(*a))
     yield request.param
     if "nsa" in request.node.callspec.params.get("attention", ""):
         assert calls, "the C++ step did not run"
@@ -143,18 +143,16 @@ def test_the_decode_kernel_equals_the_reference_step_at_m7c_shapes():
     """40 steps past a 1,300-token prompt (two compressions and more): the C++ step's logits equal the PyTorch
     step's (the reference), fp32, to 1e-5, rows at different positions in their documents."""
     model, tokens, ids = m7c_prompt()
-    calls, real = [], decode._attend_last_cpp
+    calls, real = [], decode.STEPS["cpp"]
     logits = {}
-    for path in ("cpp", "pytorch"):
-        decoder = Decoder(model)
+    for path in ("cpp", "torch"):
+        decoder = Decoder(model, path)
         decoder.prefill(tokens[:, :1300], ids[:, :1300])
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(decode, "_attend_last_cpp", lambda *a: calls.append(path) or real(*a))
-            if path == "pytorch":
-                mp.setattr(decode.cpu_attention, "kernels", lambda: None)
+            mp.setitem(decode.STEPS, "cpp", lambda *a: calls.append(path) or real(*a))
             logits[path] = torch.cat([decoder.step(tokens[:, t:t + 1]) for t in range(1300, 1340)], 1)
     assert calls == ["cpp"] * 40
-    torch.testing.assert_close(logits["cpp"], logits["pytorch"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["cpp"], logits["torch"], rtol=1e-5, atol=1e-5)
 
 
 
@@ -164,9 +162,9 @@ def test_the_decode_kernel_leaves_subnormal_arithmetic_as_it_was():
     model, tokens, ids = m7c_prompt()
     decoder = Decoder(model)
     decoder.prefill(tokens[:, :1300], ids[:, :1300])
-    calls, real = [], decode._attend_last_cpp
+    calls, real = [], decode.STEPS["cpp"]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "_attend_last_cpp", lambda *a: calls.append(1) or real(*a))
+        mp.setitem(decode.STEPS, "cpp", lambda *a: calls.append(1) or real(*a))
         decoder.step(tokens[:, 1300:1301])
     assert calls
     tiny = torch.full((1 << 20,), 1e-39) * 0.5  # split among the intra-op threads
@@ -180,22 +178,22 @@ def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
     with torch.no_grad():
         full = model(tokens, ids)[:, 1300:].float()
     model = model.to(torch.bfloat16)
-    checked, real = [], decode._attend_last_cpp
+    checked, real = [], decode.STEPS["cpp"]
 
-    def widened(attn, kernels, q, gates, cache, *rest):
-        out = real(attn, kernels, q, gates, cache, *rest)
+    def widened(attn, q, gates, cache, *rest):
+        out = real(attn, q, gates, cache, *rest)
         assert {b.dtype for b in cache.buffers.values()} == {torch.bfloat16} and out.dtype == torch.bfloat16
         wide = decode.LayerCache(cache.sizes, cache.pads)
         wide.buffers = {name: buf.float() for name, buf in cache.buffers.items()}
         wide.shape, wide.n_cmp = cache.shape, cache.n_cmp
-        torch.testing.assert_close(out, real(attn, kernels, q.float(), gates, wide, *rest).to(out.dtype), rtol=0, atol=0)
+        torch.testing.assert_close(out, real(attn, q.float(), gates, wide, *rest).to(out.dtype), rtol=0, atol=0)
         checked.append(1)
         return out
 
     decoder = Decoder(model)
     decoder.prefill(tokens[:, :1300], ids[:, :1300])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "_attend_last_cpp", widened)
+        mp.setitem(decode.STEPS, "cpp", widened)
         logits = torch.cat([decoder.step(tokens[:, t:t + 1]) for t in range(1300, 1340)], 1).float()
     assert len(checked) == 40
     assert (logits - full).abs().max() < 0.02 * full.abs().max()  # 0.4% here
@@ -203,15 +201,14 @@ def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
 
 def triton_decode_case(case: str) -> dict[str, float]:
     """One check of the Triton decode step, interpreted (run in a fresh process under TRITON_INTERPRET=1: Triton
-    decides at definition), the C++ step off and the prompts by the C++ family: `m7c`, 20 steps at M7C's shapes
+    decides at definition), the Triton step `auto`'s first there, the prompts by the C++ family: `m7c`, 20 steps at M7C's shapes
     against the PyTorch step (`beyond_1e5`), the compressed slots cut into several parts; `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
     a new document started by `reset`; `one-document` and `documents`, `batched_against_alone` with 12 new tokens
     at those sizes; with the Triton step's calls."""
     if case == "compression":
         return triton_compression()
-    calls, real = [], decode._attend_last_triton
-    decode._attend_last_triton = lambda *a: calls.append(1) or real(*a)
-    decode.cpu_attention.kernels = lambda: None
+    calls, real = [], decode.STEPS["triton"]
+    decode.STEPS["triton"] = lambda *a: calls.append(1) or real(*a)
     if case in ("m7c", "documents"):  # the compressed slots in parts of 16 (6 at M7C here) or 4, 4 or 2 combined a step
         decode.triton_decode.CMP_PART, decode.triton_decode.COMBINE = (16, 4) if case == "m7c" else (4, 2)
     cpp = FAMILIES["cpp"]()
@@ -223,10 +220,9 @@ def triton_decode_case(case: str) -> dict[str, float]:
     else:  # "reset": 20 steps past a 20-token prompt, then a new document's first 30 (the caches made by a step)
         model, tokens, ids = small_model("nsa", cpp, sel_block_size=16), torch.randint(0, 97, (2, 70)), None
         prompt, steps = 20, range(20, 70)
-    logits, takes = [], decode._triton_takes
-    for triton in (True, False):
-        decode._triton_takes = takes if triton else lambda *a: False
-        decoder, rows = Decoder(model), []
+    logits = []
+    for kernel in ("triton", "torch"):
+        decoder, rows = Decoder(model, kernel), []
         decoder.prefill(tokens[:, :prompt], None if ids is None else ids[:, :prompt])
         for t in steps:
             if t == 40 and case == "reset":

@@ -64,7 +64,6 @@ def timed(decoders: dict[str, Decoder], tokens: dict[str, torch.Tensor], steps: 
     machine's drift (a neighbour's memory traffic) falls on every path alike. The path "pytorch" decodes with NSA's
     C++ kernels off."""
     spent, total, now, real = dict.fromkeys(decoders, 0.0), dict.fromkeys(decoders, 0.0), [""], decode._attention
-    kernels = decode.cpu_attention.kernels
 
     def attention(*args: object) -> torch.Tensor:
         start = time.perf_counter()
@@ -74,7 +73,6 @@ def timed(decoders: dict[str, Decoder], tokens: dict[str, torch.Tensor], steps: 
 
     def step(path: str, i: int) -> None:
         now[0] = path
-        decode.cpu_attention.kernels = (lambda: None) if path == "pytorch" else kernels
         start = time.perf_counter()
         decoders[path].step(tokens[path][:, i:i + 1])
         total[path] += time.perf_counter() - start
@@ -89,7 +87,7 @@ def timed(decoders: dict[str, Decoder], tokens: dict[str, torch.Tensor], steps: 
             for path in decoders:
                 step(path, i)
     finally:
-        decode._attention, decode.cpu_attention.kernels = real, kernels
+        decode._attention = real
     return {path: (steps * tokens[path].shape[0] / total[path], spent[path] / steps / len(decoders[path].caches))
             for path in decoders}
 
@@ -125,6 +123,8 @@ def run(args: argparse.Namespace, context: int, batch: int, dtype: torch.dtype
     `--pytorch` its PyTorch step, and dense, timed in turn."""
     nsa, nsa_tokens, nsa_counts = decoder("nsa", args, context, batch, dtype, 2 if args.pytorch else 1)
     dense, dense_tokens, dense_counts = decoder("dense", args, context, batch, dtype)
+    if args.pytorch:
+        nsa[1].kernel = "torch"  # its PyTorch step
     paths = {"cpp": nsa[0], "dense": dense[0], **({"pytorch": nsa[1]} if args.pytorch else {})}
     tokens = {"cpp": nsa_tokens, "pytorch": nsa_tokens, "dense": dense_tokens}
     counts = {"cpp": nsa_counts, "pytorch": nsa_counts, "dense": dense_counts}

@@ -138,19 +138,19 @@ def decode_launches(decoder: Decoder, token: torch.Tensor, steps: int = 16) -> t
     """The Triton launches and the ATen ops of the attention (`decode._attention`: a new compressed block where one
     completes, the decode kernel) of `steps` decoding steps through the Triton decode step, recorded: over any d = 16
     steps one block completes."""
-    ops, real, takes, kernels = [], decode._attention, decode._triton_takes, decode.cpu_attention.kernels
+    ops, real, kernel = [], decode._attention, decoder.kernel
 
     def attention(*args: object) -> torch.Tensor:
         out = []
         ops.extend(aten_ops(lambda: out.append(real(*args))))
         return out[0]
 
-    decode._attention, decode._triton_takes, decode.cpu_attention.kernels = attention, lambda *a: True, lambda: None
+    decode._attention, decoder.kernel = attention, "triton"
     try:
         with torch.no_grad():
             counts = recorded(lambda: [decoder.step(token) for _ in range(steps)])
     finally:
-        decode._attention, decode._triton_takes, decode.cpu_attention.kernels = real, takes, kernels
+        decode._attention, decoder.kernel = real, kernel
     return counts, ops
 
 

@@ -54,6 +54,15 @@ class Model:
     kernels (CPUs, built at install or first use); `auto`, the first of triton, cpp, flash, torch that can run
     (the device, the dtype, installed or built). One named that cannot run stops the run with the reason; the
     startup log names the family."""
+    decode_kernels: Literal["auto", "triton", "cpp", "torch"] = "auto"
+    """The kernel of a decoding step (generate, the Hugging Face model): `triton`, the Triton decode step (CUDA);
+    `cpp`, NSA's C++ step (CPUs); `torch`, PyTorch's ops; `auto`, the first of triton, cpp that can run and passes
+    its check, else torch."""
+    verify_kernels: Literal["once", "always", "off"] = "once"
+    """Before step 1, check the family this run takes and the decoding step's kernel against the reference on the
+    run's device and dtype (docs/kernels.md): `once`, each once a machine (the verdict kept in $NSA_TITAN_CACHE,
+    default ~/.cache/nsa_titan, by device, driver, torch and Triton versions and the kernels' sources); `always`;
+    `off`. One that fails stops the run with the reason (`auto` takes the next that passes)."""
     dim: int = 256
     """Model width (M7C: 768)."""
     n_layers: int = 4
@@ -386,6 +395,10 @@ class Debug:
     fault_raise_where: Literal["data", "forward", "write"] = "forward"
     """Fault injection for tests: `data`, a loader worker raises on that step's batch (a corrupt document);
     `forward`, an out-of-memory error in the forward; `write`, the rank's heartbeat write fails (disk full)."""
+    fault_kernel: str = ""
+    """Fault injection for tests: a wrong kernel for the startup check to catch. `FAMILY:PART`, that family's (torch,
+    flash, cpp, triton) branch output scaled by 1.5 (PART: cmp, sel, win) or one of its gradients (dq, dk_cmp,
+    dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates); `decode:KERNEL`, that decoding step's output (cpp, triton)."""
 
 
 @dataclass

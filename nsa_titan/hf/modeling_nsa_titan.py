@@ -17,6 +17,7 @@ from nsa_titan.data.batch import document_ids
 from nsa_titan.models.decode import DecodeCache
 from nsa_titan.models.rope import rope_settings, rope_tables
 from nsa_titan.models.transformer import Transformer
+from nsa_titan.runtime.kernel_check import verified_decode
 
 from .configuration_nsa_titan import NSATitanConfig
 
@@ -40,6 +41,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: NSATitanConfig):
         super().__init__(config)
         self.model = Transformer(model_config(config), config.max_position_embeddings)
+        self.decode_kernels: dict[tuple[torch.device, torch.dtype], str] = {}
         self.post_init()
 
     @classmethod
@@ -50,6 +52,15 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         """Only what a checkpoint does not hold: the RoPE table (a buffer it does not save)."""
         if isinstance(module, Transformer):
             module.rope.copy_(rope_tables(module.cfg, module.max_seq_len, module.rope.device))
+
+    def decode_kernel(self) -> str:
+        """The decoding step's kernel where the model is (the config's `decode_kernels`), checked there once against
+        the model's forward (`verify_kernels`; a machine's verdict is kept)."""
+        weight = self.model.output.weight
+        where = (weight.device, weight.dtype)
+        if where not in self.decode_kernels:
+            self.decode_kernels[where] = verified_decode(self.model.cfg, *where)
+        return self.decode_kernels[where]
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.tok_embeddings
@@ -67,7 +78,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         eos = self.config.eos_token_id if self.config.document_masking else None
         if cache is None and use_cache:
-            cache = DecodeCache(self.model)
+            cache = DecodeCache(self.model, self.decode_kernel())
         if cache is None:
             logits = self.model(input_ids, document_ids(input_ids, attention_mask, eos))
         elif cache.seen == 0:

@@ -9,10 +9,10 @@ A decoding step for the token at position t reads:
   dense: all t + 1 keys.
 `prefill` runs the training forward over the prompt (its logits), which hands the caches its
 projections; `step` then extends one token at a time through the same layer pieces (projections,
-compression, gates, the branch mix, the block's residuals). Both equal a full forward pass. On CPUs
-(float32 or bfloat16) a step's three branches and their mix are one call of NSA's C++ kernels over the caches
-as they lie (`_attend_last_cpp`), on CUDA two launches of the Triton decode step (`_attend_last_triton`),
-else PyTorch's ops; all give the same logits.
+compression, gates, the branch mix, the block's residuals). Both equal a full forward pass. A step's three
+branches and their mix run by one of three kernels, chosen once (`decode_kernel`; `[model] decode_kernels`): on
+CUDA two launches of the Triton decode step (`_attend_last_triton`), on CPUs (float32 or bfloat16) one call of
+NSA's C++ kernels over the caches as they lie (`_attend_last_cpp`), else PyTorch's ops; all give the same logits.
 
 With documents (a prompt packed from several, `document_ids`), the caches hold each row's last
 document only, at positions from its start, so that new tokens continue it; `reset` starts a new
@@ -23,11 +23,12 @@ packed forward pass, and each row decoded alone.
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..config import ConfigError
 from .attention import masked_attention, mix_branches, select_blocks
 from .attention.families.cpp import cpu_attention
 from .attention.families.reference import Reference
@@ -129,33 +130,52 @@ def _pads(attn: NSAAttention | DenseAttention) -> dict[str, int]:
     return {"kc": 16, "vc": 16, "k_win": 16, "v_win": 16, "k_sel": 16 + attn.spec.l_sel, "v_sel": 16 + attn.spec.l_sel}
 
 
-def _kernels(attn: NSAAttention, q: torch.Tensor) -> ModuleType | None:
-    """NSA's C++ kernels where they take this step (CPU, float32 or bfloat16 caches, their head counts, a sel
-    block's cmp members consecutive slots, not the reference family), else None."""
-    spec, r = attn.spec, attn.n_heads // attn.n_groups
-    if isinstance(attn.family, Reference) or not spec.strided_members():
+Step = Callable[..., torch.Tensor]
+"""A kernel's decoding step (`_attend_last_cpp`, `_attend_last_triton`)."""
+DECODE_KERNELS = ("triton", "cpp", "torch")
+"""A decoding step's kernels, in the order `auto` tries them: the first that can run here takes every step."""
+
+
+def kernel_problem(kernel: str, attn: NSAAttention, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the step kernel `kernel` cannot decode the NSA layer `attn` on `device` in `dtype`, or None."""
+    if kernel == "torch":
         return None
-    dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype  # decode_step reads bf16 caches as float
-    return None if cpu_attention.problem(q.device, dtype, spec, r, attn.head_dim) else cpu_attention.kernels()
-
-
-def _triton_takes(attn: NSAAttention, q: torch.Tensor) -> bool:
-    """Whether the Triton decode step takes this step (CUDA, or the CPU under TRITON_INTERPRET=1; not the
-    reference family)."""
+    if isinstance(attn.family, Reference):
+        return "the model runs the reference family, whose steps are PyTorch's"
     r = attn.n_heads // attn.n_groups
-    return not isinstance(attn.family, Reference) and \
-        triton_decode.problem(q.device, q.dtype, attn.spec, r, attn.head_dim) is None
+    if kernel == "triton":
+        return triton_decode.problem(device, dtype, attn.spec, r, attn.head_dim)
+    if not attn.spec.strided_members():
+        return "NSA's C++ decode step needs l and l' multiples of d"
+    dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # the C++ step reads bf16 caches as float
+    return cpu_attention.problem(device, dtype, attn.spec, r, attn.head_dim)
 
 
-def _attend_last_cpp(attn: NSAAttention, kernels: ModuleType, q: torch.Tensor, gates: torch.Tensor,
-                     cache: LayerCache, t: torch.Tensor, width: int, t_max: int) -> torch.Tensor:
+def decode_kernel(model: Transformer, choice: str = "auto") -> str:
+    """The step kernel that decodes `model` where its weights are (`[model] decode_kernels`): `auto`, the first of
+    `DECODE_KERNELS` that can run; a named one that cannot is a ConfigError saying why."""
+    attn = next(iter(model.layers.values())).attention
+    if not isinstance(attn, NSAAttention):
+        return "torch"  # dense: SDPA over the cache
+    weight = attn.wq.weight
+    if choice != "auto":
+        why = kernel_problem(choice, attn, weight.device, weight.dtype)
+        if why:
+            raise ConfigError(f"[model] decode_kernels = '{choice}' cannot run: {why}; use decode_kernels = 'auto' "
+                              "(the fastest that runs) or 'torch'")
+        return choice
+    return next(k for k in DECODE_KERNELS if kernel_problem(k, attn, weight.device, weight.dtype) is None)
+
+
+def _attend_last_cpp(attn: NSAAttention, q: torch.Tensor, gates: torch.Tensor, cache: LayerCache, t: torch.Tensor,
+                     width: int, t_max: int) -> torch.Tensor:
     """`_attention`'s three branches and their mix in one C++ call over the caches as they lie, a (batch x group)
     row per task: cmp over the row's compressed blocks (with the group-summed probabilities), the top-n, sel over
     the chosen blocks, win over the ring, the gated sum; in float32, of float32 or bfloat16 caches.
     q (B, 1, H, D), gates (B, 1, H, 3) -> (B, 1, H, D) in q's dtype."""
     spec, b, Ns = attn.spec, cache.buffers, attn.spec.num_sel_blocks(t_max + 1)
     caches = [b[name] for name in ("kc", "vc", "k_sel", "v_sel", "k_win", "v_win")]
-    return kernels.decode_step(q.float().contiguous(), gates.float().contiguous(), *caches, cache.n_cmp, t,
+    return cpu_attention.kernels().decode_step(q.float().contiguous(), gates.float().contiguous(), *caches, cache.n_cmp, t,
                                attn.n_groups, width, cache.sizes["k_win"], spec.l, spec.d, spec.l_sel, Ns,
                                min(spec.n, Ns), attn.head_dim ** -0.5).to(q.dtype)
 
@@ -177,11 +197,12 @@ def _num_cmp_blocks(spec, length: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: LayerCache, t: torch.Tensor,
-                 at: list[int], rope_t: torch.Tensor) -> torch.Tensor:
+                 at: list[int], rope_t: torch.Tensor, kernel: str, steps: dict[str, Step]) -> torch.Tensor:
     """Attention output of each row's new token at its position t (B,) (x: (B, 1, dim)), extending `cache`;
-    `at`: the same positions on the host. The projections of x (q, the keys and values, NSA's gates) come first."""
+    `at`: the same positions on the host; `kernel`: the step's (`decode_kernel`), run by `steps[kernel]`. The
+    projections of x (q, the keys and values, NSA's gates) come first."""
     q, kv = attn.project(x, rope_t)  # q (B, 1, H, D)
-    new = kv if isinstance(attn, NSAAttention) and _triton_takes(attn, q) else None  # the kernel appends them
+    new = kv if isinstance(attn, NSAAttention) and kernel == "triton" else None  # the kernel appends them
     if new is None:
         for name, value in kv.items():
             cache.write(name, t, value)
@@ -189,14 +210,15 @@ def _attend_last(attn: NSAAttention | DenseAttention, x: torch.Tensor, cache: La
         for name, value in (*kv.items(), ("kc", kv["k_cmp"]), ("vc", kv["v_cmp"])):
             cache.allocate(name, value)
     gates = attn.gates(x) if isinstance(attn, NSAAttention) else None  # (B, 1, H, 3), fp32
-    return attn.wo(_attention(attn, q, gates, cache, t, at, new).reshape(x.shape[0], 1, -1))
+    return attn.wo(_attention(attn, q, gates, cache, t, at, kernel, steps, new).reshape(x.shape[0], 1, -1))
 
 
 def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torch.Tensor | None, cache: LayerCache,
-               t: torch.Tensor, at: list[int], new: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+               t: torch.Tensor, at: list[int], kernel: str, steps: dict[str, Step],
+               new: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The attention (B, 1, H, D) of each row's new token, whose keys `cache` holds (or, with `new`, the Triton
     decode step appends: its keys and values by name): dense's over all of them; NSA's compresses a block where
-    one completes, then runs the branches and their mix by `gates`."""
+    one completes, then runs the branches and their mix by `gates`, by `kernel`'s step."""
     B, device, t_max = q.shape[0], q.device, max(at)
     if isinstance(attn, DenseAttention):  # SDPA over the cache as it lies, (B, G, S, D); the r heads of a group as rows
         G, D = cache.shape[1:]
@@ -212,7 +234,7 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
             triton_decode.compress_step(attn.compress_k, attn.compress_v, (cache.buffers["k_cmp"],
                                         cache.buffers["v_cmp"]), (new["k_cmp"], new["v_cmp"]), t, cache.buffers["kc"],
                                         cache.buffers["vc"], attn.n_groups)
-        return _attend_last_triton(attn, q, gates, cache, new, t, width, t_max)
+        return steps["triton"](attn, q, gates, cache, new, t, width, t_max)
     if cache.n_cmp is None:
         cache.n_cmp = torch.zeros_like(t)
     if completes:
@@ -221,8 +243,8 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
         ring = (first[:, None] + torch.arange(spec.l, device=device)) % cache.sizes["k_cmp"]  # (B, l) in order
         cache.compressed(*attn.compress(_rows(cache.get("k_cmp"), ring), _rows(cache.get("v_cmp"), ring)), complete)
     n_cmp = cache.n_cmp
-    if width > 0 and "kc" in cache.buffers and (kernels := _kernels(attn, q)) is not None:
-        return _attend_last_cpp(attn, kernels, q, gates, cache, t, width, t_max)
+    if width > 0 and "kc" in cache.buffers and kernel == "cpp":
+        return steps["cpp"](attn, q, gates, cache, t, width, t_max)
     if width == 0 or "kc" not in cache.buffers:  # no complete compression block in any row yet
         kc = vc = q.new_zeros(B, 0, attn.n_groups, attn.head_dim)
     else:
@@ -243,13 +265,20 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
     return mix_branches(gates.to(q.dtype), o_cmp, o_sel, o_win)
 
 
+STEPS: dict[str, Step] = {"cpp": _attend_last_cpp, "triton": _attend_last_triton}
+"""The kernels' steps by name (PyTorch's is `_attention`'s own ops); a decoder's `steps` are these."""
+
+
 class Decoder:
     """Caches for one batch of sequences; `prefill(prompt)` then `step(token)`, each -> logits. Each row
     decodes at its own position: prompts of different lengths (left padding, a mask's change starting a
-    document) and rows whose last documents start at different places."""
+    document) and rows whose last documents start at different places. `kernels`: the step's
+    (`[model] decode_kernels`: auto, triton, cpp, torch), chosen here, once (`kernel`)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, kernels: str = "auto"):
         self.model = model
+        self.kernel = decode_kernel(model, kernels)
+        self.steps = STEPS
         self.t: torch.Tensor | None = None  # (B,) each row's next position (in its document), once prefilled
         self.reset()
 
@@ -303,7 +332,8 @@ class Decoder:
         h = m.embed(token, prev)
         rope = m.rope[t][:, None]  # (B, 1, head_dim): each row's own position
         for block, cache in zip(m.layers.values(), self.caches):
-            h = block.residual(h, _attend_last(block.attention, block.attention_norm(h), cache, t, self.at, rope))
+            h = block.residual(h, _attend_last(block.attention, block.attention_norm(h), cache, t, self.at, rope,
+                                               self.kernel, self.steps))
         self.t, self.at, self.last = t + 1, [p + 1 for p in self.at], token
         return m.output(m.norm(h))
 
@@ -322,8 +352,8 @@ class DecodeCache:
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, model: Transformer):
-        self.decoder = Decoder(model)
+    def __init__(self, model: Transformer, kernels: str = "auto"):
+        self.decoder = Decoder(model, kernels)
         self.seen = 0  # tokens given so far
 
     @property

@@ -18,6 +18,10 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
                                                         (`forward`), the heartbeat's write finds the disk
                                                         full (`write`)
 
+  fault_kernel                                          a wrong kernel for the startup check (`kernel_fault`):
+                                                        a family's branch or gradient, or a decoding step,
+                                                        scaled by 1.5
+
 A loader worker killed as the out-of-memory killer does needs no hook: `kill -9` its pid.
 """
 
@@ -40,7 +44,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..checkpoint import CheckpointManager
 from ..checkpoint.integrity import HashingWriter
 from ..config import Debug
+from ..models.attention import BRANCHES, Documents, Family, NSASpec
+from ..models.decode import Decoder
+from .kernel_check import INPUTS, DecoderWrap, Wrap
 from .watchdog import Heartbeat
+
+KERNEL_FAULT_SCALE = 1.5
+"""What `[debug] fault_kernel` multiplies: a branch's output, a gradient, a decoding step's output."""
 
 
 def _hang_forever(where: str, rank: int, step: int) -> None:
@@ -123,8 +133,8 @@ class _VanishBeforeCommit(HashingWriter):
 
 
 def install_faults(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        checkpointer: CheckpointManager, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
-                        rank: int, world_size: int, current_step: Callable[[], int], batches_per_step: int) -> None:
+                   checkpointer: CheckpointManager, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
+                   rank: int, world_size: int, current_step: Callable[[], int], batches_per_step: int) -> None:
     """Install the hooks the `[debug] fault_*` keys ask for (none by default), before the loader's workers start."""
     _install_raise(d, model, dataloader, heartbeat, rank, current_step, batches_per_step)
     if rank == d.fault_hang_rank and d.fault_hang_step > 0:
@@ -164,3 +174,75 @@ def install_faults(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimiz
             return _VanishBeforeCommit(str(path)) if step == d.fault_fail_commit_step else plain_writer(path, step)
 
         checkpointer.storage_writer = vanishing
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """The identity, whose gradient is scaled by KERNEL_FAULT_SCALE."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * KERNEL_FAULT_SCALE
+
+
+class _FaultyFamily(Family):
+    """`inner` with one branch's output (`part`: cmp, sel, win) or one gradient (d + an input's name) scaled."""
+
+    def __init__(self, inner: Family, part: str):
+        self.inner, self.part = inner, part
+        self.name, self.label = inner.name, f"{inner.label}, with [debug] fault_kernel = '{inner.name}:{part}'"
+        self.score_kernel, self.win_flash = inner.score_kernel, inner.win_flash
+
+    def attend(self, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_sel: torch.Tensor,
+               v_sel: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, spec: NSASpec,
+               docs: Documents | None, q0: int, branches: tuple[bool, bool, bool]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = [q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates]
+        if self.part in BRANCHES:
+            o, idx, valid = self.inner.attend(*inputs, spec, docs, q0, branches)
+            alone = tuple(b == self.part for b in BRANCHES)
+            extra, _, _ = self.inner.attend(*inputs, spec, docs, q0, alone)
+            return o + (KERNEL_FAULT_SCALE - 1) * extra, idx, valid
+        i = INPUTS.index(self.part.removeprefix("d"))
+        inputs[i] = _ScaledGrad.apply(inputs[i])
+        return self.inner.attend(*inputs, spec, docs, q0, branches)
+
+
+class _FamilyFault:
+    """`[debug] fault_kernel = FAMILY:PART`: wraps that family (others as they are); `label` keys its verdict."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.family, self.part = label.split(":")
+
+    def __call__(self, family: Family) -> Family:
+        if family.name != self.family:
+            return family
+        _say(f"the {self.family} family's {self.part} is scaled by {KERNEL_FAULT_SCALE}")
+        return _FaultyFamily(family, self.part)
+
+
+class _DecodeFault:
+    """`[debug] fault_kernel = decode:KERNEL`: that decoding step's output scaled, in the decoder given."""
+
+    def __init__(self, label: str):
+        self.label, self.kernel = label, label.split(":")[1]
+
+    def __call__(self, decoder: Decoder) -> None:
+        if decoder.kernel == self.kernel:
+            real = decoder.steps[self.kernel]
+            _say(f"the {self.kernel} decoding step's output is scaled by {KERNEL_FAULT_SCALE}")
+            decoder.steps = {**decoder.steps, self.kernel: lambda *args: real(*args) * KERNEL_FAULT_SCALE}
+
+
+def kernel_fault(d: Debug) -> tuple[Wrap | None, DecoderWrap | None]:
+    """The wrappers of `[debug] fault_kernel` for the kernel checks (`kernel_check`), of a family and of a decoder;
+    None for what it leaves alone."""
+    if not d.fault_kernel:
+        return None, None
+    if d.fault_kernel.startswith("decode:"):
+        return None, _DecodeFault(d.fault_kernel)
+    return _FamilyFault(d.fault_kernel), None

@@ -69,6 +69,18 @@ def allocator_setup() -> str:
     return "glibc malloc, " + " ".join(f"{k}={v}" for k, v in tuned.items())
 
 
+CACHE = "NSA_TITAN_CACHE"
+"""Read, never set: the folder of what a machine keeps between runs (the kernels' verdicts); default
+$XDG_CACHE_HOME/nsa_titan, else ~/.cache/nsa_titan."""
+
+
+def cache_dir() -> Path:
+    """The folder of what this machine keeps between runs (`CACHE`)."""
+    if os.environ.get(CACHE):
+        return Path(os.environ[CACHE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nsa_titan"
+
+
 def set_launcher_env(job: str | None) -> None:
     """The launcher's variables for its ranks (`job`: the key of the job holding the output folder), and
     torchrun's failure report silenced (it repeats what the ranks said; the launcher prints one line)."""
