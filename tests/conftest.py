@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,12 +26,19 @@ from nsa_titan.models.transformer import Transformer
 from nsa_titan.optim import build_lr_scheduler, build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
+SESSION_CACHE = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The kernels' verdicts (`[model] verify_kernels`) in a folder of this session's: each kernel is checked once
-    a session, whatever an earlier run on this machine kept (NSA_TITAN_CACHE, if set, wins)."""
-    os.environ.setdefault("NSA_TITAN_CACHE", tempfile.mkdtemp(prefix="nsa_titan_cache_"))
+    """The kernels' verdicts (`[model] verify_kernels`) in a folder of this session's, removed at its end: each
+    kernel is checked once a session, whatever an earlier run on this machine kept (NSA_TITAN_CACHE, if set, wins)."""
+    if "NSA_TITAN_CACHE" not in os.environ:
+        config.stash[SESSION_CACHE] = os.environ["NSA_TITAN_CACHE"] = tempfile.mkdtemp(prefix="nsa_titan_cache_")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if SESSION_CACHE in config.stash:
+        shutil.rmtree(config.stash[SESSION_CACHE], ignore_errors=True)
 
 # A tiny NSA model whose sequence holds several blocks of every kind: 15 cmp blocks,
 # 8 selection blocks of which 4 are chosen, a window shorter than the sequence.
