@@ -186,6 +186,9 @@ def test_a_wrong_fault_kernel_is_bad_input():
     ("cpp:sel", ["--model.kernels", "cpp"],
      r"config error: \[model\] kernels = 'cpp' failed its check: the cpp family is wrong on cpu in float32: its "
      r"gradient d[kv]_sel is off the reference by 0\.5"),
+    ("torch:dk_win", ["--model.kernels", "torch"],
+     r"config error: \[model\] kernels = 'torch' failed its check: the torch family is wrong on cpu in float32: its "
+     r"gradient dk_win is off the reference by 0\.5"),
     ("decode:cpp", ["--model.decode_kernels", "cpp"],
      r"config error: \[model\] decode_kernels = 'cpp' failed its check: the cpp decoding step is wrong on cpu in "
      r"float32: its logits are off the forward's at 512 of 512 row-steps"),
