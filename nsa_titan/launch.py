@@ -12,6 +12,9 @@ processes, `--max-restarts`) and adds four things:
 - **Exit codes.** The exit code is the first failed rank's: 2 bad input, 3 halted on a non-finite
   step, 4 the last save failed, 75 data unreadable through its retries (saved), 124 a detected hang,
   128 + N a rank killed by signal N; 0 when every rank exited 0.
+- **Restarts for what may pass.** `--max-restarts` restarts the job after a crash, a hang or a killed rank,
+  not after bad input or a halt (`failure.NO_RESTART`), which every restart would meet again: the last line
+  says so. When the restarts are spent, the cause's line says that too.
 - **One run per folder.** The job takes `[job] dump_folder` before any rank starts, and holds it
   across torchrun's restarts (`nsa_titan/runtime/ownership.py`); a folder held by another live run is
   refused with exit code 2, nothing written.
@@ -30,9 +33,16 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -40,7 +50,7 @@ from .checkpoint.hf_folder import check_initial_source
 from .config import load_config, resolve_path
 from .config import parse_args as parse_config
 from .config.paths import RunPaths, make_folder
-from .runtime.failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED, RELAYED
+from .runtime.failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED, NO_RESTART, RELAYED, noted_cause
 from .runtime.ownership import FolderOwner, job_key
 from .runtime.stop import EXIT_ABORTED
 from .runtime.watchdog import EXIT_HANG
@@ -52,6 +62,36 @@ VERDICTS = (EXIT_BAD_INPUT, EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY)
 """Exit codes of a rank that stopped on a verdict of its own, explained by its one line."""
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 """The signals left to torchrun (it forwards them and raises); the stop signals are ours."""
+
+
+@dataclass
+class Restarts:
+    """What torchrun's agent did with its `--max-restarts`: restarts spent, and the exit code that held them back."""
+
+    allowed: int
+    spent: int = 0
+    held: int | None = None
+
+
+@contextmanager
+def restarts_for_what_may_pass(record: Restarts) -> Iterator[None]:
+    """Within: torchrun's agent restarts no job that a rank stopped with a `NO_RESTART` code, as it restarts none
+    whose worker hangs in the kernel (it sets its remaining restarts to 0 itself then), and keeps `record`."""
+    class Agent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                record.spent = worker_group.spec.max_restarts - self._remaining_restarts
+                held = sorted({f.exitcode for f in result.failures.values()} & set(NO_RESTART))
+                if held and self._remaining_restarts > 0:
+                    record.held, self._remaining_restarts = held[0], 0
+            return result
+
+    plain, launcher_api.LocalElasticAgent = launcher_api.LocalElasticAgent, Agent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = plain
 
 
 def child_pids(parent: int | None = None) -> list[int]:
@@ -154,18 +194,19 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
     A rank that stopped on bad input, a non-finite step or a hang comes first; then one that failed
     with a line of its own (rank, step, cause); then ranks killed by a signal; last, ranks that
     stopped because another one failed (`failure.CONSEQUENT`). Within each, the earliest, and a rank whose source
-    stayed unreadable before the ranks it told (`failure.RELAYED`). After the
-    first, ranks that halted or stopped on bad input themselves are left out: their line repeats the first's.
+    stayed unreadable before the ranks it told (`failure.RELAYED`). A cause that its rank was still settling (an
+    async save) as the others exited comes from their notes (`failure.note`). After the first, ranks that halted
+    or stopped on bad input themselves are left out: their line repeats the first's.
     """
     def code(f: Any) -> int:
         return f.exitcode if f.exitcode >= 0 else 128 - f.exitcode
 
     def message(f: Any) -> str:
-        return f.message if isinstance(f.message, str) and f.message.startswith("nsa_titan") else ""
+        return f.message.split("\n")[0] if isinstance(f.message, str) and f.message.startswith("nsa_titan") else ""
 
     def priority(item: tuple[int, Any]) -> tuple[int, int, int]:
         f = item[1]
-        rank = 0 if code(f) in (*VERDICTS, EXIT_HANG) else 3 if CONSEQUENT.match(message(f)) else 1 if message(f) else 2
+        rank = 3 if CONSEQUENT.match(message(f)) else 0 if code(f) in (*VERDICTS, EXIT_HANG) else 1 if message(f) else 2
         return rank, bool(RELAYED.match(message(f))), f.timestamp  # a rank's own unreadable source before the relay
 
     def line(rank: int, failure: Any) -> str:
@@ -175,7 +216,12 @@ def failures(e: ChildFailedError) -> list[tuple[int, str]]:
         detail = message(failure) or (failure.message if failure.exitcode < 0 else "")  # "Signal 9 (SIGKILL) ..."
         return f"nsa_titan: rank {rank} failed with exit code {code(failure)}" + (f": {detail}" if detail else "")
 
-    (cause_rank, cause), *rest = sorted(e.failures.items(), key=priority)
+    found = dict(e.failures)
+    for f in e.failures.values():
+        cause = noted_cause(f.message) if isinstance(f.message, str) else None
+        if cause is not None and cause.rank not in found:
+            found[cause.rank] = SimpleNamespace(exitcode=cause.code, message=cause.line, timestamp=f.timestamp)
+    (cause_rank, cause), *rest = sorted(found.items(), key=priority)
     # After the cause, the ranks that failed with or because of it; not those that reached a verdict of their
     # own (a halt, bad input), which would only repeat the cause's line.
     rest = [(r, f) for r, f in rest if not re.match(r"nsa_titan: (halted|\w+ error|data unavailable):", message(f))]
@@ -220,18 +266,25 @@ def _launch(args: Any) -> int:
                           job)
     set_launcher_env(owner.record.job if owner else None)
     forwarder = StopForwarder(float(args.shutdown_timeout))
-    started = time.monotonic()
+    started, restarts = time.monotonic(), Restarts(int(args.max_restarts))
     try:
-        run(args)
+        with restarts_for_what_may_pass(restarts):
+            run(args)
     except Aborted as e:
         _say(str(e))
         return EXIT_ABORTED
     except ChildFailedError as e:
         (code, line), *after = failures(e)
-        print(line if code in VERDICTS else f"{line} ({time.monotonic() - started:.0f} s after "
-              f"the start)", file=sys.stderr, flush=True)
+        notes = [] if code in VERDICTS else [f"{time.monotonic() - started:.0f} s after the start"]
+        if restarts.allowed and restarts.held is None:
+            notes.append(f"the restarts are spent: {restarts.spent} of --max-restarts {restarts.allowed}")
+        print(line + (f" ({'; '.join(notes)})" if notes else ""), file=sys.stderr, flush=True)
         for _, consequence in after:  # the ranks stopped by that failure, or failing in a collective with it
             print(f"{consequence} (after the failure above)", file=sys.stderr, flush=True)
+        if restarts.held is not None:
+            _say(f"not restarted ({restarts.allowed - restarts.spent} of --max-restarts {restarts.allowed} left): "
+                 f"{NO_RESTART[restarts.held]} (exit code {restarts.held}) would stop every restart alike; fix what "
+                 f"the line above names, then the same command resumes from the last checkpoint")
         return code
     finally:
         forwarder.close()

@@ -40,7 +40,9 @@ from .observe.metrics import (MetricsLogger, SourceShares, StepStats, Throughput
 from .observe.validate import validate
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .runtime.diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
-from .runtime.failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, announce, exit_now, relayed, report_failure
+from .runtime.failure import (EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, exit_now, relayed, report_failure,
+                              restart_line)
+from .runtime.failure_channel import FailureChannel
 from .runtime.fault_injection import install_faults, kernel_fault
 from .runtime.guard import UpdateGuard, suspect
 from .runtime.kernel_check import checked_kernels
@@ -51,6 +53,7 @@ from .system.cli import note_failure, report, run_command, setup_logging
 from .system.env import LAUNCHED_BY, set_deterministic
 from .system.errors import BadInput
 from .system.extras import require_hf, require_wandb
+from .system.signals import end_with_launcher
 
 logger = logging.getLogger("nsa_titan")
 
@@ -88,6 +91,7 @@ class Trainer:
             self.device = device_for_rank()
             self.owns_process_group = init_distributed(self.device, cfg.fault.first_step_timeout_seconds + 60,
                                                        self.paths.fault)
+            self.watchdog.listen(FailureChannel.of_job())  # another rank's failure, the launcher's loss
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.mesh = build_mesh(cfg.parallelism, self.device)
             torch.manual_seed(cfg.debug.seed)
@@ -143,12 +147,8 @@ class Trainer:
                            batches_per_step=self.grad_accum_steps)
             resumed = self.checkpointer.load()
             self.first_step = self.state.step + 1  # compiles and warms up: its own time limit
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if restart:
-                logger.info("restart %d of %s (torchrun --max-restarts): %s", restart,
-                            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
-                            f"resumed from {resumed} at step {self.state.step}" if resumed
-                            else "no complete checkpoint yet: starting from step 0")
+            if restart := restart_line(resumed, self.state.step):
+                logger.info("%s", restart)
             self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps, self.paths.root,
                                          dataclasses.asdict(cfg))
             if self.rank == 0:
@@ -381,24 +381,24 @@ class Trainer:
 
     def fail(self, error: BaseException) -> int:
         """Training ended with `error` here, with no collective from now on (the other ranks may never join one):
-        its line and traceback, an async save in flight completed or set aside, the job told; the exit code."""
+        its line and traceback, the job told, then an async save in flight completed or set aside; the exit code."""
         w = self.watchdog
         w.watch_peers(False)
         code, line = report_failure(error, self.rank, w.step, w.what, dead_workers(self.dataloader),
-                                    self.paths.fault / f"rank{self.rank}_error.txt", self.stop.name)
+                                    self.paths.fault / f"rank{self.rank}_error.txt", self.stop.name, w.channel)
         if self.heartbeat is not None:
             with contextlib.suppress(OSError):  # the disk that failed may be this one
                 self.heartbeat.write(event="failed", step=w.step, phase=w.what, line=line, exit_code=code)
         f = self.cfg.fault
         if settled := self.checkpointer.abandon(min(f.failure_save_wait_seconds, f.step_timeout_seconds / 2)):
             logger.warning("%s", settled)
-        announce(self.rank, line)
         self.release()
         return code
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (see the module docstring)."""
+    end_with_launcher()
     setup_logging()
     return run_command("nsa_titan", lambda: _run(argv))
 

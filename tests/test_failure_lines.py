@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,8 +18,11 @@ import pytest
 import torch
 
 from nsa_titan.checkpoint.folders import commit, scan, verify
-from nsa_titan.runtime.failure import CONSEQUENT, EXIT_RETRY, cause_of, explain, relayed
+from nsa_titan.data import DataError
 from nsa_titan.launch import failures
+from nsa_titan.runtime.failure import (CONSEQUENT, EXIT_AFTER_PEER, EXIT_RETRY, after_peer_code, cause_of, explain,
+                                       note, noted_cause, relayed, verdict)
+from nsa_titan.runtime.failure_channel import Failure, FailureChannel
 
 
 @pytest.mark.parametrize("message,dead,expected", [
@@ -48,14 +55,14 @@ def test_out_of_memory_and_a_failed_write_are_named_with_the_fix_or_the_path():
 
 def test_a_cause_names_rank_step_and_traceback_and_a_consequence_says_so(tmp_path):
     trace = tmp_path / "rank1_error.txt"
-    cause = explain(ValueError("boom"), 1, 9, "the training step", [], trace, "")
+    cause = explain(ValueError("boom"), 1, 9, "the training step", [], trace, "", None)
     assert cause == f"nsa_titan: rank 1 failed in the training step of step 9: ValueError: boom. Its traceback: {trace}"
     assert not CONSEQUENT.match(cause)
     gloo = RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
-    lost = explain(gloo, 0, 9, "the training step", [], trace, "")
+    lost = explain(gloo, 0, 9, "the training step", [], trace, "", None)
     assert lost == ("nsa_titan: rank 0 stopped in the training step of step 9 after another rank's failure (a "
                     "collective lost its peer: Connection closed by peer [127.0.0.1]:5)")
-    stopping = explain(ValueError("x"), 0, 9, "the training step", [], trace, "SIGTERM")
+    stopping = explain(ValueError("x"), 0, 9, "the training step", [], trace, "SIGTERM", None)
     assert stopping.startswith("nsa_titan: rank 0 stopped in the training step of step 9 after another rank's "
                                "failure (stopping on SIGTERM")
     assert CONSEQUENT.match(lost) and CONSEQUENT.match(stopping)
@@ -83,6 +90,61 @@ def test_the_launcher_prints_the_rank_whose_source_failed_not_the_rank_it_told()
         e = SimpleNamespace(failures={0: SimpleNamespace(exitcode=EXIT_RETRY, message=told, timestamp=100),
                                       1: SimpleNamespace(exitcode=EXIT_RETRY, message=own, timestamp=100 + told_first)})
         assert failures(e) == [(EXIT_RETRY, own)]  # the told rank's line repeats nothing: left out
+
+
+def test_a_cause_still_settling_its_save_is_printed_first_from_the_note_of_the_rank_it_stopped():
+    """Rank 0 announced its bad input and is still settling an async save when rank 1, told, exits: torchrun reports
+    rank 1 alone. Its note carries the cause, which the launcher prints first, with the cause's exit code; rank 1
+    itself exits with that code, so that its node's launcher does not restart the job either."""
+    cause = Failure(0, 2, "nsa_titan: data error: rank 0 in the training step of step 14: [data] path = 'd', file f, "
+                          "row 17: its 'text' is null, not text. Mend ...")
+    consequence = "nsa_titan: rank 1 stopped in the training step of step 14 after the failure of rank 0"
+    assert noted_cause(note(consequence, cause)) == cause and noted_cause(consequence) is None
+    assert note(cause.line, cause) == cause.line  # a cause's own note carries nothing more
+    assert after_peer_code(cause) == 2 and after_peer_code(Failure(0, 1, "x")) == EXIT_AFTER_PEER
+    e = SimpleNamespace(failures={1: SimpleNamespace(exitcode=2, message=note(consequence, cause), timestamp=100)})
+    assert failures(e) == [(2, cause.line), (2, consequence)]
+    crash = Failure(0, 1, "nsa_titan: rank 0 failed in the training step of step 9: ValueError: boom. Its traceback: /t")
+    e = SimpleNamespace(failures={1: SimpleNamespace(exitcode=1, message=note(consequence, crash), timestamp=100),
+                                  0: SimpleNamespace(exitcode=1, message=crash.line, timestamp=101)})
+    assert failures(e) == [(1, crash.line), (1, consequence)]  # the cause's own report, when there is one
+
+
+def test_the_channel_wakes_its_listeners_at_the_announcement_and_at_the_loss_of_the_store(monkeypatch):
+    """The first failure of an attempt reaches a listener blocked in its wait within a second, and only the first is
+    kept; a listener whose store's host dies is told so (None) at once."""
+    server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', "
+                               "0, is_master=True, wait_for_workers=False); print(s.port, flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port, heard = int(server.stdout.readline()), queue.Queue()
+        teller, listener = FailureChannel("127.0.0.1", port), FailureChannel("127.0.0.1", port)
+        listener.listen(heard.put)
+        time.sleep(0.5)
+        assert heard.empty()
+        failure, at = Failure(0, 2, "nsa_titan: data error: rank 0 ..."), time.monotonic()
+        assert teller.announce(failure) and not teller.announce(Failure(1, 1, "nsa_titan: rank 1 failed later"))
+        assert heard.get(timeout=5) == failure and time.monotonic() - at < 1.0
+        assert listener.first() == failure and teller.first() == failure
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the next attempt's key: nothing announced yet
+        FailureChannel("127.0.0.1", port).listen(heard.put)
+        time.sleep(0.5)
+        assert heard.empty()
+        server.kill()
+        assert heard.get(timeout=5) is None
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_loader_workers_bad_input_is_one_line_naming_rank_phase_and_step_without_the_traceback(tmp_path):
+    wrapped = DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                        "  File \"/x/packing.py\", line 3, in _documents\n    raise DataError(f\"...\")\n"
+                        "nsa_titan.data.errors.DataError: [data] path = 'd', file f, row 17: its 'text' is null, not text")
+    code, line = verdict(wrapped, 1, 14, "the training step", [], tmp_path / "t", "", None)
+    assert code == 2
+    assert line == ("nsa_titan: data error: rank 1 in the training step of step 14: [data] path = 'd', file f, row 17: "
+                    "its 'text' is null, not text")
 
 
 def test_a_commit_interrupted_at_any_point_leaves_no_step_folder_and_a_finished_one_verifies(tmp_path, monkeypatch):

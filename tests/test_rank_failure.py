@@ -68,7 +68,7 @@ def error_lines(out: str) -> list[str]:
 def closing_lines(out: str) -> list[str]:
     """The launcher's lines at the end: each failed rank's, the cause first."""
     return [x for x in out.splitlines() if x.startswith("nsa_titan: rank")
-            and re.search(r"\((\d+ s after the start|after the failure above)\)$", x)]
+            and re.search(r"\((\d+ s after the start[^)]*|after the failure above)\)$", x)]
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -49,6 +49,9 @@ class Data:
     """The split to train on (local files: taken from their names, as on the hub)."""
     text_column: str = "text"
     """The column holding each document's text."""
+    bad_documents: Literal["error", "skip"] = "error"
+    """A document whose text is not text (null, a number, a list): `error` stops the run with exit code 2 and a
+    line naming the source, the file and the row; `skip` leaves it out with a warning naming the same."""
     shuffle_buffer: int = 1000
     """Documents held in the shuffle buffer (0: stream order)."""
     num_workers: int = 1

@@ -387,9 +387,16 @@ class Debug:
     """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
     fault_fail_commit_step: int = 0
     """Fault injection for tests: this step's checkpoint folder vanishes once written, so its commit fails."""
+    fault_save_delay_seconds: float = 0.0
+    """Fault injection for tests: every rank's writing of every checkpoint starts this much later (a slow
+    filesystem), so that an async save is in flight for that long."""
     fault_raise_rank: int = -1
-    """Fault injection for tests: this rank raises at fault_raise_step, in fault_raise_where (in torchrun's
-    first attempt only, as a transient fault, so that a restart runs through)."""
+    """Fault injection for tests: this rank raises at fault_raise_step, in fault_raise_where, in the first
+    fault_raise_attempts of torchrun's attempts."""
+    fault_raise_attempts: int = 1
+    """Fault injection for tests: the torchrun attempts the fault_raise_* fault fires in, counted from the first:
+    1, the first only (a transient fault, which a restart runs through); 0, every attempt (a deterministic one,
+    which spends the restarts)."""
     fault_raise_step: int = 0
     """Fault injection for tests: the step at which fault_raise_rank raises (0: never; counted from step 0)."""
     fault_raise_where: Literal["data", "forward", "write"] = "forward"

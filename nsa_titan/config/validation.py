@@ -156,6 +156,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(f.failure_save_wait_seconds >= 0,
              f"[fault] failure_save_wait_seconds = {f.failure_save_wait_seconds:g}: must be >= 0 (0: do not wait)")
     d = cfg.debug
+    _require(d.fault_raise_attempts >= 0, f"[debug] fault_raise_attempts = {d.fault_raise_attempts}: must be >= 0 "
+             "(0: every attempt)")
     _require(d.fault_raise_where != "write" or d.fault_raise_step <= 0 or f.heartbeat,
              "[debug] fault_raise_where = 'write' fails the heartbeat's write: it needs [fault] heartbeat = true")
     _require(not d.fault_kernel or d.fault_kernel in KERNEL_FAULTS, f"[debug] fault_kernel = '{d.fault_kernel}': "

@@ -57,7 +57,7 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
                                                   data, s.text_column, keep=False), rank=dp_rank, world_size=dp_size)
                    for s in data.sources]
         dataset = PackedTextDataset(streams, data.sources, tokenizer, seq_len, data.shuffle_buffer, data.seed, dp_rank,
-                                    retry=(data.read_retries, data.retry_wait_seconds))
+                                    (data.read_retries, data.retry_wait_seconds), data.bad_documents)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
                               persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
                               worker_init_fn=start_worker, generator=own_generator(data.seed, dp_rank))
@@ -77,8 +77,10 @@ def is_held_out(text: str, share: float) -> bool:
 
 
 def _select(example: dict, column: str, share: float, keep: bool) -> bool:
-    """Whether `example` stays: a held-out document if `keep`, else one that is not."""
-    return is_held_out(example[column], share) == keep
+    """Whether `example` stays: a held-out document if `keep`, else one that is not (as is one that holds no
+    text, for training to name: `sources.document_text`)."""
+    text = example[column]
+    return (isinstance(text, str) and is_held_out(text, share)) == keep
 
 
 def held_out(stream: HFIterableDataset, data: Data, column: str, keep: bool) -> HFIterableDataset:

@@ -24,6 +24,7 @@ from ..config import Source
 from .batch import Sample, eos_documents
 from .errors import DataError
 from .retry import Retrier
+from .sources import document_text
 from .tokenizer import Tokenizer, document_tokens
 
 logger = logging.getLogger(__name__)
@@ -38,14 +39,16 @@ class PackedTextDataset(IterableDataset):
 
     streams: one `datasets` stream per source of `sources` (weights, length bounds, repeat).
     shuffle_buffer: documents held back and emitted in random order (0: stream order).
-    epochs: None reads each source forever (a new epoch reshuffles); 1 for validation.
     retry: (read_retries, first wait in seconds) of a remote source (`Retrier`).
+    bad_documents: what a document that holds no text is, as `[data] bad_documents` says (`document_text`).
+    epochs: None reads each source forever (a new epoch reshuffles); 1 for validation.
     """
 
     def __init__(self, streams: list[HFIterableDataset], sources: list[Source], tokenizer: Tokenizer, seq_len: int,
-                 shuffle_buffer: int, seed: int, rank: int, epochs: int | None = None,
-                 retry: tuple[int, float] = (0, 1.0)):
+                 shuffle_buffer: int, seed: int, rank: int, retry: tuple[int, float] = (0, 1.0),
+                 bad_documents: str = "error", epochs: int | None = None):
         self.streams, self.sources, self.tokenizer, self.seq_len = streams, sources, tokenizer, seq_len
+        self.bad_documents = bad_documents
         self.retry, self.shuffle_buffer, self.epochs = retry, shuffle_buffer, epochs
         self.seed, self.rank = seed, rank
         self.weights = [s.weight for s in sources]
@@ -116,7 +119,9 @@ class PackedTextDataset(IterableDataset):
             had_data = self.stream_state[i] is not None  # resumed mid-epoch
             for example in self._examples(i):
                 had_data = True
-                text = example[src.text_column]
+                text = document_text(example, src, stream, self.bad_documents)
+                if text is None:
+                    continue
                 if src.min_tokens or src.max_tokens:
                     n = len(document_tokens(self.tokenizer, text))
                     if n < src.min_tokens or (src.max_tokens and n > src.max_tokens):

@@ -32,7 +32,7 @@ from ..system.cli import ArgumentParser, run_command
 from .errors import DataError
 from .loader import is_held_out
 from .prepared import FORMAT, MANIFEST, PREPARED_AS, fingerprint, part_hash, token_dtype
-from .sources import open_text_stream
+from .sources import document_text, open_text_stream
 from .tokenizer import Tokenizer, build_tokenizer, document_tokens
 
 SETTINGS = "prepare.json"
@@ -72,7 +72,8 @@ def _chunks(data: Data, src: Source, n: int) -> Iterator[tuple[str, list[str]]]:
                               data.retry_wait_seconds)
     chunks: dict[str, list[str]] = {"part": [], "holdout": []}
     for example in stream:
-        text = example[src.text_column]
+        if (text := document_text(example, src, stream, data.bad_documents)) is None:
+            continue
         kind = "holdout" if data.holdout and is_held_out(text, data.holdout) else "part"
         chunks[kind].append(text)
         if len(chunks[kind]) == n:

@@ -9,6 +9,8 @@ source retries transient errors (`retry.py`); so does reading it (`packing.py`).
 
 from __future__ import annotations
 
+import copy
+import functools
 import glob
 import logging
 import re
@@ -21,8 +23,10 @@ import fsspec
 import pyarrow as pa
 from datasets import IterableDataset, load_dataset
 from datasets.data_files import DataFilesList
+from datasets.utils.sharding import _split_gen_kwargs
+from torch.utils.data import get_worker_info
 
-from ..config import HUB_ID, URL, is_remote
+from ..config import HUB_ID, URL, Source, is_remote
 from ..system.env import own_streaming_retries
 from .errors import DataError
 from .retry import Retrier, transient
@@ -149,3 +153,52 @@ def _open(path: str, name: str, split: str, text_column: str) -> IterableDataset
         raise DataError(f"[data] text_column = '{text_column}' is not a column of '{path}'; its columns are "
                         f"{sorted(first)}: set [data] text_column to the one holding the text")
     return ds
+
+
+def document_place(stream: IterableDataset) -> str:
+    """Where the document that `stream` yielded last lies, in words: 'file F, row R' (rows counted from 0), as the
+    stream's state and its sharding over nodes and loader workers tell (`datasets`' own bookkeeping, which has no
+    public form); '(file and row unknown)' where they do not."""
+    try:
+        state, rebatched = stream.state_dict()["examples_iterable"], None
+        while "shard_idx" not in state:  # down the wrappers (filters, rebatching) to the files' own iterable
+            if state.get("type") == "RebatchedArrowExamplesIterable" and state.get("previous_state"):
+                rebatched = state
+            state = state.get("examples_iterable") or state["ex_iterable"]
+        row = state["shard_example_idx"] - 1  # the files' iterable yields rows, or whole tables when rebatched:
+        if rebatched is not None:  # then the rows since the state before this table, which began the file or
+            before = rebatched["previous_state"]  # went on from that state's row
+            start = before["shard_example_idx"] if before["shard_idx"] == state["shard_idx"] else 0
+            row = start + rebatched["num_chunks_since_previous_state"] - 1
+        # Prepared from a copy: preparing the stream itself would reset its live state.
+        iterable, info = copy.deepcopy(stream)._prepare_ex_iterable_for_iteration(), get_worker_info()
+        if info is not None:  # as datasets shards a stream over a torch loader's workers
+            iterable = iterable.shard_data_sources(num_shards=info.num_workers, index=info.id, contiguous=False)
+        while hasattr(iterable, "ex_iterable"):
+            iterable = iterable.ex_iterable
+        shard = _split_gen_kwargs(iterable.kwargs, max_num_jobs=iterable.num_shards)[state["shard_idx"]]
+        return f"file {(shard.get('files') or shard['base_files'])[0]}, row {row}"
+    except Exception:  # noqa: BLE001 - the words are a courtesy: datasets may keep its state otherwise
+        return "(file and row unknown)"
+
+
+@functools.cache
+def _skipped(what: str) -> None:
+    """One warning for each document skipped, however many epochs read it again."""
+    logger.warning("data: skipped a document: %s ([data] bad_documents = 'skip')", what)
+
+
+def document_text(example: dict, src: Source, stream: IterableDataset, bad_documents: str) -> str | None:
+    """The text of `example`, the document of `src` that `stream` yielded last. One that holds no text (null, a
+    number) is bad input named by source, file and row: a DataError, or with `[data] bad_documents = 'skip'`,
+    None and a warning."""
+    text = example[src.text_column]
+    if isinstance(text, str):
+        return text
+    what = (f"[data] path = '{src.path}', {document_place(stream)}: its '{src.text_column}' is "
+            f"{'null' if text is None else type(text).__name__}, not text")
+    if bad_documents == "skip":
+        _skipped(what)
+        return None
+    raise DataError(f"{what}. Mend or drop that row, or set [data] bad_documents = 'skip' to leave such documents "
+                    f"out with a warning each")

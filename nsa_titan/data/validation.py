@@ -41,8 +41,8 @@ def streamed_batches(data: Data, held: Source, tokenizer: Tokenizer, seq_len: in
                               data.retry_wait_seconds)
     stream = split_dataset_by_node(held_out(stream, data, held.text_column, keep=True), rank=dp_rank,
                                    world_size=dp_size)
-    dataset = PackedTextDataset([stream], [held], tokenizer, seq_len, 0, data.seed, dp_rank, epochs=1,
-                                retry=(data.read_retries, data.retry_wait_seconds))
+    dataset = PackedTextDataset([stream], [held], tokenizer, seq_len, 0, data.seed, dp_rank,
+                                (data.read_retries, data.retry_wait_seconds), data.bad_documents, epochs=1)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
 
 

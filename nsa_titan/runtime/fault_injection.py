@@ -11,9 +11,11 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
                                                         of that step's checkpoint are written
   fault_fail_commit_step                                that step's save folder vanishes once written
                                                         (rank 0), so that its commit fails
-  fault_raise_rank / fault_raise_step / fault_raise_where
-                                                        a rank raises at that step, in torchrun's first
-                                                        attempt only: a loader worker on the step's batch
+  fault_save_delay_seconds                              every rank's checkpoint writes start that much later
+  fault_raise_rank / fault_raise_step / fault_raise_where / fault_raise_attempts
+                                                        a rank raises at that step, in the first
+                                                        fault_raise_attempts of torchrun's (1: the first only;
+                                                        0: all): a loader worker on the step's batch
                                                         (`data`), the forward runs out of memory
                                                         (`forward`), the heartbeat's write finds the disk
                                                         full (`write`)
@@ -101,9 +103,9 @@ def _failing_write(heartbeat: Heartbeat, rank: int, step: int) -> None:
 
 def _install_raise(d: Debug, model: nn.Module, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,
                    rank: int, current_step: Callable[[], int], batches_per_step: int) -> None:
-    """The `fault_raise_*` fault, in torchrun's first attempt only."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if rank != d.fault_raise_rank or d.fault_raise_step <= 0 or not first_attempt:
+    """The `fault_raise_*` fault, in the first `fault_raise_attempts` of torchrun's attempts (0: all)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank != d.fault_raise_rank or d.fault_raise_step <= 0 or 0 < d.fault_raise_attempts <= attempt:
         return
     step = d.fault_raise_step
     if d.fault_raise_where == "data":
@@ -122,6 +124,18 @@ class _KillAfterWrite(HashingWriter):
     def write_data(self, plan, planner):
         super().write_data(plan, planner).wait()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _SlowWriter(HashingWriter):
+    """Start writing this rank's checkpoint files `delay` seconds late (a slow filesystem)."""
+
+    def __init__(self, path: str, delay: float, hash_files: bool):
+        super().__init__(path, hash_files=hash_files)
+        self.delay = delay
+
+    def write_data(self, plan, planner):
+        time.sleep(self.delay)
+        return super().write_data(plan, planner)
 
 
 class _VanishBeforeCommit(HashingWriter):
@@ -167,6 +181,9 @@ def install_faults(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimiz
             return _KillAfterWrite(str(path)) if step == d.fault_kill_in_save_step else plain(path, step)
 
         checkpointer.storage_writer = writer
+    if d.fault_save_delay_seconds > 0:
+        checkpointer.storage_writer = lambda path, step: _SlowWriter(str(path), d.fault_save_delay_seconds,
+                                                                     checkpointer.cfg.content_hashes)
     if rank == 0 and d.fault_fail_commit_step > 0:
         plain_writer = checkpointer.storage_writer
 

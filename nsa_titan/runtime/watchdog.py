@@ -6,10 +6,10 @@ non-zero, so torchrun stops the whole job instead of letting it hang. A rank tha
 inside a collective says so: it is waiting for another rank, whose own report shows where that
 rank is stuck.
 
-Until the loop ends, the watchdog also reads the job's store for another rank's failure
-(`failure.announced`; a failing rank announces itself just before it exits): a rank that has made no
-progress for `PEER_GRACE_S` since (blocked in a collective the failed rank never joins, as NCCL waits)
-says so and exits, seconds after the cause, and after it, so that torchrun reports the cause.
+Until the loop ends, the watchdog also hears of another rank's failure (`failure_channel`; a failing rank
+announces itself first thing) and of the loss of the job's store (its host is gone): a rank that has made no
+progress for `PEER_GRACE_S` since (blocked in a collective the failed rank never joins, as NCCL waits) says so
+and exits, seconds after the cause.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from ..config import Fault
 from ..system.cli import note_failure
-from .failure import announce, announced, exit_now
+from .failure import after_peer_code, exit_now, note, peer_words
+from .failure_channel import Failure, FailureChannel
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,12 @@ COLLECTIVE_GRACE_S = 15.0
 BACKSTOP_S = 30.0
 """If the watchdog thread itself cannot run (the GIL held in C code), faulthandler dumps the
 stacks and exits this much later."""
-PEER_POLL_S = 1.0
-"""How often the watchdog reads the job's store for another rank's failure."""
-PEER_GRACE_S = 3.0
+PEER_GRACE_S = 2.0
 """A rank still in the loop this long after another rank's failure (or after losing the store) leaves."""
-EXIT_AFTER_PEER = 1
-"""Exit code of a rank that the watchdog ends after another rank's failure (the job's code is the cause's)."""
+TICK_S = 0.5
+"""How often the watchdog looks (at most; a twentieth of a short limit)."""
+LOST_STORE = Failure(-1, 1, "")
+"""What the listener's closed connection means: the store's host (the launcher, or rank 0) is gone."""
 
 
 class Heartbeat:
@@ -94,8 +95,9 @@ class StepWatchdog:
         self.last = time.monotonic()
         self.fired = False
         self.watching_peers = True  # from start-up to the loop's end: another rank's failure ends this rank
-        self.peer_seen: float | None = None  # when another rank's failure (or the store's loss) was first seen
-        self.peer_why = ""  # which of the two
+        self.channel: FailureChannel | None = None
+        self.peer_failure: Failure | None = None  # another rank's failure, or LOST_STORE, as heard
+        self.peer_seen = 0.0  # when it was heard
         self.stopped = threading.Event()
         self._arm_backstop()
         self.thread = threading.Thread(target=self._run, name="nsa_titan-watchdog", daemon=True)
@@ -111,51 +113,40 @@ class StepWatchdog:
     def watch_peers(self, on: bool) -> None:
         """Whether another rank's failure ends this rank: from start-up (once the process group is up) to the
         loop's end or this rank's own failure; not while it closes (a rank done first may have left)."""
-        self.watching_peers, self.peer_seen = on, None
+        self.watching_peers = on
+
+    def listen(self, channel: FailureChannel | None) -> None:
+        """Hear of the job's failures through `channel` (None: alone in the job)."""
+        self.channel = channel
+        if channel is not None:
+            channel.listen(self._heard)
+
+    def _heard(self, failure: Failure | None) -> None:
+        if failure is None or failure.rank != self.rank:
+            self.peer_failure, self.peer_seen = failure or LOST_STORE, time.monotonic()
 
     def _arm_backstop(self) -> None:
         faulthandler.dump_traceback_later(self.limit + BACKSTOP_S, exit=self.cfg.action == "exit",
                                           file=self.backstop_file)
 
     def _run(self) -> None:
-        polled = time.monotonic()
-        while not self.stopped.wait(min(1.0, self.limit / 20)):
+        while not self.stopped.wait(min(TICK_S, self.limit / 20)):
             waited = time.monotonic() - self.last
             if waited > self.limit and not self.fired:
                 self.fired = True
                 self._fire(waited)
-            if self.watching_peers and time.monotonic() - polled >= PEER_POLL_S:
-                polled = time.monotonic()
-                self._check_peers()
+            if self.watching_peers and self.peer_failure is not None:
+                self._check_peers(self.peer_failure)
 
-    def _check_peers(self) -> None:
-        """Leave if another rank failed (announced in the store) or the store is gone (its host, rank 0 or the
-        launcher, exited, and a second read PEER_GRACE_S later confirms it) and this rank has made no
-        progress for PEER_GRACE_S since. An announced failure is read once, not again."""
-        if self.peer_seen is not None and self.last > self.peer_seen:  # progress since: all is well after all
-            self.peer_seen = None
-        if self.peer_seen is None:
-            self.peer_why = self._peer_failure()
-            self.peer_seen = time.monotonic() if self.peer_why else None
+    def _check_peers(self, cause: Failure) -> None:
+        """Leave, with the cause's exit code where no restart may follow it, once this rank has made no progress
+        for PEER_GRACE_S since it heard of `cause`."""
+        if time.monotonic() - max(self.peer_seen, self.last) < PEER_GRACE_S:
             return
-        if time.monotonic() - self.peer_seen < PEER_GRACE_S or not self.watching_peers:
-            return
-        if not self.peer_why.startswith("the failure") and not self._peer_failure():  # the store is back
-            self.peer_seen = None
-            return
-        line = f"nsa_titan: rank {self.rank} stopped in {self.what} of step {self.step} after {self.peer_why}"
+        line = f"nsa_titan: rank {self.rank} stopped in {self.what} of step {self.step} after {peer_words(cause)}"
         logging.getLogger("nsa_titan").error("%s", line.removeprefix("nsa_titan: "))
-        note_failure(line)
-        exit_now(EXIT_AFTER_PEER)
-
-    def _peer_failure(self) -> str:
-        """Another rank's failure in words, from the store, or the store's loss; "" if neither. The store is
-        asked once more only to confirm its loss (each failed read logs a warning of c10d's)."""
-        try:
-            first = announced()
-        except Exception:  # noqa: BLE001 - the store cannot be reached
-            return "losing the job's store (the rank or launcher hosting it has exited)"
-        return f"the failure of rank {first[0]}" if first is not None and first[0] != self.rank else ""
+        note_failure(note(line, cause if cause.rank >= 0 else None))
+        exit_now(after_peer_code(cause))
 
     def _fire(self, waited: float) -> None:
         frame = sys._current_frames().get(self.main_thread)
@@ -177,8 +168,8 @@ class StepWatchdog:
                                  in_collective=collective, stacks=str(self.stack_path))
         if self.cfg.action == "exit":
             time.sleep(COLLECTIVE_GRACE_S if collective else REPORT_GRACE_S)
-            if not collective:  # this rank is the stuck one: the others need not wait for their own limits
-                announce(self.rank, message)
+            if not collective and self.channel is not None:  # this rank is the stuck one: the others need not
+                self.channel.announce(Failure(self.rank, EXIT_HANG, message))  # wait for their own limits
             os._exit(EXIT_HANG)
 
     def stop(self) -> None:

@@ -1,5 +1,6 @@
 """The process's signals: which ones ask a run to stop, a loader worker's deafness to them, and Linux's
-parent-death signal, which ends a process with the one that started it."""
+parent-death signal, which ends a process with the one that started it (a rank with its launcher, a loader
+worker with its rank)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,10 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:
         os._exit(0)
+
+
+def end_with_launcher() -> None:
+    """A rank under torchrun dies with its launcher (`die_with_parent`): a launcher killed with SIGKILL, or a
+    crashed agent, would otherwise leave its ranks training on, holding their devices, beside the rerun."""
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        die_with_parent()

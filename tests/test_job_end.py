@@ -1,0 +1,131 @@
+"""Every process of a job ends with it, bad input is not retried, a failure reaches the other ranks at once (issue:
+orphaned ranks trained on beside a rerun; a null document was read as the end of the data and restarted twice).
+As an operator meets them: `run_train.sh`, 2 ranks, loader workers, async saves, `MAX_RESTARTS`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nsa_titan.launch import child_pids
+
+from jobs import STEPS, Job
+from test_rank_failure import closing_lines, error_lines, step_folders
+
+pytestmark = pytest.mark.multiprocess
+
+ASYNC = ["--checkpoint.async_mode", "async", "--checkpoint.interval", "4"]
+BAD_FILE, BAD_ROW = "train-00002-of-00004.parquet", 17
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, awaiting its reaping, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_and_loader_workers_along_and_a_rerun_trains_alone(tmp_path):
+    dump, args = tmp_path / "out", [*ASYNC, "--data.num_workers", "2"]
+    job = Job(dump, *args, nproc=2)
+    job.wait_for(rf"step +6/{STEPS} ")
+    ranks = [job.rank_pid(r) for r in (0, 1)]
+    processes = ranks + [w for r in ranks for w in child_pids(r)]
+    assert len(processes) == 6, processes  # 2 ranks, 2 loader workers each
+    os.kill(job.proc.pid, signal.SIGKILL)  # run_train.sh execs the launcher: this is it
+    killed = time.monotonic()
+    while any(alive(p) for p in processes) and time.monotonic() - killed < 5:
+        time.sleep(0.05)
+    assert not [p for p in processes if alive(p)], "alive 5 s after the launcher's SIGKILL"
+    job.proc.wait(timeout=30)
+    rc, out = Job(dump, *args, nproc=2).finish()
+    assert rc == 0, out[-4000:]
+    assert "taken over from" in out and "resumed from" in out, out[-3000:]
+    assert f"run summary: reached step {STEPS} of {STEPS}" in out
+    assert all(problem is None for problem in step_folders(dump).values())
+
+
+@pytest.fixture
+def shards(tmp_path) -> Path:
+    """4 parquet shards of 50 documents; row 17 of the third is null."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for s in range(4):
+        texts = [f"def f{s}_{i}(x):\n    return x + {i}  # document {i} of shard {s}\n" * 8 for i in range(50)]
+        texts[BAD_ROW] = None if s == 2 else texts[BAD_ROW]
+        pq.write_table(pa.table({"text": texts}), folder / f"train-{s:05d}-of-00004.parquet")
+    return folder
+
+
+@pytest.mark.parametrize("choice", ["error", "skip"])
+def test_a_null_document_is_bad_input_named_by_file_and_row_that_no_restart_retries(tmp_path, shards, choice):
+    dump = tmp_path / "out"
+    job = Job(dump, "--data.path", str(shards), "--data.bad_documents", choice, *ASYNC, nproc=2,
+              env={"MAX_RESTARTS": "2"})
+    named = rf"\[data\] path = '{shards}', file {shards / BAD_FILE}, row {BAD_ROW}: its 'text' is null, not text"
+    if choice == "skip":
+        rc, out = job.finish(timeout=300)
+        assert rc == 0, out[-4000:]
+        warnings = [x for x in out.splitlines() if "skipped a document" in x]
+        assert len(warnings) == 1 and re.search(rf"WARNING data: skipped a document: {named}", warnings[0]), warnings
+        assert f"run summary: reached step {STEPS} of {STEPS}" in out and "restart 1 of 2" not in out
+        return
+    job.wait_for(" ERROR ")
+    first, read = job.lines[-1], job.times[-1]
+    rc, out = job.finish(timeout=300)
+    assert rc == 2, out[-4000:]
+    assert job.ended - read < 30, f"{job.ended - read:.0f} s from the error line to the exit"
+    assert "restart 1 of 2" not in out, out[-4000:]
+    assert error_lines(out)[0] == first.rstrip("\n")
+    assert re.search(rf"ERROR data error: rank [01] in the training step of step \d+: {named}\. Mend or drop that row, "
+                     rf"or set \[data\] bad_documents = 'skip'", first), "\n".join(error_lines(out))
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("nsa_titan: not restarted (2 of --max-restarts 2 left): bad input (exit code 2)"), last
+
+
+def test_a_deterministic_fault_spends_the_restarts_then_ends_the_job_with_one_line_naming_both(tmp_path):
+    dump = tmp_path / "out"
+    job = Job(dump, *ASYNC, "--debug.fault_raise_rank", "0", "--debug.fault_raise_step", "9",
+              "--debug.fault_raise_where", "forward", "--debug.fault_raise_attempts", "0", nproc=2,
+              env={"MAX_RESTARTS": "2"})
+    rc, out = job.finish(timeout=600)
+    assert rc == 1, out[-4000:]
+    assert out.count("fault injection: rank 0 runs out of memory in the forward of step 9") == 3, out[-4000:]
+    assert "restart 1 of 2" in out and "restart 2 of 2" in out
+    closing = closing_lines(out)
+    assert re.fullmatch(r"nsa_titan: rank 0 failed in the training step of step 9: out of memory \(CUDA out of memory.*"
+                        r" Its traceback: \S+ \(\d+ s after the start; the restarts are spent: 2 of --max-restarts 2\)",
+                        closing[0]), closing
+
+
+def test_a_fault_during_an_async_save_stops_the_other_rank_within_5_s(tmp_path):
+    """Rank 0 fails while its save of step 8 takes 20 s to write: it announces the failure first and then waits for
+    the save (up to [fault] failure_save_wait_seconds, 15 s); rank 1 learns of it at once and exits."""
+    dump = tmp_path / "out"
+    job = Job(dump, *ASYNC, "--debug.fault_save_delay_seconds", "20", "--debug.fault_raise_rank", "0",
+              "--debug.fault_raise_step", "9", "--debug.fault_raise_where", "forward", nproc=2)
+    job.wait_for(rf"step +5/{STEPS} ")
+    peer = job.rank_pid(1)
+    job.wait_for("fault injection: rank 0 runs out of memory")
+    fault = job.times[-1]
+    while alive(peer) and time.monotonic() - fault < 10:
+        time.sleep(0.05)
+    assert time.monotonic() - fault < 5, f"rank 1 still running {time.monotonic() - fault:.1f} s after the fault"
+    rc, out = job.finish(timeout=300)
+    assert rc == 1, out[-4000:]
+    assert "ERROR rank 1 stopped in the training step of step 9 after the failure of rank 0" in out, out[-3000:]
+    closing = closing_lines(out)  # the cause first, though torchrun saw only rank 1 exit while rank 0 waited
+    assert closing[0].startswith("nsa_titan: rank 0 failed in the training step of step 9: out of memory"), closing
+    assert re.search(r"the async save of step 8, in flight at the failure, was not completed: step-8\.incomplete-\S+ "
+                     r"stays aside", out), out[-3000:]
+    assert all(problem is None for problem in step_folders(dump).values())
