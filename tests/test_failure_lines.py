@@ -118,7 +118,7 @@ def test_the_channel_wakes_its_listeners_at_the_announcement_and_at_the_loss_of_
                               stdout=subprocess.PIPE, text=True)
     try:
         port, heard = int(server.stdout.readline()), queue.Queue()
-        teller, listener = FailureChannel("127.0.0.1", port), FailureChannel("127.0.0.1", port)
+        teller, listener = FailureChannel("127.0.0.1", port, 0, 2), FailureChannel("127.0.0.1", port, 1, 2)
         listener.listen(heard.put)
         time.sleep(0.5)
         assert heard.empty()
@@ -126,12 +126,16 @@ def test_the_channel_wakes_its_listeners_at_the_announcement_and_at_the_loss_of_
         assert teller.announce(failure) and not teller.announce(Failure(1, 1, "nsa_titan: rank 1 failed later"))
         assert heard.get(timeout=5) == failure and time.monotonic() - at < 1.0
         assert listener.first() == failure and teller.first() == failure
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the next attempt's key: nothing announced yet
-        FailureChannel("127.0.0.1", port).listen(heard.put)
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the next attempt's keys: nothing announced yet
+        closed, lost = FailureChannel("127.0.0.1", port, 0, 2), FailureChannel("127.0.0.1", port, 1, 2)
+        closed.listen(heard.put)
+        lost.listen(heard.put)
         time.sleep(0.5)
-        assert heard.empty()
+        thread = closed.listener
+        closed.close()  # a rank that ends: its listener returns, and hears nothing
+        assert not thread.is_alive() and heard.empty()
         server.kill()
-        assert heard.get(timeout=5) is None
+        assert heard.get(timeout=5) is None and heard.empty()
     finally:
         server.kill()
         server.wait()

@@ -5,6 +5,7 @@ As an operator meets them: `run_train.sh`, 2 ranks, loader workers, async saves,
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -15,6 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from nsa_titan.config import load_config
+from nsa_titan.data import DataError
+from nsa_titan.data.prepare import prepare
 from nsa_titan.launch import child_pids
 
 from jobs import STEPS, Job
@@ -129,3 +133,20 @@ def test_a_fault_during_an_async_save_stops_the_other_rank_within_5_s(tmp_path):
     assert re.search(r"the async save of step 8, in flight at the failure, was not completed: step-8\.incomplete-\S+ "
                      r"stays aside", out), out[-3000:]
     assert all(problem is None for problem in step_folders(dump).values())
+
+
+@pytest.mark.parametrize("choice", ["error", "skip"])
+def test_prepare_names_a_null_document_by_file_and_row_or_skips_it(tmp_path, shards, choice, caplog):
+    cfg, _ = load_config(["--data.tokenizer", "byte", "--data.path", str(shards), "--data.holdout", "0.1",
+                          "--data.bad_documents", choice], world_size=1)
+    named = f"[data] path = '{shards}', file {shards / BAD_FILE}, row {BAD_ROW}: its 'text' is null, not text"
+    if choice == "error":
+        with pytest.raises(DataError, match=re.escape(named)):
+            prepare(cfg, tmp_path / "prepared", processes=1, docs_per_part=16)
+        return
+    with caplog.at_level(logging.WARNING):
+        manifest = prepare(cfg, tmp_path / "prepared", processes=1, docs_per_part=16)
+    assert [r.getMessage() for r in caplog.records if "skipped a document" in r.getMessage()] == [
+        f"data: skipped a document: {named} ([data] bad_documents = 'skip')"]
+    (source,) = manifest["sources"].values()
+    assert source["documents"] + sum(p["documents"] for p in source["holdout"]) == 4 * 50 - 1  # all but the null

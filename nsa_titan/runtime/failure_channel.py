@@ -1,11 +1,13 @@
 """The job's failure channel: the first failure of a torchrun attempt, told to every rank through the job's store,
 waited on rather than polled.
 
-A failing rank sets one key of the attempt (its rank, exit code and line) first thing on its way out (`announce`).
-Every other rank has a thread blocked in one `wait` on that key, on a store connection of its own (`listen`): it
-wakes when the key is set, or when the connection closes because the store's host (the launcher under torchrun,
-else rank 0) is gone. While nothing fails, the store serves one request per rank per `WAIT_S`; polling once a
-second served one per rank per second (`benchmarks/operations/store_load.py` measures both).
+A failing rank sets one key of the attempt (its rank, exit code and line) first thing on its way out, then every
+rank's wake key in one request (`announce`). Every rank has a thread blocked in one `wait` on its wake key, on a
+store connection of its own (`listen`): it wakes when the key is set, or when the connection closes because the
+store's host (rank 0, or the launcher) is gone. While nothing fails, the store serves one request per rank per
+`WAIT_S`; polling once a second served one per rank per second (`benchmarks/operations/store_load.py` measures
+both). A rank that ends sets its own wake key (`close`): its listener returns before the interpreter's teardown,
+which would abort a thread woken inside the store's C++ call.
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ class Failure:
 class FailureChannel:
     """This rank's end of the channel: the store at `host`:`port`, the key of this attempt."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, rank: int, world_size: int):
+        self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.key = f"nsa_titan/failure/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.told: Failure | None = None  # what the listener has heard
         self._store: dist.TCPStore | None = None  # for announce and first: connected when first needed
+        self.listener: threading.Thread | None = None
+
+    def wake_key(self, rank: int) -> str:
+        return f"{self.key}/wake/rank{rank}"
 
     @classmethod
     def of_job(cls) -> FailureChannel | None:
@@ -56,7 +62,8 @@ class FailureChannel:
         alone, or its group was not started from an address (MASTER_ADDR, MASTER_PORT)."""
         if not dist.is_initialized() or dist.get_world_size() == 1 or "MASTER_PORT" not in os.environ:
             return None
-        return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
+        return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), dist.get_rank(),
+                   dist.get_world_size())
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
@@ -69,10 +76,13 @@ class FailureChannel:
         return self._store
 
     def announce(self, failure: Failure) -> bool:
-        """Record `failure` as the attempt's first, unless another rank's came first; whether it is. Best effort:
-        False when the store cannot be reached."""
+        """Record `failure` as the attempt's first and wake every rank, unless another rank's came first; whether
+        it is. Best effort: False when the store cannot be reached."""
         try:
-            return self.store.compare_set(self.key, "", failure.encode()).decode() == failure.encode()
+            if self.store.compare_set(self.key, "", failure.encode()).decode() != failure.encode():
+                return False
+            self.store.multi_set([self.wake_key(r) for r in range(self.world_size)], ["failure"] * self.world_size)
+            return True
         except Exception:  # noqa: BLE001 - telling the others is a courtesy; the exit tells torchrun
             return False
 
@@ -84,20 +94,34 @@ class FailureChannel:
 
     def listen(self, heard: Callable[[Failure | None], None]) -> None:
         """From a thread of its own, call `heard(failure)` once the attempt's first failure is announced, or
-        `heard(None)` if the store's connection closes first (its host is gone)."""
+        `heard(None)` if the store's connection closes first (its host is gone); nothing after `close`."""
         def wait() -> None:
             try:
                 store = self._connect()  # a connection of its own: the wait holds it
                 while True:
                     try:
-                        store.wait([self.key], timedelta(seconds=WAIT_S))
+                        store.wait([self.wake_key(self.rank)], timedelta(seconds=WAIT_S))
                         break
                     except dist.DistStoreError:  # the wait ran out: wait again
                         continue
+                if store.get(self.wake_key(self.rank)) != b"failure":  # closed
+                    return
                 self.told = Failure.decode(store.get(self.key))
             except Exception:  # noqa: BLE001 - the connection closed or cannot be made: the host is gone
                 heard(None)
                 return
             heard(self.told)
 
-        threading.Thread(target=wait, name="nsa_titan-failure-listener", daemon=True).start()
+        self.listener = threading.Thread(target=wait, name="nsa_titan-failure-listener", daemon=True)
+        self.listener.start()
+
+    def close(self, timeout: float = CONNECT_S) -> None:
+        """End the listener (a rank that ends, or fails, hears of no failure after): its own wake key, set."""
+        if self.listener is None:
+            return
+        try:
+            self.store.compare_set(self.wake_key(self.rank), "", "closed")
+        except Exception:  # noqa: BLE001 - the store's host is gone: the listener has woken on its own
+            pass
+        self.listener.join(timeout)
+        self.listener = None

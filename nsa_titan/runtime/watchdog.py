@@ -173,6 +173,9 @@ class StepWatchdog:
             os._exit(EXIT_HANG)
 
     def stop(self) -> None:
+        """End the watchdog and its listener (before the interpreter's teardown)."""
+        if self.channel is not None:
+            self.channel.close()
         self.stopped.set()
         faulthandler.cancel_dump_traceback_later()
         self.backstop_file.close()
