@@ -117,7 +117,8 @@ class FailureChannel:
 
     def close(self, timeout: float = CONNECT_S) -> None:
         """End the listener (a rank that ends, or fails, hears of no failure after): its own wake key, set."""
-        if self.listener is None:
+        if self.listener is None or not self.listener.is_alive():  # woken already: a failure, or the host gone
+            self.listener = None
             return
         try:
             self.store.compare_set(self.wake_key(self.rank), "", "closed")
