@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..data import DataUnavailable
-from ..system.cli import EXIT_BAD_INPUT, note_failure, report
+from ..system.cli import EXIT_BAD_INPUT, bad_input_line, note_failure, report
 from ..system.env import LAUNCHED_BY
 from ..system.errors import BadInput
 from .failure_channel import Failure, FailureChannel
@@ -44,6 +44,8 @@ EXIT_AFTER_PEER = 1
 """Exit code of a rank stopped by another rank's failure (the job's code is the cause's)."""
 NO_RESTART = {EXIT_BAD_INPUT: "bad input", EXIT_HALTED: "a halt on non-finite steps"}
 """Exit codes of a failure that every restart would meet again, in words: the launcher restarts no job after one."""
+LOST_STORE = Failure(-1, EXIT_AFTER_PEER, "")
+"""The failure a rank reads into the store's loss: its host (rank 0, or the launcher) is gone."""
 CAUSE = "cause: "
 """How a consequence's note to the launcher carries its cause, on its second line (`note`)."""
 CONSEQUENT = re.compile(r"^nsa_titan: rank \d+ stopped .*after")
@@ -88,7 +90,7 @@ def first_failure(channel: FailureChannel | None, rank: int, ask: bool) -> Failu
     try:
         first = channel.first() if ask else channel.told
     except Exception:  # noqa: BLE001 - the store's host is gone
-        return Failure(-1, EXIT_AFTER_PEER, "")
+        return LOST_STORE
     return first if first is not None and first.rank != rank else None
 
 
@@ -177,8 +179,8 @@ def verdict(error: BaseException, rank: int, step: int, phase: str, dead_workers
     if isinstance(error, TrainingHalted):
         return EXIT_HALTED, f"nsa_titan: halted: {error}"
     if isinstance(error, BadInput):
-        message = " ".join(own_message(error).split("\n"))
-        return EXIT_BAD_INPUT, f"nsa_titan: {error.kind} error: rank {rank} in {phase} of step {step}: {message}"
+        where = f"rank {rank} in {phase} of step {step}: "
+        return EXIT_BAD_INPUT, bad_input_line("nsa_titan", error, own_message(error), where)
     line = explain(error, rank, step, phase, dead_workers, trace_path, stopping, cause)
     return (after_peer_code(cause) if CONSEQUENT.match(line) else EXIT_CRASH), line
 
@@ -191,11 +193,12 @@ def report_failure(error: BaseException, rank: int, step: int, phase: str, dead_
     cause = None if isinstance(error, (BadInput, DataUnavailable, TrainingHalted)) else \
         first_failure(channel, rank, ask=not (lost_peer(error) or stopping))  # the store's host may be gone
     code, line = verdict(error, rank, step, phase, dead_workers, trace_path, stopping, cause)
-    if code == EXIT_CRASH or CONSEQUENT.match(line) or os.environ.get(LAUNCHED_BY):
+    failed = code == EXIT_CRASH or bool(CONSEQUENT.match(line))  # not a verdict
+    if failed or os.environ.get(LAUNCHED_BY):
         logging.getLogger("nsa_titan").error("%s", line.removeprefix("nsa_titan: "))
     if channel is not None and not CONSEQUENT.match(line):
         channel.announce(Failure(rank, code, line))
-    if code == EXIT_CRASH or CONSEQUENT.match(line):
+    if failed:
         note_failure(note(line, cause))
     else:
         report(line)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..config import Fault
 from ..system.cli import note_failure
-from .failure import after_peer_code, exit_now, note, peer_words
+from .failure import LOST_STORE, after_peer_code, exit_now, note, peer_words
 from .failure_channel import Failure, FailureChannel
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,6 @@ PEER_GRACE_S = 2.0
 """A rank still in the loop this long after another rank's failure (or after losing the store) leaves."""
 TICK_S = 0.5
 """How often the watchdog looks (at most; a twentieth of a short limit)."""
-LOST_STORE = Failure(-1, 1, "")
-"""What the listener's closed connection means: the store's host (the launcher, or rank 0) is gone."""
 
 
 class Heartbeat:

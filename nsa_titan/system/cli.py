@@ -23,10 +23,10 @@ from .errors import BadInput
 EXIT_BAD_INPUT = 2
 
 
-def bad_input_line(prog: str, e: BaseException) -> str:
-    """`prog: <kind> error: <message>` on one line."""
+def bad_input_line(prog: str, e: BaseException, message: str | None = None, where: str = "") -> str:
+    """`prog: <kind> error: <where><message>` on one line (`message`: `e`'s own, unless given)."""
     kind = e.kind if isinstance(e, BadInput) else "input"
-    return f"{prog}: {kind} error: " + " ".join(str(e).split("\n"))
+    return f"{prog}: {kind} error: {where}" + " ".join((str(e) if message is None else message).split("\n"))
 
 
 def note_failure(line: str) -> bool:
