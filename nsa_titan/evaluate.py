@@ -8,9 +8,10 @@
     python -m nsa_titan.evaluate CHECKPOINT --seq_len 4096 --by_position [--bucket 512]   # loss by position
     python -m nsa_titan.evaluate CHECKPOINT --task lm_eval --tasks TASK ... [--include_path DIR] [--limit N]
 
-The loss reads the split the way training validates (same packing, same batches, rank shards under
-torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so at
-a checkpoint's step it reports the trainer's validation loss. The recall task
+The loss reads the run's held-out text the way training validates (`[data] holdout` or the split; each
+source of a mixture, `--batches` each; a prepared run's held-out parts; same packing, same batches, rank
+shards under torchrun, and each sequence split across `--context_parallel` ranks as training splits it), so
+at a checkpoint's step it reports the trainer's validation loss. The recall task
 (`nsa_titan/data/recall.py`, sizes from the config's `[recall]`) asks, for each distance, for
 values hidden that many tokens before their query, on held-out samples, and reports the share
 of queries whose value tokens are all predicted exactly, then the share of value tokens predicted
@@ -45,10 +46,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 from .checkpoint.inference import load_model
-from .config import ConfigError, JobConfig, cp_multiple, validation_sets
-from .data import DataError, Tokenizer
+from .config import ConfigError, JobConfig, cp_multiple
+from .data import DataError, HeldOutSets, Tokenizer
 from .data.sources import open_text_stream
-from .data.validation import streamed_batches
 from .distributed.parallel import apply_cp
 from .models.loss import IGNORE_INDEX, lm_loss
 from .models.transformer import NSAAttention, Transformer
@@ -91,15 +91,13 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
     if cp > 1:  # the cp ranks of a data-parallel group neighbours, as in training
         mesh = init_device_mesh("cpu", (dp_world, cp), mesh_dim_names=("dp", "cp"))
         apply_cp(model, mesh, cp_multiple(cfg.model, cp))
-    held, = validation_sets(dataclasses.replace(cfg.data, sources=[]), dataclasses.replace(cfg.validation, split=split))
-    loader = streamed_batches(cfg.data, held, tokenizer, cfg.training.seq_len, cfg.training.local_batch_size, dp_rank,
-                              dp_world)
+    # The run's held-out text, as its validation reads it: each source of a mixture, a prepared run's parts.
+    sets = HeldOutSets(cfg.data, dataclasses.replace(cfg.validation, split=split), tokenizer, T,
+                       cfg.training.local_batch_size, dp_rank, dp_world)
+    loader = itertools.chain.from_iterable(itertools.islice(s, batches or None) for s in sets.loaders())
     totals = torch.zeros(4, dtype=torch.float64)  # sum of batch losses, batches, tokens, bytes
     masking = cfg.training.document_masking  # as in training
-    for k, (inputs, labels, doc_ids, _) in enumerate(tqdm(loader, desc="evaluate", disable=rank != 0,
-                                                            total=batches or None)):
-        if batches and k >= batches:
-            break
+    for inputs, labels, doc_ids, _ in tqdm(loader, desc="evaluate", disable=rank != 0):
         logits = model(inputs, doc_ids if masking else None)
         loss = lm_loss(logits, labels, model.cp)
         if by_position:
@@ -111,7 +109,8 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
         dist.all_reduce(totals)
         dist.all_reduce(buckets)
     if totals[1] == 0:
-        raise DataError(f"split '{split}' gave no batch of seq_len {T}")
+        raise DataError(f"the held-out text ({', '.join(sets.describe(i) for i in range(len(sets.sets)))}) gave no "
+                        f"batch of seq_len {T}")
     loss = float(totals[0] / totals[1])
     result: dict[str, Any] = {"loss": loss, "perplexity": math.exp(min(loss, 50)),
                               "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),

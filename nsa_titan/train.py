@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .checkpoint import CheckpointManager, TrainState
 from .config import JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
 from .config.paths import RunPaths, make_folder
-from .data import (DataError, DataUnavailable, HeldOutSets, Sample, build_dataloader, build_tokenizer, dead_workers,
+from .data import (DataUnavailable, HeldOutSets, Sample, SourceEnded, build_dataloader, build_tokenizer, dead_workers,
                    shutdown_workers)
 from .distributed.parallel import build_mesh, data_parallel_rank, device_for_rank, init_distributed, parallelize
 from .export import export_trained
@@ -35,18 +35,19 @@ from .models.attention import describe_attention, set_explore_step
 from .models.loss import IGNORE_INDEX, lm_loss
 from .models.transformer import Transformer
 from .observe.evals import InRunEvals
-from .observe.metrics import (MetricsLogger, SourceShares, StepStats, Throughput, current_rss_gib, log_setup,
+from .observe.shares import SourceShares
+from .observe.metrics import (MetricsLogger, StepStats, Throughput, current_rss_gib, log_setup,
                               peak_flops, peak_memory_gib, run_summary)
-from .observe.validate import validate
+from .observe.validate import agreed_batches, validate
 from .optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from .runtime.diagnostics import dtype_report, first_nonfinite_grad, nsa_stats, report_missing_grads, step_profiler
-from .runtime.failure import (EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, exit_now, relayed, report_failure,
-                              restart_line)
+from .runtime.failure import EXIT_CRASH, EXIT_RETRY, EXIT_SAVE_FAILED, exit_now, report_failure, restart_line
 from .runtime.failure_channel import FailureChannel
 from .runtime.fault_injection import install_faults, kernel_fault
 from .runtime.guard import UpdateGuard, suspect
 from .runtime.kernel_check import checked_kernels
 from .runtime.ownership import FolderOwner, job_key, other_holder
+from .runtime.step_batches import StepBatches
 from .runtime.stop import StopRequest
 from .runtime.watchdog import Heartbeat, StepWatchdog, set_collective_timeout
 from .system.cli import note_failure, report, run_command, setup_logging
@@ -78,9 +79,6 @@ class Trainer:
         self.stopped_by: str | None = None  # the stop signal that ended the run early
         self.last_validation: tuple[int, float] | None = None
         self.history: list[StepStats] = []
-        self.last_batch: tuple | None = None  # the NSA statistics' forward: inputs, labels, document ids (or None)
-        self.last_batch_sources: list[torch.Tensor] = []  # the step's micro-batches' sources (a spike's line)
-        self.loader_at_step_start: dict | None = None  # the loader's position before this step's batches
 
         # Fault detection first: a hang in start-up (rendezvous, compile) is reported too.
         rank = int(os.environ.get("RANK", "0"))
@@ -128,11 +126,18 @@ class Trainer:
                                                t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
-            self.shares = SourceShares([s.label for s in data_sources(cfg.data)], self.tokenizer.eos_id)
+            self.shares = SourceShares(data_sources(cfg.data), self.tokenizer.eos_id, self.device,
+                                       self.world_size // self.dp_world_size, cfg.data.new_weights_on_resume)
+            self.batches = StepBatches(self.dataloader, self.grad_accum_steps, self.device, cfg.data.source == "datasets",
+                                       t.document_masking, self.rank, self.shares, self.throughput.data_wait)
+            self.documents = self.batches.documents
             self.guard = UpdateGuard(cfg.fault, self.rank, self.world_size)
             self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
                                         self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
             self.evals = InRunEvals(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world_size)
+            for sets, what in ((self.held_out, "validation"), (self.evals.positions, "[eval] position")):
+                if sets is not None:  # read now, and kept: held-out text that gives no batch stops the run here
+                    agreed_batches(sets, self.device, what)
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.dp_world_size)
@@ -140,7 +145,7 @@ class Trainer:
                 cfg.checkpoint, folder=self.paths.checkpoints, config_toml=to_toml(cfg), model=model,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
-                other_owner=lambda: other_holder(self.paths.root, job_key()))
+                other_owner=lambda: other_holder(self.paths.root, job_key()), shares=self.shares)
             install_faults(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                            dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
                            world_size=self.world_size, current_step=lambda: self.state.step,
@@ -173,41 +178,6 @@ class Trainer:
         """The mean cross-entropy of this rank's micro-batch (its share under context parallelism)."""
         return lm_loss(logits, labels, self.model.cp)
 
-    def next_batch(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The next micro-batch on the device (inputs, labels, document ids or None), its wait counted as data wait."""
-        try:
-            with self.throughput.data_wait():
-                inputs, labels, document_ids, sources = next(batches)
-                self.shares.add(inputs, sources)
-                self.last_batch_sources.append(sources)
-        except StopIteration:
-            raise DataError(f"rank {self.rank} ran out of training data: its share of the [data] sources is empty "
-                            f"(fewer shard files or documents than ranks x workers?)") from None
-        self.last_batch = inputs.to(self.device), labels.to(self.device), self.documents(document_ids)
-        return self.last_batch
-
-    def step_batches(self, batches: Iterator[Sample]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """This step's micro-batches, all fetched before any compute. A file source's reading is agreed by every
-        rank first (one small all-reduce): a source that stayed unreadable on any rank is DataUnavailable on
-        all, before the step changes anything, with the loader's position before the step kept for the save."""
-        self.last_batch_sources = []
-        if self.cfg.data.source != "datasets":
-            return [self.next_batch(batches) for _ in range(self.grad_accum_steps)]
-        self.loader_at_step_start = self.dataloader.state_dict()
-        try:
-            micro, failure = [self.next_batch(batches) for _ in range(self.grad_accum_steps)], None
-        except DataUnavailable as e:
-            micro, failure = [], e.reason
-        failed = torch.tensor([failure is not None], device=self.device, dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
-            raise DataUnavailable(failure or relayed("data"))
-        return micro
-
-    def documents(self, document_ids: torch.Tensor) -> torch.Tensor | None:
-        """The batch's document ids (on the host) when `[training] document_masking` is on, else None."""
-        return document_ids if self.cfg.training.document_masking else None
-
     def train_step(self, batches: Iterator[Sample]) -> tuple[torch.Tensor, float, float]:
         """Accumulate over micro-batches, clip, check, step.
 
@@ -216,7 +186,7 @@ class Trainer:
         """
         self.optimizer.zero_grad(set_to_none=True)
         set_explore_step(self.model, self.state.step)  # `sel_score_explore` draws other blocks each step
-        losses = [self.forward_backward(*batch) for batch in self.step_batches(batches)]
+        losses = [self.forward_backward(*batch) for batch in self.batches.fetch(batches)]
         if self.state.step == self.first_step and self.cfg.debug.report_missing_grads:
             report_missing_grads(self.model)
         for p in self.params:  # unused (a branch switched off): a 0 gradient keeps its optimizer state, which
@@ -247,7 +217,7 @@ class Trainer:
 
     def batch_line(self) -> str:
         """The step's batch for a spike's line: this rank's sources, and a prepared run's global samples."""
-        where, state = self.shares.batch_line(self.last_batch_sources), self.loader_at_step_start or {}
+        where, state = self.shares.batch_line(self.batches.sources), self.batches.loader_at_start or {}
         if "next" in state:
             where += f", prepared global samples {state['next']}..{state['next'] + self.cfg.training.global_batch_size - 1}"
         return where
@@ -261,7 +231,7 @@ class Trainer:
                           peak_memory_gib(self.device), step_time, data_wait)
         self.metrics.log(stats)
         if self.cfg.metrics.nsa_stats:
-            inputs, labels, documents = self.last_batch  # a recall batch's labels are its answers: their gates too
+            inputs, labels, documents = self.batches.last  # a recall batch's labels are its answers: their gates too
             answers = labels != IGNORE_INDEX if self.cfg.data.source == "recall" else None
             self.metrics.log_scalars(self.state.step, nsa_stats(self.model, inputs, documents, answers))
         self.metrics.log_scalars(self.state.step, self.shares.scalars())
@@ -287,7 +257,11 @@ class Trainer:
                     loss, loss_value, norm_value = self.train_step(batches)
             except DataUnavailable as e:  # the step did not run: save the one before, with the data position then
                 self.state.step -= 1
-                self.stop_for_data(e, self.loader_at_step_start)
+                self.stop_for_data(e, self.batches.loader_at_start)
+            except SourceEnded as e:
+                self.state.step -= 1
+                self.end_of_data(e)
+                break
             self.state.tokens_seen += t.global_batch_size * t.seq_len
             if self.guard.roll_back_due and self.roll_back():
                 continue
@@ -348,6 +322,18 @@ class Trainer:
         where = f"checkpoint {saved}" if saved else "no checkpoint (nothing trained yet, or the save failed)"
         raise DataUnavailable(f"{error.reason}. Stopped after step {self.state.step} with {where}; the same command "
                               f"resumes exactly (exit code {EXIT_RETRY}: retry later)")
+
+    def end_of_data(self, ended: SourceEnded) -> None:
+        """A source with `repeat = false` is read to its end on some rank (every rank is here): the step before is
+        saved, with the data position then, unless this run trained nothing (a rerun: the source is done)."""
+        self.stop.finish_vote()
+        if self.state.step < self.first_step:
+            logger.info("data: %s. Nothing more to train after step %d: the source is done", ended.reason,
+                        self.state.step)
+            return
+        saved = self.checkpointer.save_now(self.state.step, self.batches.loader_at_start)
+        logger.info("data: %s. Stopped after step %d with %s", ended.reason, self.state.step,
+                    f"checkpoint {saved}" if saved else "nothing saved")
 
     def summary(self) -> str:
         """The run in one line: steps, wall time, final losses, the last checkpoint."""

@@ -5,6 +5,7 @@ files; and a run with them trains exactly as one without."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from nsa_titan.config import ConfigError, Model, load_config
 from nsa_titan.observe.lm_harness import score
 from nsa_titan.models.transformer import Transformer
 
-from conftest import TINY, tb_losses, torchrun
+from conftest import ROOT, TINY, tb_losses, torchrun
 from jobs import run_job
 from lm_tasks import local_tasks
 
@@ -149,3 +150,19 @@ def test_unknown_and_generation_tasks_are_refused_with_the_fix(tmp_path):
         Harness(["no_such_task"], str(tasks), 0)
     with pytest.raises(ConfigError, match=r"tasks \['nsa_titan_gen'\] generate text, .* Hugging Face export"):
         Harness(["nsa_titan_mc", "nsa_titan_gen"], str(tasks), 0)
+
+
+@pytest.mark.multiprocess
+def test_an_evaluation_that_cannot_run_stops_the_run_before_step_1(tmp_path):
+    """`m7c.toml` at seq 8,192 on the embedded corpus (its validation and loss by position on): the held-out text
+    gives no batch of 8,192 tokens, found before step 1: one line with the fix, exit 2, nothing trained or saved."""
+    proc = subprocess.run([str(ROOT / "run_train.sh"), "--config", "train_configs/m7c.toml", "--data.path",
+                           "data/python_docs", "--data.name=", "--data.tokenizer", "sentencepiece", "--data.tokenizer_path",
+                           "data/python_docs/tokenizer.model", "--training.seq_len", "8192", "--training.local_batch_size",
+                           "1", "--job.dump_folder", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "NGPU": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert re.search(r"^nsa_titan: data error: \[data\] holdout = 0.001 of .* gave no batch of seq_len 8192 on some "
+                     r"rank: hold out more", out, re.M), out[-3000:]
+    assert "step 1/" not in out and not list((tmp_path / "out").glob("checkpoint/step-*"))

@@ -40,7 +40,7 @@ from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorde
 from .hf_folder import check_initial_source, check_settings, is_hf_folder, read_hf_folder
 from .integrity import HashingWriter, verify_files
 from .model_file import check_fit, read_model_file, saved_shapes, shapes
-from .states import FixedState, ModelState, Opaque, OptimizerState, RNGState, TrainState
+from .states import DataPart, FixedState, ModelState, Opaque, OptimizerState, RNGState, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +60,23 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, *, folder: Path, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
-                 dp_rank: int, dp_world_size: int | None = None, other_owner: Callable[[], str | None] | None = None):
+                 dp_rank: int, dp_world_size: int | None = None, other_owner: Callable[[], str | None] | None = None,
+                 shares: Any = None):
         """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
         `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
         loader position is saved (the context-parallel ranks of a group share one); `other_owner`: who
-        holds the output folder if another run does (asked before each commit: nothing is committed then)."""
+        holds the output folder if another run does (asked before each commit: nothing is committed then);
+        `shares`: the run's record of what the sources fed, saved with the data position (`DataPart`)."""
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
         self.folder, self.other_owner = folder, other_owner
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_world_size = dp_world_size or self.world_size
-        self.train_state, self.dp_rank, self.dataloader = train_state, dp_rank, dataloader
+        self.train_state, self.dp_rank, self.dataloader, self.shares = train_state, dp_rank, dataloader, shares
         self.parts: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": lr_scheduler, "train_state": train_state,
-            f"dataloader.dp_rank_{dp_rank}": Opaque(dataloader), f"rng.rank_{self.rank}": Opaque(RNGState()),
+            f"dataloader.dp_rank_{dp_rank}": Opaque(DataPart(dataloader, shares)),
+            f"rng.rank_{self.rank}": Opaque(RNGState()),
         }
         # Checkpoint traffic (async writes) runs on its own gloo group: the default group may be
         # NCCL, and is busy with training collectives. None when nothing is saved or loaded.
@@ -310,7 +313,7 @@ class CheckpointManager:
             key = f"dataloader.dp_rank_{self.dp_rank}"
             loader = self.parts[key]
             if loader_state is not None:
-                self.parts[key] = Opaque(FixedState(loader_state))
+                self.parts[key] = Opaque(DataPart(FixedState(loader_state), self.shares))
             try:
                 self.maybe_save(step, force=True)
                 self.wait()

@@ -70,6 +70,24 @@ class Opaque:
         self.inner.load_state_dict(pickle.loads(state["pickle"]))
 
 
+class DataPart:
+    """A rank's data part of a checkpoint: its loader's position and, where given, the run's record of what the
+    sources fed (`observe.shares.SourceShares`, the same on every rank; loaded first, as it may refuse)."""
+
+    def __init__(self, loader: Any, shares: Any = None):
+        self.loader, self.shares = loader, shares
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.loader.state_dict(), "shares": self.shares.state_dict() if self.shares else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "position" not in state:  # saved before the shares were kept: the loader's position alone
+            state = {"position": state, "shares": None}
+        if self.shares is not None and state["shares"] is not None:
+            self.shares.load_state_dict(state["shares"])
+        self.loader.load_state_dict(state["position"])
+
+
 class FixedState:
     """A state captured earlier (the data loader's position before a step that did not run), saved as it is."""
 

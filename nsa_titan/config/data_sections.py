@@ -22,7 +22,7 @@ class Source:
     text_column: str = "text"
     """As `[data] text_column`."""
     weight: float = 1.0
-    """Its share of the documents (streamed) or windows (prepared), relative to the others' weights."""
+    """Its share of the tokens, relative to the others' weights, streamed and prepared alike."""
     label: str = ""
     """Its name in logs, metrics and a prepared folder; default: the last part of `path`."""
     min_tokens: int = 0
@@ -30,7 +30,8 @@ class Source:
     max_tokens: int = 0
     """Documents of more tokens are skipped (0: no bound)."""
     repeat: bool = True
-    """A source read to its end starts its next epoch (counted and logged); false: the run stops there."""
+    """A source read to its end starts its next epoch (counted and logged); false: the run saves the step before
+    and ends there (exit code 0), and a rerun says the source is done."""
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Data:
     sources: list[Source] = field(default_factory=list)
     """A weighted mixture (`[[data.sources]]` tables, docs/data.md); empty: the one source of `path`,
     `name`, `split` and `text_column`. Set in the TOML file, not on the command line."""
+    new_weights_on_resume: bool = False
+    """A resumed run whose `[[data.sources]]` weights differ from its checkpoint's: refused (false), or (true)
+    logged and mixed with the new weights from the data position reached, the shares counted from there."""
     prepared: str = ""
     """A folder of token shards written by `python -m nsa_titan.data.prepare` from these sources and
     tokenizer: read with random access in an order that does not depend on the ranks. Empty: stream text."""

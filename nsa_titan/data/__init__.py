@@ -1,10 +1,10 @@
 """Data: tokenizers, text sources through `datasets`, packing, and the per-rank stateful loaders."""
 
 from .batch import Sample
-from .errors import DataError, DataUnavailable
+from .errors import DataError, DataUnavailable, SourceEnded
 from .loader import build_dataloader, dead_workers, shutdown_workers
 from .tokenizer import Tokenizer, build_tokenizer
 from .validation import HeldOutSets
 
-__all__ = ["DataError", "DataUnavailable", "HeldOutSets", "Sample", "Tokenizer", "build_dataloader", "build_tokenizer",
+__all__ = ["DataError", "DataUnavailable", "HeldOutSets", "Sample", "SourceEnded", "Tokenizer", "build_dataloader", "build_tokenizer",
            "dead_workers", "shutdown_workers"]

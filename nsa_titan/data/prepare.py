@@ -5,10 +5,11 @@
 
 Every source of `[data]` (its `[[data.sources]]`, or `path`) is read in order, `[data] holdout`'s documents
 set apart in parts of their own (validation reads them, training never) and each source's length bounds
-applied, `--docs_per_part` documents a part, tokenized by
-`--processes` processes. A part is written to a temporary name and renamed when whole, so a prepare that is
-killed and run again continues after its last whole part and ends with the same files (and hashes) as an
-uninterrupted one. The manifest is written last: a folder without one is not read by training.
+applied, `--docs_per_part` documents a part, tokenized by `--processes` processes. A part is written to a
+temporary name and renamed when whole, so a prepare that is killed (or loses a process) and is run again
+continues after its last whole part and ends with the same files (and hashes) as an uninterrupted one. The
+manifest is written last: a folder without one is not read by training. `--verify` checks every part against
+the manifest's content hashes (a run checks every part's size and a sample's hashes at its start).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..config import ConfigError, Data, JobConfig, Source, data_sources, load_config, to_toml
-from ..system.cli import ArgumentParser, run_command
+from ..system.cli import ArgumentParser, report, run_command
 from .errors import DataError
 from .loader import is_held_out
-from .prepared import FORMAT, MANIFEST, PREPARED_AS, fingerprint, part_hash, token_dtype
+from .prepared import FORMAT, MANIFEST, PREPARED_AS, fingerprint, origin, part_hash, token_dtype, verify
 from .sources import document_text, open_text_stream
 from .tokenizer import Tokenizer, build_tokenizer, document_tokens
 
@@ -92,29 +95,50 @@ def _entries(folder: Path, kind: str, parts: int, dtype: str) -> list[dict[str, 
     return entries
 
 
-def prepare_source(pool: Any, processes: int, data: Data, src: Source, folder: Path, docs_per_part: int, dtype: str) -> dict[str, Any]:
-    """Write `src`'s parts into `folder` (those already whole are kept), then describe them for the manifest."""
+class WorkerLost(RuntimeError):
+    """A tokenizing process ended without its part (killed: by the kernel for memory, or by hand)."""
+
+
+def lost_worker(pool: ProcessPoolExecutor, src: Source, part: Path) -> WorkerLost:
+    """The error naming the pool's process that died (pid, exit code or signal) and the part it was writing."""
+    dead = [f"pid {p.pid} ({f'signal {-p.exitcode}' if p.exitcode < 0 else f'exit code {p.exitcode}'})"
+            for p in (getattr(pool, "_processes", None) or {}).values() if p.exitcode not in (None, 0)]
+    return WorkerLost(f"a tokenizing process ended without its part ({', '.join(dead) or 'pid unknown'}; signal 9 is "
+                      f"most often the kernel's out-of-memory killer) while '{src.label}' was written, around {part}. "
+                      f"The parts written whole are kept: run the same command again to continue (with fewer "
+                      f"--processes or --docs_per_part if memory ran out)")
+
+
+def prepare_source(pool: ProcessPoolExecutor | None, processes: int, data: Data, src: Source, folder: Path,
+                   docs_per_part: int, dtype: str) -> dict[str, Any]:
+    """Write `src`'s parts into `folder` (those already whole are kept), then describe them for the manifest.
+    A tokenizing process that dies ends it within seconds (`WorkerLost`)."""
     folder.mkdir(parents=True, exist_ok=True)
     pending: deque = deque()
     parts = {"part": 0, "holdout": 0}
-    with tqdm(desc=f"prepare {src.label}", unit=" docs", dynamic_ncols=True) as bar:
-        for kind, texts in _chunks(data, src, docs_per_part):
-            files = _part_files(folder, parts[kind], kind)
-            parts[kind] += 1
-            if not files[1].is_file():
-                args = (texts, (src.min_tokens, src.max_tokens), files, dtype)
-                pending.append(pool.apply_async(write_part, args) if pool else write_part(*args))
-            while pool and len(pending) > 2 * processes:  # bounded: the stream is read as parts are written
-                pending.popleft().get()
-            bar.update(len(texts))
-        for job in pending:
-            if pool:
-                job.get()
+    files = (folder, folder)
+    try:
+        with tqdm(desc=f"prepare {src.label}", unit=" docs", dynamic_ncols=True) as bar:
+            for kind, texts in _chunks(data, src, docs_per_part):
+                files = _part_files(folder, parts[kind], kind)
+                parts[kind] += 1
+                if not files[1].is_file():
+                    args = (texts, (src.min_tokens, src.max_tokens), files, dtype)
+                    pending.append(pool.submit(write_part, *args) if pool else write_part(*args))
+                while pool and len(pending) > 2 * processes:  # bounded: the stream is read as parts are written
+                    pending.popleft().result()
+                bar.update(len(texts))
+            for job in pending:
+                if pool:
+                    job.result()
+    except BrokenProcessPool:
+        raise lost_worker(pool, src, files[0]) from None
     entries, held = (_entries(folder, kind, parts[kind], dtype) for kind in ("part", "holdout"))
     if not entries:
         raise DataError(f"[[data.sources]] '{src.label}': no document passes min_tokens = {src.min_tokens}, max_tokens "
                         f"= {src.max_tokens or 'any'}: widen the bounds")
-    return {"source": {k: getattr(src, k) for k in PREPARED_AS}, "parts": entries, "holdout": held,
+    return {"source": {"origin": origin(src.path), **{k: getattr(src, k) for k in PREPARED_AS[1:]}},
+            "parts": entries, "holdout": held,
             "tokens": sum(e["tokens"] for e in entries), "documents": sum(e["documents"] for e in entries),
             "holdout_tokens": sum(e["tokens"] for e in held)}
 
@@ -133,15 +157,17 @@ def prepare(cfg: JobConfig, output: Path, processes: int, docs_per_part: int) ->
                         f"--docs_per_part; {output / SETTINGS}): prepare into a new folder, or remove that one")
     (output / SETTINGS).write_text(json.dumps(settings, indent=1))
     (output / MANIFEST).unlink(missing_ok=True)
-    pool = multiprocessing.get_context("spawn").Pool(processes, _load_tokenizer, (data.tokenizer, data.tokenizer_path)) \
-        if processes > 1 else None
+    pool = ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"), _load_tokenizer,
+                               (data.tokenizer, data.tokenizer_path)) if processes > 1 else None
     _load_tokenizer(data.tokenizer, data.tokenizer_path)
     try:
         sources = {s.label: prepare_source(pool, processes, data, s, output / s.label, docs_per_part, settings["dtype"])
                    for s in data.sources}
     finally:
         if pool:
-            pool.terminate()
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()  # not waited on: a part half written is rewritten by the next run
+            pool.shutdown(wait=False, cancel_futures=True)
     manifest = {**settings, "sources": sources, "config": to_toml(cfg)}
     (tmp := output / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, output / MANIFEST)
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="", help="the prepared folder (default: the config's [data] prepared)")
     parser.add_argument("--processes", type=int, default=1, help="tokenizing processes")
     parser.add_argument("--docs_per_part", type=int, default=4096, help="documents a part (the unit of resuming)")
+    parser.add_argument("--verify", action="store_true", help="check every part of the prepared folder against its "
+                        "manifest's content hashes (a run checks sizes and a sample at its start), then exit")
     args, overrides = parser.parse_known_args(argv)
     if args.processes < 1 or args.docs_per_part < 1:
         parser.error("--processes and --docs_per_part must be >= 1")
@@ -162,7 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg, _ = load_config(overrides)
         if not (output := args.output or cfg.data.prepared):
             raise ConfigError("no folder to prepare into: pass --output DIR (or set [data] prepared)")
-        manifest = prepare(cfg, Path(output), args.processes, args.docs_per_part)
+        if args.verify:
+            print(f"{output}: all {verify(Path(output)):,} parts match {MANIFEST}")
+            return 0
+        try:
+            manifest = prepare(cfg, Path(output), args.processes, args.docs_per_part)
+        except WorkerLost as e:
+            report(f"nsa_titan.data.prepare: {e}")
+            return 1
         for label, s in manifest["sources"].items():
             held = f"; held out for validation: {s['holdout_tokens']:,} tokens" if s["holdout"] else ""
             print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} "

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import cached_property
+import random
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,10 @@ import torch
 import xxhash
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ..config import Data, Source, data_sources
+from ..config import URL, Data, Source, data_sources
 from ..system.hashing import file_hash
 from .batch import Sample, eos_documents
-from .errors import DataError
+from .errors import DataError, SourceEnded, source_ended
 from .synthetic import IndexedSamples
 from .tokenizer import Tokenizer
 
@@ -36,10 +37,16 @@ FORMAT = 2
 """2: each source's `[data] holdout` documents in parts of their own (`holdout-NNNNN.bin`), read by validation."""
 MANIFEST = "manifest.json"
 MIX_BLOCK = 4096
-"""Global samples per mixture block: each block holds every source's share (largest remainder), in an order
-drawn from the seed and the block's index."""
+"""Global samples per mixture block: each block holds every source's share (largest remainder), dealt out in
+one order (`Mixture`)."""
 PREPARED_AS = ("path", "name", "split", "text_column", "min_tokens", "max_tokens")
-"""A source's settings that decide its prepared tokens: a run's must equal the manifest's."""
+"""A source's settings that decide its prepared tokens: a run's must equal the manifest's, but for `path` (the
+folder may move, and train without its raw text), which the manifest holds as `origin`."""
+OPEN_MAPS = 16
+"""Parts of a source memory-mapped at once (`PreparedSource`): open files stay bounded however many parts."""
+CHECKED_PARTS = 4
+"""Parts of each source whose content hash a run checks at its start (first, last and a random two), beside
+every part's size; `python -m nsa_titan.data.prepare --verify` checks them all."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -76,25 +83,33 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 class PreparedSource:
-    """One source's parts (its training or its held-out documents), memory-mapped on first use."""
+    """One source's parts (its training or its held-out documents), memory-mapped as they are read: at most
+    OPEN_MAPS at once (each map holds a file descriptor), the least recently read closed first."""
 
     def __init__(self, folder: Path, label: str, parts: list[dict[str, Any]], dtype: np.dtype):
         self.label, self.dtype = label, dtype
         self.files = [folder / label / p["file"] for p in parts]
         self.ends = np.cumsum([p["tokens"] for p in parts])  # each part's end in the source's tokens
         self.tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self.maps: OrderedDict[int, np.memmap] = OrderedDict()
 
-    @cached_property
-    def maps(self) -> list[np.memmap]:
-        return [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
+    def part(self, p: int) -> np.memmap:
+        """Part p, mapped (kept among the OPEN_MAPS most recently read)."""
+        if p in self.maps:
+            self.maps.move_to_end(p)
+        else:
+            if len(self.maps) >= OPEN_MAPS:
+                self.maps.popitem(last=False)  # unmapped, and its file closed, as its last reference goes
+            self.maps[p] = np.memmap(self.files[p], dtype=self.dtype, mode="r")
+        return self.maps[p]
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the source, across parts."""
+        """Tokens [start, start + n) of the source, across parts (a copy: no map is referenced after)."""
         out, at = [], start
         while at < start + n:
             p = int(np.searchsorted(self.ends, at, side="right"))
             begin = at - (int(self.ends[p - 1]) if p else 0)
-            piece = self.maps[p][begin:begin + start + n - at]
+            piece = self.part(p)[begin:begin + start + n - at]
             out.append(piece)
             at += len(piece)
         return np.concatenate(out)
@@ -119,48 +134,78 @@ def open_prepared(data: Data, tokenizer: Tokenizer, held_out: bool = False) -> l
         if entry is None:
             raise DataError(f"[[data.sources]] '{src.label}' is not in [data] prepared = '{folder}' (it holds "
                             f"{sorted(manifest['sources'])}): prepare it (rerun prepare with this config)")
-        differ = [k for k in PREPARED_AS if entry["source"][k] != getattr(src, k)]
+        differ = [k for k in PREPARED_AS[1:] if entry["source"][k] != getattr(src, k)]
         if differ:
             raise DataError(f"[[data.sources]] '{src.label}': {', '.join(f'{k} = {getattr(src, k)!r}' for k in differ)}"
                             f", but '{folder}' prepared it with {', '.join(repr(entry['source'][k]) for k in differ)}: "
                             f"prepare again, into a new folder")
+        if (was := entry["source"].get("origin")) and was != origin(src.path) and not held_out:
+            logger.info("data: '%s' was prepared from '%s' (this config names '%s'): its prepared tokens are read",
+                        src.label, was, src.path)
         parts = entry["holdout" if held_out else "parts"]
-        for part in parts:
-            file = folder / src.label / part["file"]
-            size = file.stat().st_size if file.is_file() else None
-            if size != part["tokens"] * np.dtype(manifest["dtype"]).itemsize or part_hash(file) != part["xxh3"]:
-                raise DataError(f"[data] prepared: {file} is {'missing' if size is None else 'truncated or altered'} "
-                                f"(its size or content hash differs from {folder / MANIFEST}): prepare again")
+        check_parts(folder, src.label, parts, np.dtype(manifest["dtype"]), CHECKED_PARTS)
         out.append(PreparedSource(folder, src.label, parts, np.dtype(manifest["dtype"])))
     return out
 
 
-class Mixture:
-    """Global sample i -> (source, its k-th sample). Each block of MIX_BLOCK samples holds each source's share
-    of the weights (largest remainder), in an order drawn from (seed, block): realized shares are the weights'
-    to within one sample a block, and any i is found without reading what came before."""
+def origin(path: str) -> str:
+    """A source's path as a manifest names it: a local file or folder by its last part (the prepared folder may
+    move to another machine), a URL or hub id as it is."""
+    return path if URL.match(path) or not Path(path).is_absolute() else Path(path).name
 
-    def __init__(self, weights: list[float], seed: int):
+
+def check_parts(folder: Path, label: str, parts: list[dict[str, Any]], dtype: np.dtype, hashed: int = 0) -> None:
+    """Every part's size against the manifest, and the content hash of `hashed` of them (first, last and random
+    others; 0: all): a DataError names a part missing, truncated or altered."""
+    chosen = range(len(parts))
+    if hashed and len(parts) > hashed:
+        chosen = {0, len(parts) - 1, *random.sample(range(1, len(parts) - 1), min(hashed - 2, len(parts) - 2))}
+    for k, part in enumerate(parts):
+        file = folder / label / part["file"]
+        size = file.stat().st_size if file.is_file() else None
+        if size != part["tokens"] * dtype.itemsize or (k in chosen and part_hash(file) != part["xxh3"]):
+            raise DataError(f"[data] prepared: {file} is {'missing' if size is None else 'truncated or altered'} "
+                            f"(its size or content hash differs from {folder / MANIFEST}): prepare again")
+
+
+def verify(folder: Path) -> int:
+    """Check every part of a prepared folder, its held-out ones too, against the manifest's sizes and content
+    hashes; the number of parts checked."""
+    manifest = read_manifest(folder)
+    for label, entry in manifest["sources"].items():
+        check_parts(folder, label, entry["parts"] + entry["holdout"], np.dtype(manifest["dtype"]))
+    return sum(len(e["parts"]) + len(e["holdout"]) for e in manifest["sources"].values())
+
+
+class Mixture:
+    """Global sample i -> (source, its k-th sample). Each block of MIX_BLOCK samples holds each source's share of
+    the weights (largest remainder), dealt out in one order (smooth weighted round robin): every window is
+    seq_len + 1 tokens of one source, so a weight is a share of tokens, and in any run of samples each source
+    has its share to within two samples. Any i is found without reading what came before."""
+
+    def __init__(self, weights: list[float]):
         share = np.asarray(weights, dtype=np.float64) / sum(weights) * MIX_BLOCK
         counts = np.floor(share).astype(np.int64)
         counts[np.argsort(counts - share, kind="stable")[:MIX_BLOCK - counts.sum()]] += 1
-        self.counts, self.seed = counts, seed
-        self.block: tuple[int, np.ndarray, np.ndarray] | None = None  # (index, order, rank of each slot)
+        self.counts = counts
+        self.order, current = np.empty(MIX_BLOCK, dtype=np.int64), np.zeros(len(counts), dtype=np.int64)
+        for r in range(MIX_BLOCK):
+            current += counts
+            self.order[r] = s = int(np.argmax(current))
+            current[s] -= MIX_BLOCK
+        self.rank = np.empty_like(self.order)  # each slot's count among its source's slots before it
+        for s in range(len(counts)):
+            self.rank[self.order == s] = np.arange(int(counts[s]))
 
     def locate(self, i: int) -> tuple[int, int]:
-        if len(self.counts) == 1:
-            return 0, i
         b, r = divmod(i, MIX_BLOCK)
-        if self.block is None or self.block[0] != b:
-            rng = np.random.default_rng([self.seed, 0x6D6978, b])
-            order = rng.permutation(np.repeat(np.arange(len(self.counts)), self.counts))
-            rank = np.empty_like(order)
-            for s in range(len(self.counts)):
-                where = order == s
-                rank[where] = np.arange(int(where.sum()))
-            self.block = (b, order, rank)
-        s = int(self.block[1][r])
-        return s, b * int(self.counts[s]) + int(self.block[2][r])
+        s = int(self.order[r])
+        return s, b * int(self.counts[s]) + int(self.rank[r])
+
+    def taken(self, i: int) -> np.ndarray:
+        """Each source's samples among global samples [0, i)."""
+        b, r = divmod(i, MIX_BLOCK)
+        return b * self.counts + np.bincount(self.order[:r], minlength=len(self.counts))
 
 
 class PreparedWindows(IndexedSamples):
@@ -176,15 +221,18 @@ class PreparedWindows(IndexedSamples):
             if n == 0:
                 raise DataError(f"[[data.sources]] '{src.label}': its prepared tokens do not fill one window of "
                                 f"seq_len + 1 = {seq_len + 1} tokens")
-        self.mixture = Mixture([s.weight for s in config], seed)
+        self.weights = [s.weight for s in config]
+        self.mixture = Mixture(self.weights)
         self.start = 0
+        # Weights changed at a resume (`reweight`): the mixture starts at global sample `origin`, after each
+        # source's `before` samples.
+        self.origin, self.before = 0, [0] * len(config)
         self.orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) -> its window order
 
     def order(self, s: int, epoch: int) -> np.ndarray:
         if (s, epoch) not in self.orders:
             if epoch and not self.config[s].repeat:
-                raise DataError(f"[[data.sources]] '{self.config[s].label}' is read to its end and repeat = false: "
-                                f"the run stops here (set repeat = true to read it again, reshuffled)")
+                raise SourceEnded(source_ended(self.config[s].label))
             if epoch:
                 logger.info("data: source '%s' starts its epoch %d", self.config[s].label, epoch + 1)
             self.orders = {k: v for k, v in self.orders.items() if k[0] != s}  # one epoch a source held
@@ -192,18 +240,28 @@ class PreparedWindows(IndexedSamples):
         return self.orders[s, epoch]
 
     def sample(self, k: int) -> Sample:
-        s, j = self.mixture.locate(self.start + k)
+        s, j = self.mixture.locate(self.start + k - self.origin)
+        j += self.before[s]
         epoch, at = divmod(j, self.windows[s])
         n = self.seq_len + 1
         window = torch.from_numpy(self.sources[s].read(int(self.order(s, epoch)[at]) * n, n).astype(np.int64))
         return Sample(window[:-1], window[1:], eos_documents(window[:-1], self.eos_id), torch.full((n - 1,), s))
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "start": self.start}
+        return {**super().state_dict(), "start": self.start, "weights": self.weights, "origin": self.origin,
+                "before": list(self.before)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.start = state["start"]
+        self.origin, self.before = state.get("origin", 0), list(state.get("before", self.before))
+
+    def reweight(self, saved: dict[str, Any], at: int) -> None:
+        """Go on at global sample `at` with this run's weights, after the samples of each source that the saved
+        state's weights had taken by then."""
+        taken = Mixture(saved["weights"]).taken(at - saved.get("origin", 0))
+        self.before = [int(b + t) for b, t in zip(saved.get("before", [0] * len(taken)), taken)]
+        self.start = self.origin = at
 
 
 class PreparedLoader(StatefulDataLoader):
@@ -225,6 +283,14 @@ class PreparedLoader(StatefulDataLoader):
         return {"loader": loader, "start": self.dataset.start, "next": self.next_sample(), "layout": self.layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["loader"].get("dataset_state") or {}
+        if saved.get("weights", self.dataset.weights) != self.dataset.weights:  # accepted by `SourceShares`
+            logger.info("data: new weights %s (were %s): the prepared samples continue at global sample %d",
+                        self.dataset.weights, saved["weights"], state["next"])
+            self.dataset.reweight(saved, state["next"])
+            super().load_state_dict({})
+            return
+        self.dataset.origin, self.dataset.before = saved.get("origin", 0), list(saved.get("before", self.dataset.before))
         if state["layout"] == self.layout():
             self.dataset.start = state["start"]
             super().load_state_dict(state["loader"])

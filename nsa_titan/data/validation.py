@@ -5,7 +5,7 @@ once a run, so that every validation scores the same tokens without reading the 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -57,15 +57,17 @@ class HeldOutSets:
         self.prepared = bool(data.prepared and data.holdout)  # the holdout parts prepare wrote
         self.read: list[list[Sample]] | None = None
 
+    def loaders(self) -> list[Iterable[Sample]]:
+        """Each set's batches on this rank, read as they are iterated."""
+        if self.prepared:
+            sources = open_prepared(self.data, self.tokenizer, held_out=True)
+            return [prepared_batches(s, self.shape[0], self.tokenizer.eos_id, *self.shape[1:]) for s in sources]
+        return [streamed_batches(self.data, s, self.tokenizer, *self.shape) for s in self.sets]
+
     def batches(self) -> list[list[Sample]]:
         """Each set's batches on this rank (up to `[validation] steps`), read on the first call and kept."""
         if self.read is None:
-            if self.prepared:
-                sources = open_prepared(self.data, self.tokenizer, held_out=True)
-                loaders = [prepared_batches(s, self.shape[0], self.tokenizer.eos_id, *self.shape[1:]) for s in sources]
-            else:
-                loaders = [streamed_batches(self.data, s, self.tokenizer, *self.shape) for s in self.sets]
-            self.read = [list(itertools.islice(loader, self.steps)) for loader in loaders]
+            self.read = [list(itertools.islice(loader, self.steps)) for loader in self.loaders()]
         return self.read
 
     def describe(self, i: int) -> str:

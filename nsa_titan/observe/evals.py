@@ -103,9 +103,10 @@ class InRunEvals:
         self.dp_rank, self.dp_world = dp_rank, dp_world
         t = cfg.training
         self.bucket = self.e.bucket or max(1, t.seq_len // 8)
-        self.positions = HeldOutSets(dataclasses.replace(cfg.data, sources=[], prepared=""),
-                                     dataclasses.replace(cfg.validation, steps=self.e.position_batches), tokenizer,
-                                     t.seq_len, t.local_batch_size, dp_rank, dp_world) if self.e.position_batches else None
+        # The run's own held-out text, as validation reads it: a mixture's every source, a prepared run's parts.
+        self.positions = HeldOutSets(cfg.data, dataclasses.replace(cfg.validation, steps=self.e.position_batches),
+                                     tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_world) \
+            if self.e.enable and self.e.position_batches else None
         self.harness = None
         if self.e.lm_eval_tasks:
             from .lm_harness import Harness
@@ -145,15 +146,18 @@ class InRunEvals:
         return scalars
 
     def by_position(self, model: torch.nn.Module) -> dict[str, float]:
-        """The loss of the held-out batches by position bucket, over every rank's tokens."""
-        (batches,), (count,) = agreed_batches(self.positions, self.device, "[eval] position")
+        """The loss of the held-out batches (of every set: a mixture's sources) by position bucket, over every
+        rank's tokens."""
+        sets, counts = agreed_batches(self.positions, self.device, "[eval] position")
         T = self.cfg.training.seq_len
         n = -(-T // self.bucket)
         sums = torch.zeros(2, n, dtype=torch.float64)
         masking = self.cfg.training.document_masking
-        for inputs, labels, document_ids, _ in batches[:count]:
-            documents = document_ids if masking else None
-            sums += position_sums(model, model(inputs.to(self.device), documents), labels, documents, self.bucket, n)
+        for batches, count in zip(sets, counts):
+            for inputs, labels, document_ids, _ in batches[:count]:
+                documents = document_ids if masking else None
+                sums += position_sums(model, model(inputs.to(self.device), documents), labels, documents, self.bucket,
+                                      n)
         sums = sums.to(self.device)
         dist.all_reduce(sums)
         loss, tokens = sums.cpu()

@@ -17,6 +17,7 @@ import torch
 from ..config import DTYPES, JobConfig, Metrics, data_sources
 from ..system import hostcpu
 from ..system.env import allocator_setup
+from .shares import SourceShares
 from .validate import ValidationLoss
 from .wandb_run import WandbRun
 
@@ -189,49 +190,12 @@ class MetricsLogger:
         self.wandb.close()
 
 
-class SourceShares:
-    """The tokens and documents (counted by their <eos>) this rank was fed from each source of a mixture."""
-
-    def __init__(self, labels: list[str], eos_id: int):
-        self.labels, self.eos_id = labels, eos_id
-        self.counts = torch.zeros(2, len(labels), dtype=torch.long)  # tokens, documents
-
-    def add(self, inputs: torch.Tensor, sources: torch.Tensor) -> None:
-        n = len(self.labels)
-        self.counts[0] += torch.bincount(sources.flatten(), minlength=n)
-        self.counts[1] += torch.bincount(sources[inputs == self.eos_id], minlength=n)
-
-    def shares(self) -> torch.Tensor:
-        """(2, sources): each source's share of the tokens and of the documents so far."""
-        return self.counts / self.counts.sum(1, keepdim=True).clamp(min=1)
-
-    def scalars(self) -> dict[str, float]:
-        """TensorBoard's `data/share_tokens/<label>` and `data/share_documents/<label>` (none for one source)."""
-        if len(self.labels) < 2:
-            return {}
-        share = self.shares()
-        return {f"data/share_{what}/{label}": float(share[i, s]) for i, what in enumerate(("tokens", "documents"))
-                for s, label in enumerate(self.labels)}
-
-    def batch_line(self, sources: list[torch.Tensor]) -> str:
-        """`, tokens from web 60%, code 40%`: the sources of one step's micro-batches, by token share."""
-        counts = torch.bincount(torch.cat([s.flatten() for s in sources]), minlength=len(self.labels))
-        share = counts / counts.sum().clamp(min=1)
-        return ", tokens from " + ", ".join(f"{label} {share[s]:.0%}" for s, label in enumerate(self.labels) if share[s])
-
-    def line(self) -> str:
-        """`shares (rank 0, tokens / documents): web 70.1% / 69.8%, ...`"""
-        share = self.shares()
-        return "shares (tokens / documents): " + ", ".join(
-            f"{label} {share[0, s]:.1%} / {share[1, s]:.1%}" for s, label in enumerate(self.labels))
-
-
 def run_summary(step: int, steps: int, steps_in_run: int, wall_s: float, stopped_by: str | None,
                 history: list[StepStats], validation: tuple[int, float] | None, saved: Path | None,
                 resumed_from: Path | None, failure: tuple[int, str] | None, shares: SourceShares | None = None,
                 spikes: tuple[int, int] = (0, 0)) -> str:
     """A run in one line: the step reached (or the signal that stopped it), this run's steps and wall time,
-    the final training and validation losses, loss spikes, a mixture's realized shares (this rank's), the last checkpoint
+    the final training and validation losses, loss spikes, a mixture's realized shares (the run's), the last checkpoint
     it committed (and a failed last save)."""
     how = f"stopped by {stopped_by} at" if stopped_by else "reached"
     parts = [f"run summary: {how} step {step} of {steps} ({steps_in_run} steps in this run, "
