@@ -74,7 +74,7 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
              by_position: bool = False, bucket: int = 0) -> dict[str, Any]:
     """{'loss', 'perplexity', 'bits_per_byte', 'batches', 'tokens'} over up to `batches` batches (0: all)
     per data-parallel rank of `seq_len` tokens (0: the training length); `by_position` adds
-    'by_position': {(first, end): (loss, tokens)} of the tokens predicted at positions [first, end),
+    'by_position': {(first, end): (loss or None, tokens)} of the tokens predicted at positions [first, end),
     `bucket` wide (0: seq_len / 8; positions from `token_positions`). With `context_parallel` = cp > 1
     (under torchrun) each sequence is split across cp ranks as in training, and the other ranks are
     data-parallel."""
@@ -116,8 +116,8 @@ def evaluate(checkpoint: str, split: str = "validation", batches: int = 0, confi
                               "bits_per_byte": loss * float(totals[2]) / float(totals[3]) / math.log(2),
                               "batches": round(float(totals[1])) // dp_world, "tokens": round(float(totals[2]))}
     if by_position:
-        result["by_position"] = {(i * bucket, min(T, (i + 1) * bucket)): (float(s / max(n, 1)), int(n))
-                                 for i, (s, n) in enumerate(buckets.T.tolist())}
+        result["by_position"] = {(i * bucket, min(T, (i + 1) * bucket)): (float(s / n) if n else None, int(n))
+                                 for i, (s, n) in enumerate(buckets.T.tolist())}  # None: no token there
     return result
 
 
@@ -203,10 +203,11 @@ def recall_table(results: dict[str, dict[int, tuple[int, int]]]) -> str:
     return "\n".join(lines)
 
 
-def position_table(by_position: dict[tuple[int, int], tuple[float, int]]) -> str:
-    """Markdown: a row per position bucket, its loss and tokens."""
+def position_table(by_position: dict[tuple[int, int], tuple[float | None, int]]) -> str:
+    """Markdown: a row per position bucket, its loss (- where it holds no token) and tokens."""
     lines = ["| positions | loss | tokens |", "|---|---|---|"]
-    lines += [f"| {a:,}-{b:,} | {loss:.4f} | {n:,} |" for (a, b), (loss, n) in by_position.items()]
+    lines += [f"| {a:,}-{b:,} | {'-' if loss is None else f'{loss:.4f}'} | {n:,} |"
+              for (a, b), (loss, n) in by_position.items()]
     return "\n".join(lines)
 
 
@@ -276,10 +277,12 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     if args.task == "lm_eval":
         model, tokenizer, cfg = load_at(args.checkpoint, args.config, overrides, args.seq_len)
-        scores = Harness(args.tasks, args.include_path, args.limit).run(  # in batches of the run's local size
+        harness = Harness(args.tasks, args.include_path, args.limit)
+        scores = harness.run(  # in batches of the run's local size
             model, tokenizer, cfg.training.seq_len, tokenizer.eos_id if cfg.training.document_masking else None,
             torch.device("cpu"), cfg.training.local_batch_size)
         print("\n".join(f"{name}: {value:.4f}" for name, value in scores.items()))
+        print(f"lm_eval requests: {harness.scored[0]}")
         return 0
     if args.task == "recall":
         model, _, cfg = load_at(args.checkpoint, args.config, overrides, args.seq_len)

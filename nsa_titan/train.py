@@ -100,6 +100,15 @@ class Trainer:
             self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
             self.cfg = cfg = derive(cfg, self.world_size, self.tokenizer.vocab_size)
             log_setup(cfg, self.tokenizer.vocab_size, self.device, self.paths.root)
+            # Held-out text read first (and kept): text that gives no batch stops the run in seconds. The
+            # context-parallel ranks of a data-parallel group read the same batches.
+            self.dp_rank, self.dp_world_size = data_parallel_rank(self.mesh)
+            self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
+                                        self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
+            self.evals = InRunEvals(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world_size)
+            for sets, what in ((self.held_out, "validation"), (self.evals.positions, "[eval] position")):
+                if sets is not None:
+                    agreed_batches(sets, self.device, what)
 
             # Model: its kernels checked here ([model] verify_kernels); built on meta, wrapped, materialised, initialised.
             family = checked_kernels(cfg, self.device, *kernel_fault(cfg.debug)) if m.attention == "nsa" else None
@@ -120,8 +129,6 @@ class Trainer:
             self.optimizer = build_optimizer(model, cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
             self.grad_accum_steps = grad_accum_steps(cfg)
-            # The context-parallel ranks of a data-parallel group read the same batches.
-            self.dp_rank, self.dp_world_size = data_parallel_rank(self.mesh)
             self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
                                                t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
@@ -132,12 +139,6 @@ class Trainer:
                                        t.document_masking, self.rank, self.shares, self.throughput.data_wait)
             self.documents = self.batches.documents
             self.guard = UpdateGuard(cfg.fault, self.rank, self.world_size)
-            self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
-                                        self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
-            self.evals = InRunEvals(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world_size)
-            for sets, what in ((self.held_out, "validation"), (self.evals.positions, "[eval] position")):
-                if sets is not None:  # read now, and kept: held-out text that gives no batch stops the run here
-                    agreed_batches(sets, self.device, what)
 
             # Checkpoint: resume everything (model, optimizer, schedule, data, RNG, step) if there is one.
             self.state = TrainState(dp_world_size=self.dp_world_size)
@@ -145,7 +146,8 @@ class Trainer:
                 cfg.checkpoint, folder=self.paths.checkpoints, config_toml=to_toml(cfg), model=model,
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
-                other_owner=lambda: other_holder(self.paths.root, job_key()), shares=self.shares)
+                other_owner=lambda: other_holder(self.paths.root, job_key()),
+                records={"shares": self.shares, **({"spikes": self.guard.spikes} if self.guard.spikes else {})})
             install_faults(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                            dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
                            world_size=self.world_size, current_step=lambda: self.state.step,
@@ -155,7 +157,7 @@ class Trainer:
             if restart := restart_line(resumed, self.state.step):
                 logger.info("%s", restart)
             self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps, self.paths.root,
-                                         dataclasses.asdict(cfg))
+                                         dataclasses.asdict(cfg), self.state.step)
             if self.rank == 0:
                 self.paths.config.write_text(self.checkpointer.config_toml)
             logger.info("training %d steps%s: global batch %d = %d data-parallel ranks x %d local x %d accumulation, "
@@ -206,13 +208,15 @@ class Trainer:
         return loss, loss_value, norm_value
 
     def roll_back(self) -> bool:
-        """Spikes enough for `[fault] spikes = "rollback"`: the newest checkpoint's state, the data going on from
-        here. Whether there was one to roll back to."""
+        """Spikes enough for `[fault] spikes = "rollback"`: the state of the newest checkpoint before the first of
+        them, its spike estimate too, the data going on from here. Whether there was one to roll back to."""
         why, self.guard.roll_back_due = self.guard.roll_back_due, ""
-        target = self.checkpointer.roll_back()
+        target = self.checkpointer.roll_back(self.guard.roll_back_before, {"spikes": self.guard.spikes})
+        if target is not None:
+            self.metrics.wandb.rewind(self.state.step)
         self.throughput.start(self.state.step)
         logger.warning("%s: %s", why, f"rolled back to {target}; training goes on from step {self.state.step} "
-                       f"with the next batches" if target else "no checkpoint to roll back to yet: going on")
+                       f"with the next batches" if target else "no checkpoint before it to roll back to: going on")
         return target is not None
 
     def batch_line(self) -> str:

@@ -63,8 +63,10 @@ def same(logged: float, printed: str, scale: float = 1.0) -> bool:
     return abs(logged * scale - float(printed)) <= 0.5 * 10 ** -decimals + 1e-7 * abs(float(printed))
 
 
-def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int) -> None:
-    """Step 10's evaluations in TensorBoard against `evaluate` on checkpoint step-10, value by printed value."""
+def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int, out: str) -> None:
+    """Step 10's evaluations in TensorBoard against `evaluate` on checkpoint step-10, value by printed value; the
+    lm-eval requests shared out among the 2 / cp data-parallel ranks (`out`: the run's output), each scoring its
+    half (the harness pads the shorter share to equal counts)."""
     got, ckpt = scalars(tb, "eval/", STEPS), str(dump / "checkpoint" / f"step-{STEPS}")
     by_position = evaluate(ckpt, "--by_position", "--bucket", "32", "--batches", "2", "--context_parallel", str(cp),
                            nproc=2)
@@ -83,14 +85,21 @@ def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int) -> None:
                             "nsa_titan_ppl/bits_per_byte"}
     for name, value in printed.items():
         assert same(got[f"lm_eval/{name}"], value), (name, value, got)
+    total, ranks = int(re.search(r"^lm_eval requests: (\d+)$", harness, re.M).group(1)), 2 // cp
+    shares = re.findall(rf"eval at step {STEPS}: .* \| lm_eval requests a rank ([\d /]+) \|", out)
+    counts = [int(n) for n in shares[-1].split(" / ")] if shares else []
+    # The harness shares out documents (a multiple-choice one is a request a choice), then pads to equal counts.
+    assert len(counts) == ranks and len(set(counts)) == 1 and total <= sum(counts) and \
+        (ranks == 1 or counts[0] <= 0.65 * total), (shares, total)
     assert 0 < got["share_of_run"] < 1 and got["seconds"] > 0
 
 
 @pytest.mark.multiprocess
 def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unchanged(tmp_path):
     """run_train.sh at 2 ranks (the default config's loader workers and async saves): evaluations at steps 5 and
-    10, each line on the console; step 10's equal `evaluate`'s on step-10; the training losses equal those of
-    the same run without evaluations (the evaluations change no random state, model or data position)."""
+    10, each line on the console; step 10's equal `evaluate`'s on step-10 (one process), each rank having scored
+    about half the lm-eval requests; the training losses equal those of the same run without evaluations (the
+    evaluations change no random state, model or data position)."""
     tasks = local_tasks(tmp_path / "tasks")
     args = ["--training.steps", str(STEPS), "--checkpoint.interval", "5"]
     out = run_job(tmp_path / "eval", *args, *EVAL, "--eval.lm_eval_include_path", str(tasks), nproc=2)
@@ -99,7 +108,7 @@ def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unc
     assert lines == ["5", "10"], out[-3000:]
     run_job(tmp_path / "plain", *args, nproc=2)
     assert tb_losses(tmp_path / "eval" / "tb") == tb_losses(tmp_path / "plain" / "tb")
-    assert_equals_evaluate(tmp_path / "eval", tmp_path / "eval" / "tb", tasks, cp=1)
+    assert_equals_evaluate(tmp_path / "eval", tmp_path / "eval" / "tb", tasks, cp=1, out=out)
 
 
 @pytest.mark.multiprocess
@@ -110,7 +119,7 @@ def test_with_context_parallelism_2_the_evaluations_equal_evaluate(tmp_path):
     proc = torchrun(["-m", "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(tasks),
                      "--job.dump_folder", str(dump)], nproc=2)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert_equals_evaluate(dump, dump / "tb", tasks, cp=2)
+    assert_equals_evaluate(dump, dump / "tb", tasks, cp=2, out=proc.stdout + proc.stderr)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -166,3 +175,48 @@ def test_an_evaluation_that_cannot_run_stops_the_run_before_step_1(tmp_path):
     assert re.search(r"^nsa_titan: data error: \[data\] holdout = 0.001 of .* gave no batch of seq_len 8192 on some "
                      r"rank: hold out more", out, re.M), out[-3000:]
     assert "step 1/" not in out and not list((tmp_path / "out").glob("checkpoint/step-*"))
+
+
+@pytest.mark.multiprocess
+def test_empty_position_buckets_are_not_logged_and_warned_once(tmp_path):
+    """Held-out documents of ~40 tokens under document masking (2 ranks, loader workers, async saves): buckets
+    past them hold no token. Their loss is neither logged nor shown (a 0 would read as perfect), every bucket's
+    token count is logged, and one warning line names them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import tb_run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (corpus := tmp_path / "short").mkdir()
+    for split in ("train", "validation"):
+        for k in range(4):
+            docs = [f"{split} {k}/{i}: " + "ab" * (15 + i % 5) for i in range(200)]
+            pq.write_table(pa.table({"text": docs}), corpus / f"{split}-{k:05d}-of-00004.parquet")
+    out = run_job(tmp_path / "out", "--data.path", str(corpus), "--data.tokenizer", "byte", "--training.steps", "10",
+                  "--eval.enable", "true", "--eval.freq", "5", "--eval.bucket", "32", "--eval.position_batches", "2",
+                  nproc=2)
+    lines = re.findall(r"eval at step \d+: (.*)", out)
+    assert len(lines) == 2 and all("0-32" in line and "32-64" in line and "64-96" not in line for line in lines), out
+    assert len(re.findall(r"WARNING eval: the held-out text of the loss by position has no token at positions "
+                          r"64-96, 96-128", out)) == 1, out[-3000:]
+    events = EventAccumulator(tb_run(tmp_path / "out" / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/loss_by_position/0-32", "eval/loss_by_position/32-64"} <= tags
+    assert not {"eval/loss_by_position/64-96", "eval/loss_by_position/96-128"} & tags
+    tokens = {b: events.Scalars(f"eval/tokens_by_position/{b}")[-1].value for b in ("0-32", "32-64", "64-96", "96-128")}
+    assert tokens["0-32"] > tokens["32-64"] > 0 and tokens["64-96"] == tokens["96-128"] == 0, tokens
+
+
+def test_the_adapt_config_measures_positions_on_its_long_documents():
+    """m7c_32k_adapt.toml's loss by position reads each source's held-out documents, its long-document source's
+    (8,192 tokens or more) among them: the text whose positions reach into the 32k buckets the measure is for."""
+    from nsa_titan.data.tokenizer import ByteTokenizer
+    from nsa_titan.observe.evals import InRunEvals
+
+    cfg, _ = load_config(["--config", str(ROOT / "train_configs" / "m7c_32k_adapt.toml")], world_size=8)
+    evals = InRunEvals(cfg, ByteTokenizer(), torch.device("cpu"), 0, 4)
+    sets = {s.label: s for s in evals.positions.sets}
+    assert set(sets) == {"fineweb-edu", "fineweb-edu-long"} and sets["fineweb-edu-long"].min_tokens == 8192
+    assert cfg.data.holdout > 0 and evals.positions.steps == cfg.eval.position_batches and evals.bucket == 4096

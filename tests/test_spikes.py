@@ -5,6 +5,7 @@ Exact resume with spike detection on is every resume test's (`warn` is the defau
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from nsa_titan.checkpoint.folders import verify
 from nsa_titan.config import Fault
 from nsa_titan.runtime.guard import SpikeDetector, UpdateGuard
 
-from jobs import assert_states_equal, run_job
+from jobs import Job, assert_states_equal, run_job
 
 
 def test_the_detector_flags_only_what_stands_far_above_its_running_mean():
@@ -70,8 +71,9 @@ def test_rollback_reloads_the_newest_checkpoint_and_goes_on_past_the_batches(tmp
     dump = tmp_path / "out"
     out = run_job(dump, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "1", "--fault.spike_window",
                   "10", "--debug.fault_spike_step", "25", "--checkpoint.interval", "10", nproc=2)
-    assert re.search(r"1 loss spike\(s\) within 100 steps, the last at step 25: rolled back to \S+/step-20; "
-                     r"training goes on from step 20 with the next batches", out), out[-3000:]
+    assert re.search(r"1 loss spike\(s\) within 100 steps, the first at step 25, the last at step 25 \(rollback 1 "
+                     r"of at most 3\): rolled back to \S+/step-20; training goes on from step 20 with the next "
+                     r"batches", out), out[-3000:]
     losses = {}
     for m in re.finditer(r"\[rank0\] .* step (\d+)/40 \| loss +([\d.]+)", out):
         losses.setdefault(int(m.group(1)), []).append(float(m.group(2)))
@@ -79,3 +81,41 @@ def test_rollback_reloads_the_newest_checkpoint_and_goes_on_past_the_batches(tmp
     assert all(a != b for a, b in (losses[s] for s in range(21, 25)))  # other batches the second time
     assert "run summary: reached step 40 of 40" in out and "1 loss spike (1 update skipped)" in out
     assert verify(dump / "checkpoint" / "step-40") is None
+
+
+LASTING = ["--debug.fault_spike_lasting", "true", "--fault.spike_window", "5"]
+"""From --debug.fault_spike_step on, every step's logits scaled by 30: a loss that rose for good."""
+
+
+@pytest.mark.multiprocess
+def test_skip_halts_when_the_loss_rose_for_good(tmp_path):
+    """`skip` under a lasting rise from step 12 (2 ranks, loader workers, async saves): 5 spikes in a row
+    (`max_consecutive_skips`) halt the run at step 16 with exit 3, one line that says the loss rose for good and
+    what to do, and no restart."""
+    rc, out = Job(tmp_path / "out", *LASTING, "--fault.spikes", "skip", "--debug.fault_spike_step", "12", nproc=2,
+                  env={"MAX_RESTARTS": "1"}).finish()
+    assert rc == 3, out[-3000:]
+    assert re.search(r"the loss rose for good: 5 loss spikes in a row, steps 12-16 \(\[fault\] max_consecutive_skips "
+                     r"= 5\), each update skipped.*resume with \[fault\] spikes = 'warn'", out), out[-3000:]
+    assert "step 17/" not in out and "restart 1 of 1" not in out
+
+
+@pytest.mark.multiprocess
+def test_rollback_lands_before_the_streak_and_halts_after_spike_max_rollbacks(tmp_path):
+    """`rollback` after 3 spikes under a lasting rise from step 23, saves every 2 steps (2 ranks, async saves): the
+    save of step 24 lies inside the streak 23-25, the rollback lands on step 22, before it, with that checkpoint's
+    estimate, which flags the rise again; with spike_max_rollbacks = 1 the second call for a rollback halts (exit
+    3). The estimate is in the checkpoint: a run resumed from step 22 flags step 23 at once (a fresh one would
+    fold 5 steps in first)."""
+    args = [*LASTING, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "3", "--fault.spike_max_rollbacks",
+            "1", "--debug.fault_spike_step", "23", "--checkpoint.interval", "2"]
+    rc, out = Job(tmp_path / "out", *args, nproc=2).finish()
+    assert rc == 3, out[-3000:]
+    assert re.search(r"3 loss spike\(s\) within 100 steps, the first at step 23, the last at step 25 \(rollback 1 of "
+                     r"at most 1\): rolled back to \S+/step-22; training goes on from step 22", out), out[-3000:]
+    assert re.search(r"the loss spikes again after 1 rollback\(s\) \(\[fault\] spike_max_rollbacks = 1\): 3 spikes "
+                     r"within 100 steps, the last at step 25", out), out[-3000:]
+    assert len(re.findall(r"\[rank0\] .*loss spike at step 23:", out)) == 2
+    subprocess.run(["rm", "-r", *map(str, (tmp_path / "out" / "checkpoint").glob("step-2[4-9]*"))], check=True)
+    rc, out = Job(tmp_path / "out", *args, nproc=2).finish()
+    assert "resumed from" in out and re.search(r"\[rank0\] .*loss spike at step 23:", out), out[-3000:]

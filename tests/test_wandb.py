@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 from pathlib import Path
@@ -40,13 +41,29 @@ def records(run: Path) -> list[pb.Record]:
 
 
 def history(run: Path) -> dict[int, dict[str, float]]:
-    """{step: {key: value}} of the scalars an offline run logged."""
+    """{step: {key: value}} of the scalars an offline run logged; each step once (asserted)."""
     out = {}
     for r in records(run):
         if r.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            assert int(items["_step"]) not in out, f"step {items['_step']} twice in {run}"
             out[int(items["_step"])] = {k: v for k, v in items.items() if not k.startswith("_")}
     return out
+
+
+def console_losses(out: str) -> dict[int, str]:
+    """{step: its loss as the console printed it last} (a step trained again prints again)."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"\[rank0\] .* step +(\d+)/\d+ \| loss +([\d.]+)", out)}
+
+
+def assert_one_history_as_printed(dump: Path, out: str, steps: int) -> None:
+    """The dump's W&B folder holds one offline run (the others set aside), whose history holds steps 1..`steps`
+    once each, with the losses the console printed last."""
+    [run] = runs(dump)
+    logged, printed = history(run), console_losses(out)
+    assert sorted(logged) == list(range(1, steps + 1)) == sorted(printed)
+    for step, loss in printed.items():
+        assert f"{logged[step]['train/loss']:.4f}" == loss, (step, logged[step], loss)
 
 
 def runs(dump: Path) -> list[Path]:
@@ -76,19 +93,30 @@ def test_an_offline_run_holds_the_scalars_and_the_config(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_killed_and_restarted_run_continues_the_same_wandb_run(tmp_path):
-    """A rank SIGKILLed after the step-10 save, the job restarted by MAX_RESTARTS: a second offline run with the
-    same id, holding the steps after the checkpoint it resumed from."""
+    """A rank SIGKILLed after the step-10 save and a few more logged steps, the job restarted by MAX_RESTARTS:
+    the same W&B run id, one offline folder (the killed run's set aside) whose history holds every step once,
+    with the values the console printed last (steps 11 on: the restart's)."""
     dump = tmp_path / "out"
     job = Job(dump, *OFFLINE, "--checkpoint.interval", "10", nproc=2, env={"MAX_RESTARTS": "1"})
-    job.wait_for(r"checkpoint \S+/step-10: ")
+    job.wait_for(r"step +13/")
     os.kill(job.rank_pid(0), signal.SIGKILL)
     rc, out = job.finish()
     assert rc == 0 and "restart 1 of 1" in out, out[-3000:]
-    first, second = runs(dump)
     run_id = (dump / "wandb_run_id").read_text()
-    assert first.name.endswith(run_id) and second.name.endswith(run_id)
-    after = history(second)
-    assert min(after) == 11 and max(after) == STEPS
+    [aside] = (dump / "wandb" / "superseded").glob("offline-run-*")
+    assert aside.name.endswith(run_id) and runs(dump)[0].name.endswith(run_id)
+    assert_one_history_as_printed(dump, out, STEPS)
+
+
+@pytest.mark.multiprocess
+def test_a_rolled_back_run_s_wandb_history_holds_the_steps_trained_again(tmp_path):
+    """`rollback` at the spike of step 25 to the step-20 save (2 ranks, async saves): W&B's offline history holds
+    steps 21-25 once, with the values of their second pass, as the console printed them."""
+    dump = tmp_path / "out"
+    out = run_job(dump, *OFFLINE, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "1",
+                  "--fault.spike_window", "10", "--debug.fault_spike_step", "25", "--checkpoint.interval", "10", nproc=2)
+    assert "rolled back to" in out and len(re.findall(r"\[rank0\] .* step +23/", out)) == 2, out[-3000:]
+    assert_one_history_as_printed(dump, out, STEPS)
 
 
 @pytest.mark.multiprocess

@@ -1,13 +1,12 @@
 """The checkpoint manager: saves a run (sync or async) and resumes it exactly.
 
-A save writes into `step-N.incomplete-TOKEN`; once every rank has written, rank 0 adds the
-`.complete` manifest and renames the folder to `step-N`, last (`folders.py`). Only folders with a manifest that matches
-the files on disk are resumed from; others are reported, and removed only once a newer complete
-checkpoint exists.
+A save writes into `step-N.incomplete-TOKEN`; once every rank has written, rank 0 adds the `.complete` manifest
+and renames the folder to `step-N`, last (`folders.py`). Only folders with a manifest that matches the files on
+disk are resumed from; others are reported, and removed only once a newer complete checkpoint exists.
 
-What a checkpoint holds (top-level DCP keys): `model` and `optimizer` (sharded DTensors, keyed by
-parameter name, so they load on any number of ranks), `lr_scheduler`, `train_state` (step,
-tokens seen, data-parallel world size), and per rank `dataloader.dp_rank_R` and `rng.rank_R`.
+What a checkpoint holds (top-level DCP keys): `model` and `optimizer` (sharded DTensors, keyed by parameter name,
+so they load on any number of ranks), `lr_scheduler`, `train_state` (step, tokens seen, data-parallel world
+size), and per rank `dataloader.dp_rank_R` (its position and the run's records: `RunPart`) and `rng.rank_R`.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from .folders import NO_HASHES, commit, inspect_folder, newest_verified, recorde
 from .hf_folder import check_initial_source, check_settings, is_hf_folder, read_hf_folder
 from .integrity import HashingWriter, verify_files
 from .model_file import check_fit, read_model_file, saved_shapes, shapes
-from .states import DataPart, FixedState, ModelState, Opaque, OptimizerState, RNGState, TrainState
+from .states import FixedState, ModelState, Opaque, OptimizerState, RNGState, RunPart, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +60,21 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, *, folder: Path, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
                  dp_rank: int, dp_world_size: int | None = None, other_owner: Callable[[], str | None] | None = None,
-                 shares: Any = None):
+                 records: dict[str, Any] | None = None):
         """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
         `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
         loader position is saved (the context-parallel ranks of a group share one); `other_owner`: who
         holds the output folder if another run does (asked before each commit: nothing is committed then);
-        `shares`: the run's record of what the sources fed, saved with the data position (`DataPart`)."""
+        `records`: the run's records saved with the data position (`RunPart`), restored on resume, not on rollback."""
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
         self.folder, self.other_owner = folder, other_owner
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_world_size = dp_world_size or self.world_size
-        self.train_state, self.dp_rank, self.dataloader, self.shares = train_state, dp_rank, dataloader, shares
+        self.train_state, self.dp_rank, self.dataloader, self.records = train_state, dp_rank, dataloader, records
         self.parts: dict[str, Any] = {
             "model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": lr_scheduler, "train_state": train_state,
-            f"dataloader.dp_rank_{dp_rank}": Opaque(DataPart(dataloader, shares)),
+            f"dataloader.dp_rank_{dp_rank}": Opaque(RunPart(dataloader, records)),
             f"rng.rank_{self.rank}": Opaque(RNGState()),
         }
         # Checkpoint traffic (async writes) runs on its own gloo group: the default group may be
@@ -96,10 +95,8 @@ class CheckpointManager:
     # ---------------------------------------------------------------- loading
 
     def load(self) -> Path | None:
-        """Resume from the latest (or `load_step`) complete checkpoint, else the initial load.
-
-        Returns the checkpoint a run was resumed from (step > 0 restored), else None.
-        """
+        """Resume from the latest (or `load_step`) complete checkpoint, else the initial load. Returns the
+        checkpoint a run was resumed from (step > 0 restored), else None."""
         target = self._resume_target() if self.cfg.enable else None
         if target is not None:
             exclude = set(self.cfg.exclude_from_loading)
@@ -126,19 +123,22 @@ class CheckpointManager:
                                "not used or removed: %s", step, len(moved), ", ".join(str(p) for p in moved))
         dist.barrier(group=self.pg)
 
-    def roll_back(self) -> Path | None:
-        """Reload the newest complete checkpoint (model, optimizer, schedule, train state, RNG), not the data
-        position, which goes on; the step folders after it are set aside. None if there is none."""
+    def roll_back(self, before: int, records: dict[str, Any]) -> Path | None:
+        """Reload the newest complete checkpoint of a step before `before` (model, optimizer, schedule, train state,
+        RNG, and of the run's records those in `records`), not the data position, which goes on; the step folders
+        after it are set aside. None if there is none."""
         self.wait()  # an async save in flight is the newest
-        target = self.latest()
+        target = self.latest(before)
         if target is not None:
             self._load(target, {"dataloader"})
+            self._dcp_load({"dataloader.dp_rank_0": Opaque(RunPart(None, records))}, target)  # any rank's: alike
             self._own_steps_after(self.train_state.step)
         return target
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint in the folder (this run's or an earlier one's), if any."""
-        complete = [f for f in scan(self.folder) if f.problem is None] if self.cfg.enable else []
+    def latest(self, before: int | None = None) -> Path | None:
+        """The newest complete checkpoint in the folder (this run's or an earlier one's; before `before`), if any."""
+        complete = [f for f in scan(self.folder) if f.problem is None and (before is None or f.step < before)] \
+            if self.cfg.enable else []
         return complete[-1].path if complete else None
 
     def _resume_target(self) -> Path | None:
@@ -313,7 +313,7 @@ class CheckpointManager:
             key = f"dataloader.dp_rank_{self.dp_rank}"
             loader = self.parts[key]
             if loader_state is not None:
-                self.parts[key] = Opaque(DataPart(FixedState(loader_state), self.shares))
+                self.parts[key] = Opaque(RunPart(FixedState(loader_state), self.records))
             try:
                 self.maybe_save(step, force=True)
                 self.wait()

@@ -70,22 +70,26 @@ class Opaque:
         self.inner.load_state_dict(pickle.loads(state["pickle"]))
 
 
-class DataPart:
-    """A rank's data part of a checkpoint: its loader's position and, where given, the run's record of what the
-    sources fed (`observe.shares.SourceShares`, the same on every rank; loaded first, as it may refuse)."""
+class RunPart:
+    """A rank's part of a checkpoint besides model, optimizer and schedule: its loader's position, and the run's
+    `records` by name (the mixture's shares, the loss spikes' estimate: the same on every rank; loaded first, as
+    one may refuse). A record the checkpoint lacks is left as it is."""
 
-    def __init__(self, loader: Any, shares: Any = None):
-        self.loader, self.shares = loader, shares
+    def __init__(self, loader: Any, records: dict[str, Any] | None = None):
+        self.loader, self.records = loader, records or {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.loader.state_dict(), "shares": self.shares.state_dict() if self.shares else None}
+        return {"position": self.loader.state_dict() if self.loader is not None else None,
+                "records": {k: r.state_dict() for k, r in self.records.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "position" not in state:  # saved before the shares were kept: the loader's position alone
-            state = {"position": state, "shares": None}
-        if self.shares is not None and state["shares"] is not None:
-            self.shares.load_state_dict(state["shares"])
-        self.loader.load_state_dict(state["position"])
+        if "position" not in state:  # saved before the records were kept: the loader's position alone
+            state = {"position": state, "records": {}}
+        for name, record in self.records.items():
+            if name in state["records"]:
+                record.load_state_dict(state["records"][name])
+        if self.loader is not None:  # None: the records alone (a rollback, the data going on)
+            self.loader.load_state_dict(state["position"])
 
 
 class FixedState:

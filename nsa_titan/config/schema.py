@@ -337,17 +337,22 @@ class Fault:
     nonfinite: Literal["halt", "skip"] = "halt"
     """A non-finite loss or gradient norm: `halt` with a report, or `skip` the update."""
     max_consecutive_skips: int = 5
-    """With `skip`: halt after this many non-finite steps in a row."""
+    """With `nonfinite = "skip"`: halt after this many non-finite steps in a row; with `spikes = "skip"`, after
+    this many loss spikes in a row (a loss that rose for good: the run would stop learning)."""
     spikes: Literal["off", "warn", "skip", "rollback"] = "warn"
     """A loss spike (the loss, averaged over the ranks, more than spike_threshold standard deviations above its
     running mean): `warn` with one line (step, loss, how far out, grad norm, the batch); `skip` also drops the
     update (the batch counts as read, the optimizer does not step); `rollback` skips too, and after
-    spike_rollback_count spikes within spike_rollback_steps steps reloads the newest checkpoint (not the data
-    position: training goes on past those batches); `off`: not watched (no per-step all-reduce)."""
+    spike_rollback_count spikes within spike_rollback_steps steps reloads the newest checkpoint before the first
+    of them (not the data position: training goes on past those batches) with its estimate; `off`: not
+    watched (no per-step all-reduce). The estimate is in the checkpoint."""
     spike_rollback_count: int = 3
     """With `rollback`: the spikes that trigger it..."""
     spike_rollback_steps: int = 100
     """... within this many steps."""
+    spike_max_rollbacks: int = 3
+    """With `rollback`: halt when the spikes call for one more rollback than this in a run (the loss rises
+    again after each: it rose for good, or the cause is not in the data the rollback skips)."""
     spike_threshold: float = 6.0
     """Standard deviations above the running mean that make a spike."""
     spike_window: int = 100
@@ -383,6 +388,9 @@ class Debug:
     """Fault injection for tests: rank 0's loss becomes NaN at this step."""
     fault_spike_step: int = 0
     """Fault injection for tests: every rank's logits are scaled by 30 at this step (a loss spike)."""
+    fault_spike_lasting: bool = False
+    """With fault_spike_step: the logits are scaled at that step and every later one (a loss that rose for good),
+    a rolled-back run's too."""
     fault_kill_in_save_step: int = 0
     """Fault injection for tests: the last rank SIGKILLs itself while saving this step's checkpoint."""
     fault_fail_commit_step: int = 0

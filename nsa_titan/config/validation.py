@@ -149,8 +149,9 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(f.max_consecutive_skips >= 1, f"[fault] max_consecutive_skips = {f.max_consecutive_skips}: must be >= 1")
     _require(f.spike_threshold > 0 and f.spike_window >= 1, f"[fault] spike_threshold = {f.spike_threshold}, "
              f"spike_window = {f.spike_window}: the threshold must be > 0 and the window >= 1")
-    _require(f.spike_rollback_count >= 1 and f.spike_rollback_steps >= 1, f"[fault] spike_rollback_count = "
-             f"{f.spike_rollback_count}, spike_rollback_steps = {f.spike_rollback_steps}: both must be >= 1")
+    _require(min(f.spike_rollback_count, f.spike_rollback_steps, f.spike_max_rollbacks) >= 1, f"[fault] "
+             f"spike_rollback_count = {f.spike_rollback_count}, spike_rollback_steps = {f.spike_rollback_steps}, "
+             f"spike_max_rollbacks = {f.spike_max_rollbacks}: each must be >= 1")
     _require(f.spikes != "rollback" or cfg.checkpoint.enable, "[fault] spikes = 'rollback' reloads checkpoints: "
              "set [checkpoint] enable = true, or choose spikes = 'skip'")
     _require(f.failure_save_wait_seconds >= 0,

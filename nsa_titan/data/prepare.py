@@ -99,10 +99,12 @@ class WorkerLost(RuntimeError):
     """A tokenizing process ended without its part (killed: by the kernel for memory, or by hand)."""
 
 
-def lost_worker(pool: ProcessPoolExecutor, src: Source, part: Path) -> WorkerLost:
-    """The error naming the pool's process that died (pid, exit code or signal) and the part it was writing."""
+def lost_worker(processes: dict[int, Any], src: Source, part: Path) -> WorkerLost:
+    """The error naming the pool's `processes` (pid: process) that died (exit code or signal), and the part."""
+    for p in processes.values():
+        p.join(1)  # its exit code, once the kernel has reaped it
     dead = [f"pid {p.pid} ({f'signal {-p.exitcode}' if p.exitcode < 0 else f'exit code {p.exitcode}'})"
-            for p in (getattr(pool, "_processes", None) or {}).values() if p.exitcode not in (None, 0)]
+            for p in processes.values() if p.exitcode not in (None, 0)]
     return WorkerLost(f"a tokenizing process ended without its part ({', '.join(dead) or 'pid unknown'}; signal 9 is "
                       f"most often the kernel's out-of-memory killer) while '{src.label}' was written, around {part}. "
                       f"The parts written whole are kept: run the same command again to continue (with fewer "
@@ -116,7 +118,7 @@ def prepare_source(pool: ProcessPoolExecutor | None, processes: int, data: Data,
     folder.mkdir(parents=True, exist_ok=True)
     pending: deque = deque()
     parts = {"part": 0, "holdout": 0}
-    files = (folder, folder)
+    files, started = (folder, folder), {}  # the pool's processes, seen as they start: it forgets a dead one
     try:
         with tqdm(desc=f"prepare {src.label}", unit=" docs", dynamic_ncols=True) as bar:
             for kind, texts in _chunks(data, src, docs_per_part):
@@ -125,6 +127,7 @@ def prepare_source(pool: ProcessPoolExecutor | None, processes: int, data: Data,
                 if not files[1].is_file():
                     args = (texts, (src.min_tokens, src.max_tokens), files, dtype)
                     pending.append(pool.submit(write_part, *args) if pool else write_part(*args))
+                    started.update(getattr(pool, "_processes", None) or {})
                 while pool and len(pending) > 2 * processes:  # bounded: the stream is read as parts are written
                     pending.popleft().result()
                 bar.update(len(texts))
@@ -132,7 +135,7 @@ def prepare_source(pool: ProcessPoolExecutor | None, processes: int, data: Data,
                 if pool:
                     job.result()
     except BrokenProcessPool:
-        raise lost_worker(pool, src, files[0]) from None
+        raise lost_worker(started, src, files[0]) from None
     entries, held = (_entries(folder, kind, parts[kind], dtype) for kind in ("part", "holdout"))
     if not entries:
         raise DataError(f"[[data.sources]] '{src.label}': no document passes min_tokens = {src.min_tokens}, max_tokens "

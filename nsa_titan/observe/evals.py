@@ -112,6 +112,7 @@ class InRunEvals:
             from .lm_harness import Harness
             self.harness = Harness(self.e.lm_eval_tasks, self.e.lm_eval_include_path, self.e.lm_eval_limit)
         self.seconds = 0.0  # all evaluations so far
+        self.warned_empty = False  # the loss by position's empty buckets: warned once a run
 
     def due(self, step: int, last: bool) -> bool:
         return self.e.enable and (step % self.e.freq == 0 or last)
@@ -132,7 +133,8 @@ class InRunEvals:
             if self.harness is not None:
                 eos = self.tokenizer.eos_id if self.cfg.training.document_masking else None
                 t = self.cfg.training
-                scores = self.harness.run(model, self.tokenizer, t.seq_len, eos, self.device, t.local_batch_size)
+                scores = self.harness.run(model, self.tokenizer, t.seq_len, eos, self.device, t.local_batch_size,
+                                          self.dp_rank, self.dp_world)
                 scalars.update({f"eval/lm_eval/{k}": v for k, v in scores.items()})
         finally:
             model.train()
@@ -140,7 +142,10 @@ class InRunEvals:
         self.seconds += seconds
         share = self.seconds / max(run_seconds + seconds, 1e-9)
         metrics.log_scalars(step, {**scalars, "eval/seconds": seconds, "eval/share_of_run": share})
-        shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scalars.items())
+        shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scalars.items()
+                           if not k.startswith("eval/tokens_by_position/"))
+        if self.harness is not None:
+            shown += f" | lm_eval requests a rank {' / '.join(map(str, self.harness.scored))}"
         logger.info("eval at step %d: %s | %.2f s (evaluations %.1f%% of the run so far)", step, shown, seconds,
                     100 * share)
         return scalars
@@ -160,6 +165,18 @@ class InRunEvals:
                                       n)
         sums = sums.to(self.device)
         dist.all_reduce(sums)
-        loss, tokens = sums.cpu()
-        return {f"eval/loss_by_position/{i * self.bucket}-{min(T, (i + 1) * self.bucket)}": float(s / max(c, 1))
-                for i, (s, c) in enumerate(zip(loss.tolist(), tokens.tolist()))}
+        scalars, empty = {}, []
+        for i, (loss, tokens) in enumerate(sums.cpu().T.tolist()):
+            bucket = f"{i * self.bucket}-{min(T, (i + 1) * self.bucket)}"
+            scalars[f"eval/tokens_by_position/{bucket}"] = tokens
+            if tokens:
+                scalars[f"eval/loss_by_position/{bucket}"] = loss / tokens
+            else:  # no loss to log: a 0 would read as a perfect prediction
+                empty.append(bucket)
+        if empty and not self.warned_empty and dist.get_rank() == 0:  # every rank has the same sums
+            self.warned_empty = True
+            logger.warning("eval: the held-out text of the loss by position has no token at positions %s (its "
+                           "documents%s are shorter): those buckets are not logged. Hold out longer documents (a "
+                           "long-document source's holdout, as m7c_32k_adapt.toml does) or raise [eval] "
+                           "position_batches", ", ".join(empty), " and rows" * (not self.cfg.training.document_masking))
+        return scalars

@@ -1,5 +1,9 @@
 """lm-evaluation-harness on an nsa_titan model in this process: `TitanLM`, the harness's loglikelihood
-interface over the model (the training model under FSDP and context parallelism too), and `run_tasks`.
+interface over the model (the training model under FSDP and context parallelism too), and `Harness`.
+
+Under torchrun the requests are shared out among the data-parallel ranks (the harness's own `rank` /
+`world_size` split, its padding to equal counts), every rank running as many forwards as the others (each is
+collective under FSDP), and the results gathered: the figures equal one process's.
 
 It scores as the harness scores a Hugging Face export of the model (`--model hf`): a context and its
 continuation tokenized whole, the prompt's trailing spaces moved to the continuation, an empty context
@@ -15,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..config import ConfigError
 from ..data import Tokenizer
@@ -39,13 +44,16 @@ def rolling_windows(ids: list[int], prefix: int, seq_len: int) -> Iterator[tuple
 
 @torch.no_grad()
 def score(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], eos: int | None, device: torch.device,
-          batch_size: int = 1) -> list[tuple[float, bool]]:
+          batch_size: int = 1, forwards: int = 0) -> list[tuple[float, bool]]:
     """Per row (inputs, targets): the log-probability of `targets` and whether each is the argmax, the last
     len(targets) logits of `inputs` predicting them; documents split at `eos` (None: one document). Rows go
     `batch_size` at a time, longest first, each padded at its end, which no earlier position reads (the
-    model is causal). Under context parallelism every rank of the group passes the same rows."""
+    model is causal); then forwards of a one-token row, scored for nothing, up to `forwards` in all (the other
+    ranks' count). Under context parallelism every rank of the group passes the same rows."""
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+    for _ in range(forwards - -(-len(rows) // batch_size)):
+        model(torch.zeros(1, 1, dtype=torch.long, device=device))
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         width = len(rows[chunk[0]][0])
@@ -62,13 +70,49 @@ def score(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], eos: 
 
 
 def titan_lm(model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: int | None, device: torch.device,
-             batch_size: int) -> Any:
+             batch_size: int, dp_rank: int = 0, dp_world: int = 1, scored: list[int] | None = None) -> Any:
     """The harness's LM over `model`: windows of at most `seq_len` tokens, `batch_size` rows a forward,
-    documents split at `eos`."""
+    documents split at `eos`; data-parallel rank `dp_rank` of `dp_world` (the context-parallel ranks of a group,
+    neighbours, pass the same requests). `scored` counts the requests this rank scored."""
     from lm_eval.api.model import TemplateLM
+
+    replicas = dist.get_world_size() // dp_world if dist.is_initialized() else 1
+    counted = scored if scored is not None else []
+
+    def agreed_forwards(rows: int) -> int:
+        """The most forwards any rank needs for its `rows`, which every rank then runs."""
+        n = torch.tensor([-(-rows // batch_size)], device=device)
+        if dp_world > 1:
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item())
 
     class TitanLM(TemplateLM):
         backend = "causal"
+
+        @property
+        def rank(self) -> int:
+            return dp_rank
+
+        @property
+        def world_size(self) -> int:
+            return dp_world
+
+        @property
+        def device(self) -> torch.device:
+            return device
+
+        def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+            out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(out, tensor)
+            return torch.stack(out[::replicas])
+
+        def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, obj)
+            return out[::replicas]
+
+        def barrier(self) -> None:
+            dist.barrier()
 
         @property
         def eot_token_id(self) -> int:
@@ -86,11 +130,14 @@ def titan_lm(model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: in
 
         def _loglikelihood_tokens(self, requests: list, **kwargs: Any) -> list[tuple[float, bool]]:
             rows = [((context + continuation)[-(seq_len + 1):][:-1], continuation) for _, context, continuation in requests]
-            return score(model, rows, eos, device, batch_size)
+            counted.append(len(requests))
+            return score(model, rows, eos, device, batch_size, agreed_forwards(len(rows)))
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
             windows = [list(rolling_windows(tokenizer.encode(r.args[0]), self.prefix_token_id, seq_len)) for r in requests]
-            scores = iter(score(model, [w for each in windows for w in each], eos, device, batch_size))
+            rows = [w for each in windows for w in each]
+            counted.append(len(requests))
+            scores = iter(score(model, rows, eos, device, batch_size, agreed_forwards(len(rows))))
             return [sum(next(scores)[0] for _ in each) for each in windows]
 
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
@@ -109,6 +156,7 @@ class Harness:
 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on task YAML defaults, on every rank
         self.tasks, self.limit = tasks, limit or None
+        self.scored: list[int] = []  # the requests each data-parallel rank scored in the last run
         self.manager = TaskManager(include_path=include_path or None)
         unknown = [t for t in tasks if t not in self.manager.all_tasks]
         if unknown:
@@ -122,9 +170,10 @@ class Harness:
                               f"(docs/huggingface.md)")
 
     def run(self, model: torch.nn.Module, tokenizer: Tokenizer, seq_len: int, eos: int | None, device: torch.device,
-            batch_size: int) -> dict[str, float]:
-        """{'task/metric': value} of every task (no stderr), `batch_size` rows a forward; the callers' random
-        states left as they were (the harness seeds its own)."""
+            batch_size: int, dp_rank: int = 0, dp_world: int = 1) -> dict[str, float]:
+        """{'task/metric': value} of every task (no stderr), `batch_size` rows a forward, the requests shared
+        out among the `dp_world` data-parallel ranks (every rank gets the figures); the callers' random states
+        left as they were (the harness seeds its own); `self.scored`: the requests each data-parallel rank scored."""
         from lm_eval import evaluator
 
         states = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -138,9 +187,16 @@ class Harness:
                 if task.get_config("num_fewshot") is None:
                     task.set_config(key="num_fewshot", value=0)
                 task.set_fewshot_seed(seed=1234)
-            results = evaluator.evaluate(lm=titan_lm(model, tokenizer, seq_len, eos, device, batch_size), task_dict=loaded,
-                                         limit=self.limit, bootstrap_iters=0, log_samples=False,
-                                         verbosity="ERROR")["results"]
+            mine: list[int] = []
+            lm = titan_lm(model, tokenizer, seq_len, eos, device, batch_size, dp_rank, dp_world, mine)
+            out = evaluator.evaluate(lm=lm, task_dict=loaded, limit=self.limit, bootstrap_iters=0, log_samples=False,
+                                     verbosity="ERROR")  # the results on rank 0, None on the others
+            shared = [out["results"] if out else None, sum(mine)]
+            if dp_world > 1:
+                every: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(every, shared)
+                shared = [every[0][0], [n for _, n in every[::dist.get_world_size() // dp_world]]]
+            results, self.scored = shared[0], shared[1] if dp_world > 1 else [shared[1]]
         finally:
             random.setstate(states[0])
             np.random.set_state(states[1])

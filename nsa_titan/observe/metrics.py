@@ -138,8 +138,10 @@ class Throughput:
 class MetricsLogger:
     """Formats the step metrics for the console; writes them to TensorBoard and W&B (rank 0 only)."""
 
-    def __init__(self, m: Metrics, tb_root: Path, rank: int, total_steps: int, root: Path, config: dict):
-        """`root`, `config`: the run's folder, where W&B keeps its files and run id, and the config W&B records."""
+    def __init__(self, m: Metrics, tb_root: Path, rank: int, total_steps: int, root: Path, config: dict,
+                 step: int = 0):
+        """`root`, `config`: the run's folder, where W&B keeps its files and run id, and the config W&B records;
+        `step`: the step the training starts from."""
         self.total_steps = total_steps
         self.writer = None
         if m.enable_tensorboard and rank == 0:
@@ -148,7 +150,7 @@ class MetricsLogger:
             log_dir = tb_run_folder(tb_root)
             self.writer = SummaryWriter(log_dir=str(log_dir))
             logger.info("TensorBoard logs in %s", log_dir)
-        self.wandb = WandbRun(m, root, config, rank)
+        self.wandb = WandbRun(m, root, config, rank, step)
 
     def log(self, s: StepStats) -> None:
         width = len(str(self.total_steps))

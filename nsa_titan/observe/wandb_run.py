@@ -1,13 +1,20 @@
 """Weights & Biases: the run's scalars (those TensorBoard gets) and its config, from rank 0.
 
 The W&B run id is kept in the dump folder (`wandb_run_id`), so a resumed or restarted run continues the
-same W&B run. W&B never stops or slows training: it starts in a thread of its own (scalars logged before it
-is up wait for it), a W&B that cannot start or fails while logging is one warning and the run goes on
-without it, and online logging is sent by W&B's own background process.
+same W&B run. Its history follows the training's: what was logged is kept beside it (`wandb_history.jsonl`),
+and a run that goes back to a step (a resume after steps that were logged but not saved, a loss spike's
+rollback) takes W&B's history back there. Offline, a new folder of the run replays the kept history up to that
+step and the run's older folders are set aside (`wandb/superseded/`): `wandb sync <dump>/wandb/offline-run-*`
+sends one history that holds every step once. Online, W&B rewinds the run (`resume_from`), where the server
+offers it; else the steps logged again are dropped by W&B, with a warning.
+W&B never stops or slows training: it starts in a thread of its own (scalars logged before it is up wait for
+it), a W&B that cannot start or fails while logging is one warning and the run goes on without it, and online
+logging is sent by W&B's own background process.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import netrc
 import os
@@ -22,6 +29,8 @@ from ..config import Metrics
 logger = logging.getLogger(__name__)
 
 RUN_ID_FILE = "wandb_run_id"
+HISTORY_FILE = "wandb_history.jsonl"
+"""Every scalar logged to W&B, a line a log call: {"step": N, "scalars": {...}}."""
 
 
 def has_credentials() -> bool:
@@ -49,7 +58,8 @@ def _why(e: Exception) -> str:
 class WandbRun:
     """The W&B run of this training run on rank 0 (nothing elsewhere, when off, or once W&B failed)."""
 
-    def __init__(self, m: Metrics, root: Path, config: dict[str, Any], rank: int):
+    def __init__(self, m: Metrics, root: Path, config: dict[str, Any], rank: int, step: int = 0):
+        """`step`: the step the training starts from (a resume's), where W&B's history is taken back to."""
         self.run: Any = None
         self.pending: list[tuple[dict[str, float], int]] = []  # logged before the run is up
         self.lock = threading.Lock()
@@ -62,30 +72,61 @@ class WandbRun:
         # W&B's own processes (its service, git) are started here, before the loader forks its workers: a fork
         # in another thread meanwhile would hold a pipe that such a start waits on.
         wandb.setup(wandb.Settings(init_timeout=m.wandb_start_timeout_seconds, console="off", silent=True))
-        self.timeout = m.wandb_start_timeout_seconds
-        id_file = root / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        settings = dict(project=m.wandb_project, entity=m.wandb_entity or None, group=m.wandb_group or None,
-                        name=m.wandb_name or None, id=run_id, resume="allow", dir=str(root), config=config, mode=mode)
-        self.thread = threading.Thread(target=self._start, args=(settings, id_file), name="wandb-start", daemon=True)
+        self.timeout, self.history, self.id_file = m.wandb_start_timeout_seconds, root / HISTORY_FILE, root / RUN_ID_FILE
+        run_id = self.id_file.read_text().strip() if self.id_file.is_file() else uuid.uuid4().hex[:12]
+        self.settings = dict(project=m.wandb_project, entity=m.wandb_entity or None, group=m.wandb_group or None,
+                             name=m.wandb_name or None, id=run_id, resume="allow", dir=str(root), config=config,
+                             mode=mode)
+        self._begin(step)
+
+    def _begin(self, step: int) -> None:
+        """Start W&B's run in a thread of its own, its history taken back to `step` (the kept history too)."""
+        rows = [json.loads(line) for line in self.history.read_text().splitlines()] if self.history.is_file() else []
+        kept = [row for row in rows if row["step"] <= step]
+        if len(kept) < len(rows):
+            tmp = self.history.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            os.replace(tmp, self.history)
+        self.thread = threading.Thread(target=self._start, args=(kept, len(kept) < len(rows), step),
+                                       name="wandb-start", daemon=True)
         self.thread.start()
 
-    def _start(self, settings: dict[str, Any], id_file: Path) -> None:
+    def _init(self, rewind: bool, step: int) -> Any:
+        """wandb.init of the run; online with steps after `step` logged (`rewind`), rewound there where W&B can."""
         import wandb
 
+        settings = dict(self.settings)
+        if rewind and settings["mode"] == "online":
+            try:
+                return wandb.init(**{k: v for k, v in settings.items() if k not in ("id", "resume")},
+                                  resume_from=f"{settings['id']}?_step={step}")
+            except Exception as e:  # noqa: BLE001 - rewinding is a W&B preview feature: go on without it
+                logger.warning("W&B could not rewind the run to step %d (%s): the steps after it, logged again, are "
+                               "dropped by W&B (TensorBoard and the console hold them)", step, _why(e))
+        return wandb.init(**settings)
+
+    def _start(self, kept: list[dict[str, Any]], rewind: bool, step: int) -> None:
         try:
-            run = wandb.init(**settings)
+            run = self._init(rewind, step)
         except Exception as e:  # noqa: BLE001 - any failure of W&B: the run goes on without it
             logger.warning("W&B did not start (%s): training goes on without it", _why(e))
             with self.lock:
                 self.pending = []
             return
-        id_file.write_text(settings["id"])
-        logger.info("W&B run %s (%s) in %s", settings["id"], settings["mode"], Path(settings["dir"]) / "wandb")
+        self.id_file.write_text(self.settings["id"])
+        folder = Path(run.dir).parent
+        logger.info("W&B run %s (%s) in %s", self.settings["id"], self.settings["mode"], folder)
         with self.lock:
             self.run = run
-            for scalars, step in self.pending:
-                self._log(scalars, step)
+            if self.settings["mode"] == "offline":  # this folder holds the whole history: the older ones go aside
+                for row in kept:
+                    self._log(row["scalars"], row["step"])
+                for old in folder.parent.glob(f"offline-run-*-{self.settings['id']}"):
+                    if old != folder:
+                        (folder.parent / "superseded").mkdir(exist_ok=True)
+                        old.rename(folder.parent / "superseded" / old.name)
+            for scalars, logged_at in self.pending:
+                self._log(scalars, logged_at)
             self.pending = []
 
     def _log(self, scalars: dict[str, float], step: int) -> None:
@@ -99,10 +140,28 @@ class WandbRun:
         if self.thread is None:
             return
         with self.lock:
+            with self.history.open("a") as f:
+                f.write(json.dumps({"step": step, "scalars": scalars}) + "\n")
             if self.run is not None:
                 self._log(scalars, step)
             elif self.thread.is_alive():
                 self.pending.append((scalars, step))
+
+    def rewind(self, step: int) -> None:
+        """The training went back to `step` (a rollback): so does W&B's history, the steps after it to be logged
+        again (`_begin`)."""
+        if self.thread is None:
+            return
+        self.thread.join(self.timeout)
+        with self.lock:
+            run, self.run = self.run, None
+        if run is None:  # W&B did not start, or failed: the run goes on without it
+            return
+        try:
+            run.finish()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("W&B did not finish cleanly (%s)", _why(e))
+        self._begin(step)
 
     def close(self) -> None:
         if self.thread is None:

@@ -42,7 +42,7 @@ summary names the last checkpoint it committed); stopped, after saving, by data 
 retries (EX_TEMPFAIL: resume it). Bad input is `cli.EXIT_BAD_INPUT`, a hang `watchdog.EXIT_HANG`."""
 EXIT_AFTER_PEER = 1
 """Exit code of a rank stopped by another rank's failure (the job's code is the cause's)."""
-NO_RESTART = {EXIT_BAD_INPUT: "bad input", EXIT_HALTED: "a halt on non-finite steps"}
+NO_RESTART = {EXIT_BAD_INPUT: "bad input", EXIT_HALTED: "a halt (non-finite steps, loss spikes)"}
 """Exit codes of a failure that every restart would meet again, in words: the launcher restarts no job after one."""
 LOST_STORE = Failure(-1, EXIT_AFTER_PEER, "")
 """The failure a rank reads into the store's loss: its host (rank 0, or the launcher) is gone."""
@@ -63,7 +63,7 @@ SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.st
 
 
 class TrainingHalted(RuntimeError):
-    """Training stopped on purpose (a non-finite step), with the report in the message."""
+    """Training stopped on purpose (non-finite steps, a loss that rose for good), with the report in the message."""
 
 
 def note(line: str, cause: Failure | None) -> str:

@@ -6,7 +6,8 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
                                                         or the optimizer step (the watchdog's test)
   fault_nan_step                                        rank 0's logits, and so its loss, become NaN
   fault_spike_step                                      every rank's logits are scaled by 30 (a loss spike),
-                                                        the first time the run reaches that step
+                                                        the first time the run reaches that step; with
+                                                        fault_spike_lasting at it and every step after
   fault_kill_in_save_step                               the last rank SIGKILLs itself once its files
                                                         of that step's checkpoint are written
   fault_fail_commit_step                                that step's save folder vanishes once written
@@ -168,7 +169,8 @@ def install_faults(d: Debug, *, model: nn.Module, optimizer: torch.optim.Optimiz
         fired: list[int] = []  # once: a rolled-back run reaches that step again, on other batches
 
         def spike(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-            if current_step() != d.fault_spike_step or not torch.is_grad_enabled() or len(fired) >= batches_per_step:
+            once = current_step() != d.fault_spike_step or len(fired) >= batches_per_step
+            if not torch.is_grad_enabled() or (current_step() < d.fault_spike_step if d.fault_spike_lasting else once):
                 return None
             fired.append(1)
             return out * 30.0

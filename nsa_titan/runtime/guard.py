@@ -5,8 +5,11 @@ A loss spike: the loss averaged over the ranks more than `[fault] spike_threshol
 its running mean, an exponentially weighted mean and variance over `spike_window` steps, looked for once that
 many steps have been folded in (a spike is not). Its warning names the step, the loss, how far out it is, the
 gradient norm and the batch (this rank's sources, and a prepared run's global samples); `skip` drops its
-update (the batch counts as read, the optimizer does not step); `rollback` drops it too and, after enough
-spikes close together, has the trainer reload the newest checkpoint while the data goes on.
+update (the batch counts as read, the optimizer does not step), and halts after `max_consecutive_skips` in a
+row (a loss that rose for good would otherwise never be learnt from again); `rollback` drops it too and, after
+enough spikes close together, has the trainer reload the newest checkpoint before the first of them, with its
+estimate, while the data goes on, and halts when one more rollback than `spike_max_rollbacks` is due.
+The estimate is saved with the checkpoint (`SpikeDetector.state_dict`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +62,20 @@ class SpikeDetector:
 
     def __init__(self, threshold: float, window: int):
         self.threshold, self.window, self.alpha = threshold, window, 2.0 / (window + 1)
+        self.spikes = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh estimate: spikes are looked for again once `window` steps are folded in."""
         self.mean = {"loss": 0.0, "grad_norm": 0.0}
         self.var = {"loss": 0.0, "grad_norm": 0.0}
-        self.seen = self.spikes = 0
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": dict(self.mean), "var": dict(self.var), "seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.var, self.seen = dict(state["mean"]), dict(state["var"]), int(state["seen"])
 
     def check(self, loss: float, grad_norm: float) -> Spike | None:
         sd = max(math.sqrt(self.var["loss"]), 1e-12)
@@ -83,7 +98,10 @@ class UpdateGuard:
         self.skips_in_a_row = self.skips_total = self.spikes_skipped = 0
         self.skipped = False  # whether the last step's update was dropped
         self.recent: list[int] = []  # the steps of the spikes within spike_rollback_steps
-        self.roll_back_due = ""  # why the trainer is to reload the newest checkpoint now (`rollback`)
+        self.streak: list[int] = []  # the steps of the spikes in a row up to the last step
+        self.roll_back_due = ""  # why the trainer is to reload a checkpoint now (`rollback`)...
+        self.roll_back_before = 0  # ... the newest before this step: the first spike that called for it
+        self.rollbacks = 0
         self.spikes = SpikeDetector(f.spike_threshold, f.spike_window) if f.spikes != "off" else None
 
     def values(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float]:
@@ -114,15 +132,32 @@ class UpdateGuard:
         """Whether the update goes ahead: not for a spike under `skip` (warned with the step's `batch()`)."""
         spike = self.spikes.check(mean_loss, norm_value) if self.spikes is not None else None
         skip = spike is not None and self.f.spikes in ("skip", "rollback")
+        self.streak = self.streak + [step] if spike is not None else []
         if spike is not None:
             self.spikes_skipped += skip
             logger.warning("%s; batch: rank %d's of step %d%s%s", spike.line(step), self.rank, step, batch(),
                            "; update skipped" if skip else "")
+            if self.f.spikes == "skip" and len(self.streak) >= self.f.max_consecutive_skips:
+                raise TrainingHalted(
+                    f"the loss rose for good: {len(self.streak)} loss spikes in a row, steps {self.streak[0]}-{step} "
+                    f"([fault] max_consecutive_skips = {self.f.max_consecutive_skips}), each update skipped, so the run "
+                    f"has stopped learning. A lasting rise (a new source, a longer context) is not a spike: resume "
+                    f"with [fault] spikes = 'warn' or a larger spike_threshold; a divergence: resume from a checkpoint "
+                    f"before step {self.streak[0]} (--checkpoint.load_step) with a lower lr")
             self.recent = [s for s in self.recent if s > step - self.f.spike_rollback_steps] + [step]
             if self.f.spikes == "rollback" and len(self.recent) >= self.f.spike_rollback_count:
-                self.recent = []
+                if self.rollbacks >= self.f.spike_max_rollbacks:
+                    raise TrainingHalted(
+                        f"the loss spikes again after {self.rollbacks} rollback(s) ([fault] spike_max_rollbacks = "
+                        f"{self.f.spike_max_rollbacks}): {len(self.recent)} spikes within {self.f.spike_rollback_steps} "
+                        f"steps, the last at step {step}. It rose for good, or its cause is not in the batches a "
+                        f"rollback skips: resume with [fault] spikes = 'warn', a larger spike_threshold or a lower lr")
+                self.rollbacks += 1
+                self.roll_back_before, self.recent = self.recent[0], []
                 self.roll_back_due = (f"{self.f.spike_rollback_count} loss spike(s) within "
-                                      f"{self.f.spike_rollback_steps} steps, the last at step {step}")
+                                      f"{self.f.spike_rollback_steps} steps, the first at step {self.roll_back_before}, "
+                                      f"the last at step {step} (rollback {self.rollbacks} of at most "
+                                      f"{self.f.spike_max_rollbacks})")
         if not skip:
             self.skips_in_a_row = 0
         self.skipped = skip
