@@ -100,9 +100,11 @@ class Trainer:
             self.tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
             self.cfg = cfg = derive(cfg, self.world_size, self.tokenizer.vocab_size)
             log_setup(cfg, self.tokenizer.vocab_size, self.device, self.paths.root)
-            # Held-out text read first (and kept): text that gives no batch stops the run in seconds. The
-            # context-parallel ranks of a data-parallel group read the same batches.
+            # Data first: the training sources opened, the held-out text read (and kept); text that gives no batch
+            # stops the run in seconds. The context-parallel ranks of a data-parallel group read the same batches.
             self.dp_rank, self.dp_world_size = data_parallel_rank(self.mesh)
+            self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
+                                               t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.held_out = HeldOutSets(cfg.data, cfg.validation, self.tokenizer, t.seq_len, t.local_batch_size,
                                         self.dp_rank, self.dp_world_size) if cfg.validation.enable else None
             self.evals = InRunEvals(cfg, self.tokenizer, self.device, self.dp_rank, self.dp_world_size)
@@ -129,8 +131,6 @@ class Trainer:
             self.optimizer = build_optimizer(model, cfg.optimizer)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, cfg.lr_scheduler)
             self.grad_accum_steps = grad_accum_steps(cfg)
-            self.dataloader = build_dataloader(cfg.data, self.tokenizer, t.seq_len, cfg.model.vocab_size,
-                                               t.local_batch_size, self.dp_rank, self.dp_world_size, cfg.recall)
             self.throughput = Throughput(t.global_batch_size * t.seq_len, flops, peak_flops(cfg.metrics, self.device),
                                          self.world_size)
             self.shares = SourceShares(data_sources(cfg.data), self.tokenizer.eos_id, self.device,
