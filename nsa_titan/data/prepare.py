@@ -20,6 +20,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import sys
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -200,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             manifest = prepare(cfg, Path(output), args.processes, args.docs_per_part)
         except WorkerLost as e:
             report(f"nsa_titan.data.prepare: {e}")
-            return 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # at once: the teardown could abort in the source reader's threads, still open
         for label, s in manifest["sources"].items():
             held = f"; held out for validation: {s['holdout_tokens']:,} tokens" if s["holdout"] else ""
             print(f"{label}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['parts'])} "
