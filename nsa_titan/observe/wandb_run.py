@@ -55,6 +55,14 @@ def _why(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
+def _finish(run: Any) -> None:
+    """End a W&B run; a failure is one warning."""
+    try:
+        run.finish()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("W&B did not finish cleanly (%s)", _why(e))
+
+
 class WandbRun:
     """The W&B run of this training run on rank 0 (nothing elsewhere, when off, or once W&B failed)."""
 
@@ -95,7 +103,7 @@ class WandbRun:
         """wandb.init of the run; online with steps after `step` logged (`rewind`), rewound there where W&B can."""
         import wandb
 
-        settings = dict(self.settings)
+        settings = self.settings
         if rewind and settings["mode"] == "online":
             try:
                 return wandb.init(**{k: v for k, v in settings.items() if k not in ("id", "resume")},
@@ -157,10 +165,7 @@ class WandbRun:
             run, self.run = self.run, None
         if run is None:  # W&B did not start, or failed: the run goes on without it
             return
-        try:
-            run.finish()
-        except Exception as e:  # noqa: BLE001
-            logger.warning("W&B did not finish cleanly (%s)", _why(e))
+        _finish(run)
         self._begin(step)
 
     def close(self) -> None:
@@ -176,7 +181,4 @@ class WandbRun:
 
             wandb.teardown(exit_code=1)
         if run is not None:
-            try:
-                run.finish()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("W&B did not finish cleanly (%s)", _why(e))
+            _finish(run)

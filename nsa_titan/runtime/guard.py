@@ -62,14 +62,9 @@ class SpikeDetector:
 
     def __init__(self, threshold: float, window: int):
         self.threshold, self.window, self.alpha = threshold, window, 2.0 / (window + 1)
-        self.spikes = 0
-        self.reset()
-
-    def reset(self) -> None:
-        """A fresh estimate: spikes are looked for again once `window` steps are folded in."""
         self.mean = {"loss": 0.0, "grad_norm": 0.0}
         self.var = {"loss": 0.0, "grad_norm": 0.0}
-        self.seen = 0
+        self.seen = self.spikes = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": dict(self.mean), "var": dict(self.var), "seen": self.seen}
