@@ -55,18 +55,17 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt) or [tokenizer.eos_id]
 
 
-def decode_rows(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                temperature: float, top_k: int, top_p: float, seeds: list[int], document_masking: bool,
-                kernel: str = "auto") -> Iterator[torch.Tensor]:
+def decode_rows(decoder: Decoder, tokenizer: Tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                temperature: float, top_k: int, top_p: float, seeds: list[int], document_masking: bool
+                ) -> Iterator[torch.Tensor]:
     """Each step's new token (B,) of every prompt, the prompts (token ids) left-padded into one batch (the
-    padding a document of its own; each row decodes at its own position). Row b samples with its own
-    generator, seeded `seeds[b]`, so its tokens do not depend on the rows beside it. `kernel`: the decoding
-    step's (`[model] decode_kernels`)."""
+    padding a document of its own; each row decodes at its own position) and decoded by `decoder` (the path
+    transformers' generate() takes: nsa_titan/hf). Row b samples with its own generator, seeded `seeds[b]`, so its
+    tokens do not depend on the rows beside it."""
     eos, width = tokenizer.eos_id, max(map(len, prompts))
     ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    decoder = Decoder(model, kernel)
     logits = decoder.prefill(ids, document_ids(ids, mask, eos if document_masking else None))[:, -1]
     for k in range(max_new_tokens):
         token = torch.cat([sample_next(logits[b:b + 1], temperature, top_k, top_p, g) for b, g in enumerate(gens)])
@@ -75,13 +74,20 @@ def decode_rows(model: Transformer, tokenizer: Tokenizer, prompts: list[list[int
             logits = decoder.step(token[:, None])[:, -1]
 
 
+def request_decoder(model: Transformer, prompts: list[list[int]], max_new_tokens: int, kernel: str) -> Decoder:
+    """A decoder whose caches hold the longest prompt and its new tokens (the last is never fed back), reused
+    batch after batch."""
+    return Decoder(model, kernel, max(map(len, prompts)) + max_new_tokens - 1)
+
+
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
              top_k: int = 50, top_p: float = 1.0, seed: int = 0, document_masking: bool = False,
              kernel: str = "auto") -> Iterator[int]:
     """Yield new token ids one at a time (stops at <eos>). With `document_masking` (as the model was
     trained), an <eos> in the prompt ends a document and the new tokens continue the last one."""
-    for token in decode_rows(model, tokenizer, [prompt_ids(tokenizer, prompt)], max_new_tokens, temperature, top_k,
-                             top_p, [seed], document_masking, kernel):
+    ids = [prompt_ids(tokenizer, prompt)]
+    for token in decode_rows(request_decoder(model, ids, max_new_tokens, kernel), tokenizer, ids, max_new_tokens,
+                             temperature, top_k, top_p, [seed], document_masking):
         if int(token) == tokenizer.eos_id:
             return
         yield int(token)
@@ -92,14 +98,15 @@ def generate_batch(model: Transformer, tokenizer: Tokenizer, prompts: list[str],
                    document_masking: bool = False, batch_size: int = 8, kernel: str = "auto") -> list[list[int]]:
     """The new token ids of each prompt (up to <eos>), `batch_size` prompts decoded at once; prompt i samples
     with seed `seed + i`, so each row's tokens are those of `generate(prompt, seed=seed + i)`."""
-    out: list[list[int]] = []
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
+    decoder, out = request_decoder(model, ids, max_new_tokens, kernel), []
     for first in range(0, len(prompts), batch_size):
-        chunk = [prompt_ids(tokenizer, p) for p in prompts[first:first + batch_size]]
+        chunk = ids[first:first + batch_size]
         rows: list[list[int]] = [[] for _ in chunk]
         done = torch.zeros(len(chunk), dtype=torch.bool)
         seeds = [seed + first + i for i in range(len(chunk))]
-        for token in decode_rows(model, tokenizer, chunk, max_new_tokens, temperature, top_k, top_p, seeds,
-                                 document_masking, kernel):
+        for token in decode_rows(decoder, tokenizer, chunk, max_new_tokens, temperature, top_k, top_p, seeds,
+                                 document_masking):
             done |= token == tokenizer.eos_id
             for b in (~done).nonzero().flatten().tolist():
                 rows[b].append(int(token[b]))

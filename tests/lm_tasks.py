@@ -28,7 +28,10 @@ LM_EVAL_TASKS = {
                            "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False},
                            "metric_list": [{"metric": "exact_match"}]},
 }
-GEN_PROMPTS = ["The with statement", "def", "Raised when an operation or function is applied", "A", "class C:"]
+GEN_PROMPTS = ["The with statement", "def", "Raised when an operation or function is applied", "A", "class C:",
+               "import os", "The built-in function len() returns the number of items of", "x = [", "for i in",
+               "Exceptions"]
+"""Ten prompts of different lengths: one batch of 8 and one of 2 at lm-eval's batch size 8."""
 
 
 def local_tasks(folder: Path) -> Path:

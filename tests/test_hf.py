@@ -282,12 +282,12 @@ def test_lm_eval_runs_local_tasks_and_its_perplexity_equals_evaluates(hf_run, tm
         assert results["nsa_titan_ppl"][f"{metric},none"] == pytest.approx(ours[metric], rel=1e-5), metric
 
 
-def test_lm_eval_generate_until_in_batches_of_4_equals_batches_of_1(hf_run, tmp_path):
-    """lm-eval's generate_until over 5 prompts of different lengths: batch size 4 (left-padded rows, each at its
-    own position) gives every prompt the continuation that batch size 1 gives it."""
+def test_lm_eval_generate_until_in_batches_of_8_equals_batches_of_1(hf_run, tmp_path):
+    """lm-eval's generate_until over 10 prompts of different lengths: batch size 8 (left-padded rows, each at its
+    own position; caches sized to each batch) gives every prompt the continuation that batch size 1 gives it."""
     folder, tasks = hf_run / "checkpoint" / "model-step-16-hf", local_tasks(tmp_path / "tasks")
     responses = []
-    for batch in (1, 4):
+    for batch in (1, 8):
         out = tmp_path / f"results-{batch}"
         proc = subprocess.run(["lm_eval", "--model", "hf", "--model_args", f"pretrained={folder},trust_remote_code=True",
                                "--tasks", "nsa_titan_gen", "--include_path", str(tasks), "--device", "cpu",

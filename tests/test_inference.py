@@ -18,7 +18,8 @@ from nsa_titan.checkpoint.inference import load_model
 from nsa_titan.data.batch import document_ids
 from nsa_titan.models import decode
 from nsa_titan.models.attention import FAMILIES, Family
-from nsa_titan.models.decode import Decoder, cache_sizes
+from nsa_titan.models.decode import Decoder
+from nsa_titan.models.decode_cache import cache_sizes
 from nsa_titan.models.transformer import Transformer
 
 from conftest import ROOT, interpreted, tb_run, torchrun
@@ -290,19 +291,26 @@ def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, 
     assert max(found.values()) <= 1, found
 
 
-def test_the_cache_is_allocated_once_and_holds_little_more_than_dense_s():
-    """Every buffer is allocated at the prefill for the declared maximum context and never again (the steps
-    write in place); at M7C's paper sizes and 64k the NSA cache holds 1.07x dense's slots (sel's keys, the
-    compressed blocks, and rings of w and l positions), not 3x."""
+def test_the_cache_is_allocated_once_a_request_and_holds_little_more_than_dense_s():
+    """Every buffer is allocated at the prefill for the request (its prompt and new tokens, rounded up to whole sel
+    blocks) and never again (the steps write in place); stepping past it grows the buffers, equal to a full forward.
+    At M7C's paper sizes and 64k the NSA cache holds 1.07x dense's slots (sel's keys, the compressed blocks, and
+    rings of w and l positions), not 3x."""
     model = small_model("nsa")
-    decoder = Decoder(model)
-    decoder.prefill(torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(0)))
+    ids = torch.randint(0, 97, (2, 80), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(model, context=70)
+    decoder.prefill(ids[:, :30])
     before = {name: buf.data_ptr() for c in decoder.caches for name, buf in c.buffers.items()}
-    for _ in range(40):
-        decoder.step(torch.zeros(2, 1, dtype=torch.long))
+    for i in range(30, 70):
+        decoder.step(ids[:, i:i + 1])
     assert {name: buf.data_ptr() for c in decoder.caches for name, buf in c.buffers.items()} == before
     assert {name: decoder.caches[0].get(name).shape[1] for name in decoder.caches[0].buffers} == \
-        {"k_sel": 128, "v_sel": 128, "kc": 31, "vc": 31, "k_win": 12, "v_win": 12, "k_cmp": 8, "v_cmp": 8}
+        {"k_sel": 72, "v_sel": 72, "kc": 17, "vc": 17, "k_win": 12, "v_win": 12, "k_cmp": 8, "v_cmp": 8}
+    for i in range(70, 80):  # past the request: the buffers grow, the logits stay a full forward's
+        last = decoder.step(ids[:, i:i + 1])
+    assert decoder.caches[0].get("k_sel").shape[1] == 128  # twice 72, within the declared 128
+    with torch.no_grad():
+        torch.testing.assert_close(last, model(ids)[:, -1:], rtol=1e-5, atol=1e-5)
     paper = Transformer(Model(attention="nsa", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)
     dense = Transformer(Model(attention="dense", dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97), 64)
     layer = lambda m: next(iter(m.layers.values())).attention  # noqa: E731

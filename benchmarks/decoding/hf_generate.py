@@ -15,7 +15,6 @@ the first is left out). Without a cache, 3 steps are timed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -27,7 +26,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nsa_titan.config import Model  # noqa: E402
-from nsa_titan.hf import NSATitanConfig, NSATitanForCausalLM  # noqa: E402
+from nsa_titan.hf import NSATitanForCausalLM  # noqa: E402
+from nsa_titan.hf.export import model_config  # noqa: E402
 from nsa_titan.models.decode import Decoder  # noqa: E402
 
 VOCAB = 4096
@@ -35,8 +35,7 @@ VOCAB = 4096
 
 def build(attention: str, layers: int, max_len: int) -> NSATitanForCausalLM:
     cfg = Model(attention=attention, dim=768, n_layers=layers, n_heads=12, n_kv_groups=2, head_dim=64, vocab_size=VOCAB)
-    model = NSATitanForCausalLM(NSATitanConfig(max_position_embeddings=max_len, eos_token_id=VOCAB - 1,
-                                               **dataclasses.asdict(cfg)))
+    model = NSATitanForCausalLM(model_config(cfg, max_len, eos_token_id=VOCAB - 1))
     model.model.init_weights(0)
     return model.eval()
 

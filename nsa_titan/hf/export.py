@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from ..checkpoint import CheckpointError, check_fit, shapes
 from ..checkpoint.inference import SINGLE_PROCESS
-from ..config import DTYPES, JobConfig, derive, load_config, max_context
+from ..config import DTYPES, JobConfig, Model, derive, load_config, max_context
 from ..data import Tokenizer, build_tokenizer
 from ..data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer
 from ..models.rope import SCALED, hf_rope_parameters
@@ -93,13 +93,19 @@ def check_output(output: Path, source: str) -> None:
                               f"or remove that one first")
 
 
-def hf_config(cfg: JobConfig, tokenizer: Tokenizer, source: str):
+def hf_config(cfg: JobConfig, tokenizer: Tokenizer, source: str) -> NSATitanConfig:
     """The NSATitanConfig of a run's derived config."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("rope_theta", "max_seq_len", *SCALED)}
-    return NSATitanConfig(max_position_embeddings=max_context(cfg), document_masking=cfg.training.document_masking,
-                          rope_parameters=hf_rope_parameters(cfg.model), eos_token_id=tokenizer.eos_id,
-                          bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.eos_id,
-                          tie_word_embeddings=cfg.model.tie_embeddings, **{SOURCE_KEY: source}, **settings)
+    return model_config(cfg.model, max_context(cfg), document_masking=cfg.training.document_masking,
+                        eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.eos_id,
+                        **{SOURCE_KEY: source})
+
+
+def model_config(model: Model, declared: int, **keys) -> NSATitanConfig:
+    """The NSATitanConfig of a `[model]` section declared for `declared` tokens, with transformers' `keys`
+    (eos / bos / pad ids, document_masking): RoPE's settings as transformers' rope_parameters."""
+    settings = {k: v for k, v in dataclasses.asdict(model).items() if k not in ("rope_theta", "max_seq_len", *SCALED)}
+    return NSATitanConfig(max_position_embeddings=declared, rope_parameters=hf_rope_parameters(model),
+                          tie_word_embeddings=model.tie_embeddings, **keys, **settings)
 
 
 def llama_model(cfg: JobConfig, tokenizer: Tokenizer, source: str, state: Mapping[str, torch.Tensor]):

@@ -5,16 +5,19 @@ KV cache behind the cache argument), lm-evaluation-harness. The model is nsa_tit
 This file is copied into every exported folder (`auto_map`); it needs the nsa_titan package.
 """
 
+import copy
 import dataclasses
+import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nsa_titan.config import Model
 from nsa_titan.data.batch import document_ids
-from nsa_titan.models.decode import DecodeCache
+from nsa_titan.models.decode import DecodeCache, Decoder
 from nsa_titan.models.rope import rope_settings, rope_tables
 from nsa_titan.models.transformer import Transformer
 from nsa_titan.runtime.kernel_check import verified_decode
@@ -23,6 +26,10 @@ from .configuration_nsa_titan import NSATitanConfig
 
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 """The output's cache field in this transformers version (`cache` since 5.2x, `past_key_values` before)."""
+MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+"""The generate() modes NSA's cache serves."""
+WHAT_WORKS = ("greedy or sampled decoding (do_sample, seeded by torch.manual_seed), beam search (num_beams, "
+              "num_return_sequences), and a follow-up generate() given the returned cache")
 
 
 def model_config(config: NSATitanConfig) -> Model:
@@ -42,6 +49,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = Transformer(model_config(config), config.max_position_embeddings)
         self.decode_kernels: dict[tuple[torch.device, torch.dtype], str] = {}
+        self.last_request: tuple[weakref.ref, Decoder] | None = None  # the last generate()'s cache and decoder
         self.post_init()
 
     @classmethod
@@ -62,6 +70,42 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             self.decode_kernels[where] = verified_decode(self.model.cfg, *where)
         return self.decode_kernels[where]
 
+    def generate(self, *args, generation_config: GenerationConfig | None = None, **kwargs):
+        """transformers' generate() in the modes NSA's cache serves (`MODES`); another is refused in one line."""
+        config = copy.deepcopy(generation_config or self.generation_config)
+        config.update(**kwargs)
+        mode = config.get_generation_mode(kwargs.get("assistant_model"))
+        if mode not in MODES and kwargs.get("custom_generate") is None:
+            raise ValueError(f"generate(): {mode.value.replace('_', ' ')} is not supported with NSA's cache; what "
+                             f"works: {WHAT_WORKS}")
+        return super().generate(*args, generation_config=generation_config, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict,
+                                      generation_mode: GenerationMode, batch_size: int, max_cache_length: int) -> None:
+        """generate()'s cache: NSA's, sized to the request (its longest prompt and new tokens: `max_cache_length`
+        positions a row), the last request's buffers reused where its cache is gone; one handed in (a follow-up
+        turn) grows to it. A request past the declared maximum is refused before anything is allocated."""
+        if max_cache_length > self.model.max_seq_len:
+            raise ValueError(f"generate(): the longest prompt and max_new_tokens need {max_cache_length:,} positions "
+                             f"a row, past the {self.model.max_seq_len:,} this model is declared for "
+                             "(max_position_embeddings): shorten them, or adapt the model to a longer context "
+                             "(docs/long-context.md)")
+        given = model_kwargs.get(CACHE_FIELD)
+        if given is not None:
+            rows = max(generation_config.num_beams, generation_config.num_return_sequences) * batch_size
+            if not isinstance(given, DecodeCache) or len(given.decoder.at) != rows:
+                held = f"{len(given.decoder.at)} rows" if isinstance(given, DecodeCache) else type(given).__name__
+                raise ValueError(f"generate(): the cache handed in ({held}) is not this request's: give back the "
+                                 f"cache a generate() of the same {batch_size} prompts returned (num_beams = 1, "
+                                 "num_return_sequences = 1), or none")
+            given.decoder.reserve(max_cache_length)
+        elif generation_config.use_cache is not False:
+            last, self.last_request = self.last_request, None  # the old buffers: this request's, or freed
+            spare = last[1].caches if last is not None and last[0]() is None else None
+            cache = DecodeCache(self.model, self.decode_kernel(), max_cache_length, spare)
+            self.last_request = (weakref.ref(cache), cache.decoder)
+            model_kwargs[CACHE_FIELD] = cache
+
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.tok_embeddings
 
@@ -70,8 +114,10 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 cache: DecodeCache | None = None, past_key_values: DecodeCache | None = None,
-                use_cache: bool | None = None, labels: torch.LongTensor | None = None, **kwargs):
-        """Logits (B, T, vocab) of input_ids (B, T). With `use_cache` (as `generate` calls it) or a cache
+                use_cache: bool | None = None, labels: torch.LongTensor | None = None, logits_to_keep: int = 0,
+                **kwargs):
+        """Logits (B, T, vocab) of input_ids (B, T) (with `logits_to_keep`, as `generate` asks, of the last
+        positions only). With `use_cache` (as `generate` calls it) or a cache
         given, the first call prefills a DecodeCache and later calls extend it by their new tokens.
         `attention_mask` zeros (padding, left or right) are documents of their own; with the config's
         `document_masking`, so is each end-of-text-terminated document, as in training."""
@@ -81,13 +127,14 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
             cache = DecodeCache(self.model, self.decode_kernel())
         if cache is None:
             logits = self.model(input_ids, document_ids(input_ids, attention_mask, eos))
+            logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
         elif cache.seen == 0:
             if attention_mask is not None and not bool(attention_mask[:, -1].all()):
                 raise ValueError("a prompt ends in padding (right padding): new tokens would follow the padding. "
                                  "Pad on the left (tokenizer.padding_side = 'left'), as for any decoder-only model")
-            logits = cache.forward(input_ids, document_ids(input_ids, attention_mask, eos))
+            logits = cache.forward(input_ids, document_ids(input_ids, attention_mask, eos), logits_to_keep)
         else:
-            logits = cache.forward(input_ids)
+            logits = cache.forward(input_ids, keep=logits_to_keep)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)

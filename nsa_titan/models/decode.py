@@ -3,7 +3,9 @@
 Per layer the cache holds sel's keys and values for every position (any later token may choose any
 block), the compressed blocks, and rings of what only the end is read of: the window's last w keys
 and the cmp branch's last l raw keys; a new compressed block is formed every d tokens, once its l keys
-exist. Every buffer is allocated once, for the model's declared maximum context (no growth copies).
+exist. The buffers are sized to the request (`request_context`: its longest prompt and new tokens, rounded up to
+what the kernels read), allocated once a request, and handed to the next request of the same sizes without
+zeroing (every kernel reads an unwritten slot masked); stepping past them grows them (copies, as a dynamic cache).
 A decoding step for the token at position t reads:
   cmp: the Nc(t) compressed keys; sel: the n chosen blocks of l' keys; win: the last w keys;
   dense: all t + 1 keys.
@@ -16,13 +18,14 @@ NSA's C++ kernels over the caches as they lie (`_attend_last_cpp`), else PyTorch
 
 With documents (a prompt packed from several, `document_ids`), the caches hold each row's last
 document only, at positions from its start, so that new tokens continue it; `reset` starts a new
-document (fresh caches, position 0). Rows decode at positions of their own: prompts of different
+document (position 0, the buffers reused). Rows decode at positions of their own: prompts of different
 lengths (left padding is a document of its own) and last documents starting anywhere. All equal the
 packed forward pass, and each row decoded alone.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -33,101 +36,8 @@ from .attention import masked_attention, mix_branches, select_blocks
 from .attention.families.cpp import cpu_attention
 from .attention.families.reference import Reference
 from .attention.families.triton import triton_decode
+from .decode_cache import LayerCache, layer_sizes, request_context, take_rows
 from .transformer import DenseAttention, NSAAttention, Transformer, previous_tokens
-
-
-TRANSPOSED = {"kc", "k_sel", "k_win"}
-"""The keys the C++ kernels read, kept transposed: 16 consecutive keys of one dimension are one vector."""
-
-
-def _rows(buf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Entries `index` (B, K) of each row of `buf` (B, S, ...): (B, K, ...)."""
-    return buf.gather(1, index.view(*index.shape, *[1] * (buf.dim() - 2)).expand(-1, -1, *buf.shape[2:]))
-
-
-class LayerCache:
-    """One layer's keys and values per name for B rows of G KV groups, in the layout NSA's C++ kernels read:
-    the keys they read transposed (B G, D, size + pad; `TRANSPOSED`), the others and the values as rows
-    (B G, size + pad, D) (dense's too: SDPA's layout), `pads[name]` slots past the end of what a kernel reads
-    (16 keys, or a block, at a time; finite, read masked). Each buffer is allocated once, at its first write, for
-    the model's declared maximum context (no growth copies): a ring (`size` below that context) holds position
-    p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks (kept by the C++ and PyTorch steps; the
-    Triton kernels derive it from the position). `get` shows a buffer as (B, S, G, D)."""
-
-    def __init__(self, sizes: dict[str, int], pads: dict[str, int] | None = None):
-        self.sizes, self.pads = sizes, pads or {}
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.shape: tuple[int, int, int] = (0, 0, 0)  # B, G, D
-        self.n_cmp: torch.Tensor | None = None
-        self.arrivals: torch.Tensor | None = None  # (B G, 2) int32 zeros: the Triton step's counts of a row's
-        # programs, one a launch
-
-    def allocate(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The buffer of `name`, made for entries like (B, S, G, D) (zeros: unwritten slots are read masked)."""
-        if name not in self.buffers:
-            B, _, G, D = like.shape
-            self.shape = (B, G, D)
-            slots = self.sizes[name] + self.pads.get(name, 0)
-            self.buffers[name] = like.new_zeros((B * G, D, slots) if name in TRANSPOSED else (B * G, slots, D))
-            if self.arrivals is None:
-                self.arrivals = torch.zeros(B * G, 2, dtype=torch.int32, device=like.device)
-        return self.get(name)
-
-    def put(self, name: str, x: torch.Tensor, length: torch.Tensor) -> None:
-        """A prefill's entries x (B, S, G, D): row b's positions 0 .. length[b] - 1 (a ring keeps the last)."""
-        buf, size, S = self.allocate(name, x), self.sizes[name], x.shape[1]
-        if S <= size:
-            buf[:, :S] = x
-            return
-        slot = torch.arange(size, device=x.device)
-        last = slot + size * torch.div((length[:, None] - 1 - slot).clamp(min=0), size, rounding_mode="floor")
-        buf.copy_(_rows(x, last.clamp(max=S - 1)))  # slot s: the last position p < length with p % size == s
-
-    def write(self, name: str, at: torch.Tensor, x: torch.Tensor) -> None:
-        """Each row's entry x (B, 1, G, D) at its position `at` (B,)."""
-        rows = torch.arange(x.shape[0], device=x.device)
-        self.allocate(name, x)[rows, at % self.sizes[name]] = x[:, 0]
-
-    def compressed(self, kc: torch.Tensor, vc: torch.Tensor, complete: torch.Tensor) -> None:
-        """Each row's new compressed key and value (B, 1, G, D) at its slot n_cmp, counted where its block is
-        `complete` (B,); the other rows write the slot after their last, which is read only once rewritten (a
-        row with every block may write a pad slot: finite values, never read)."""
-        rows = torch.arange(kc.shape[0], device=kc.device)
-        for name, x in (("kc", kc), ("vc", vc)):
-            self.allocate(name, x)
-            self.get(name, self.sizes[name] + self.pads.get(name, 0))[rows, self.n_cmp] = x[:, 0]
-        self.n_cmp = self.n_cmp + complete
-
-    def get(self, name: str, width: int | None = None) -> torch.Tensor | None:
-        """The buffer of `name` as (B, S, G, D) (a view), its first `width` slots (default: all), or None."""
-        raw = self.buffers.get(name)
-        if raw is None:
-            return None
-        (B, G, D), S = self.shape, self.sizes[name] if width is None else width
-        if name in TRANSPOSED:
-            return raw.view(B, G, D, -1)[..., :S].permute(0, 3, 1, 2)
-        return raw.view(B, G, -1, D)[:, :, :S].transpose(1, 2)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-
-def cache_sizes(attn: NSAAttention | DenseAttention, context: int) -> dict[str, int]:
-    """Slots per name for a context of `context` positions: every position of the keys that any later token may
-    read (sel's, dense's), the compressed blocks, and rings for what only the last positions need (the window's
-    w keys; the cmp branch's l raw keys, until their block is compressed)."""
-    if isinstance(attn, DenseAttention):
-        return {"k": context, "v": context}
-    spec, full = attn.spec, max(1, attn.spec.num_cmp_blocks(context))
-    return {"k_sel": context, "v_sel": context, "kc": full, "vc": full, "k_win": min(spec.w, context),
-            "v_win": min(spec.w, context), "k_cmp": min(spec.l, context), "v_cmp": min(spec.l, context)}
-
-
-def _pads(attn: NSAAttention | DenseAttention) -> dict[str, int]:
-    """Zero slots past the end of the buffers the C++ kernels read: 16 keys at a time, sel's from a block's start."""
-    if isinstance(attn, DenseAttention):
-        return {}
-    return {"kc": 16, "vc": 16, "k_win": 16, "v_win": 16, "k_sel": 16 + attn.spec.l_sel, "v_sel": 16 + attn.spec.l_sel}
 
 
 Step = Callable[..., torch.Tensor]
@@ -241,7 +151,8 @@ def _attention(attn: NSAAttention | DenseAttention, q: torch.Tensor, gates: torc
         first = t - spec.l + 1
         complete = (first >= 0) & (first % spec.d == 0)
         ring = (first[:, None] + torch.arange(spec.l, device=device)) % cache.sizes["k_cmp"]  # (B, l) in order
-        cache.compressed(*attn.compress(_rows(cache.get("k_cmp"), ring), _rows(cache.get("v_cmp"), ring)), complete)
+        keys = (take_rows(cache.get(name), ring) for name in ("k_cmp", "v_cmp"))
+        cache.compressed(*attn.compress(*keys), complete)
     n_cmp = cache.n_cmp
     if width > 0 and "kc" in cache.buffers and kernel == "cpp":
         return steps["cpp"](attn, q, gates, cache, t, width, t_max)
@@ -273,30 +184,56 @@ class Decoder:
     """Caches for one batch of sequences; `prefill(prompt)` then `step(token)`, each -> logits. Each row
     decodes at its own position: prompts of different lengths (left padding, a mask's change starting a
     document) and rows whose last documents start at different places. `kernels`: the step's
-    (`[model] decode_kernels`: auto, triton, cpp, torch), chosen here, once (`kernel`)."""
+    (`[model] decode_kernels`: auto, triton, cpp, torch), chosen here, once (`kernel`). `context`: the positions
+    a row will reach (the request's longest prompt and new tokens; `reserve`), at least the prompt's; `spare`:
+    a finished request's caches, whose buffers of the same sizes are reused."""
 
-    def __init__(self, model: Transformer, kernels: str = "auto"):
+    def __init__(self, model: Transformer, kernels: str = "auto", context: int = 0,
+                 spare: list[LayerCache] | None = None):
         self.model = model
         self.kernel = decode_kernel(model, kernels)
         self.steps = STEPS
+        self.context = request_context(model, context) if context else 0
         self.t: torch.Tensor | None = None  # (B,) each row's next position (in its document), once prefilled
+        self.caches = spare or []
         self.reset()
 
     def reset(self) -> None:
-        """Start new documents: the next token of every row is at position 0 and reads nothing before it."""
-        self.caches = [LayerCache(cache_sizes(block.attention, self.model.max_seq_len), _pads(block.attention))
-                       for block in self.model.layers.values()]
+        """Start new documents: the next token of every row is at position 0 and reads nothing before it (the
+        buffers are kept for them)."""
+        self.caches = [LayerCache(*layer_sizes(block.attention, self.context),
+                                  {**old.spare, **old.buffers} if old else None)
+                       for block, old in itertools.zip_longest(self.model.layers.values(), self.caches)]
         self.t = None if self.t is None else torch.zeros_like(self.t)
         self.at = [0] * len(self.t) if self.t is not None else []  # the same on the host
         self.last: torch.Tensor | None = None  # the last token (B, 1) given, read by `smear`
 
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` a row (`request_context`), what the caches hold kept (a follow-up request)."""
+        if (context := request_context(self.model, positions)) > self.context:
+            self.context = context
+            for block, cache in zip(self.model.layers.values(), self.caches):
+                cache.grow(*layer_sizes(block.attention, context))
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Row b continues what row rows[b] (B,) held: beam search's reordering of its beams."""
+        for cache in self.caches:
+            cache.select(rows)
+        self.t, self.last = self.t[rows], self.last[rows]
+        self.at = [self.at[i] for i in rows.tolist()]
+
+    def nbytes(self) -> int:
+        """The bytes the caches hold."""
+        return sum(cache.nbytes() for cache in self.caches)
+
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, keep: int = 0) -> torch.Tensor:
         """Logits (B, T, V) of the prompt by the training forward, which also hands each layer's keys
-        and values (per branch, and compressed) to its cache. With `document_ids` (B, T) the forward
+        and values (per branch, and compressed) to its cache; with `keep`, of its last `keep` positions only
+        (generate()'s logits_to_keep: no B x T x V logits). With `document_ids` (B, T) the forward
         masks documents and the caches keep each row's last one, from its start."""
         m, (B, T) = self.model, tokens.shape
-        m.check_length(T)
+        self.context = max(self.context, request_context(m, T))
         self.reset()
         docs, rope = m.positions(document_ids)
         device = tokens.device
@@ -311,23 +248,24 @@ class Decoder:
             h = block(h, rope, kv_out=kv, docs=docs)
             for name, value in kv.items():
                 if name not in ("kc", "vc"):
-                    cache.put(name, value if docs is None else _rows(value, own), length)
+                    cache.put(name, value if docs is None else take_rows(value, own), length)
                 else:
                     spec = block.attention.spec
                     cache.n_cmp = _num_cmp_blocks(spec, length)
                     if docs is not None:  # each row's own slots, from its last document's first
                         first = docs.first_slot.gather(1, start[:, None])
                         slots = first + torch.arange(spec.num_cmp_blocks(longest), device=device)
-                        value = _rows(value, slots.clamp(max=max(value.shape[1] - 1, 0)))
+                        value = take_rows(value, slots.clamp(max=max(value.shape[1] - 1, 0)))
                     cache.put(name, value, cache.n_cmp)
         self.t, self.last = length, tokens[:, -1:]
-        return m.output(m.norm(h))
+        return m.output(m.norm(h[:, -keep:] if keep else h))
 
     @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, V) after appending `token` (B, 1) at each row's next position."""
         m, t = self.model, self.t
-        m.check_length(max(self.at) + 1)
+        if (end := max(self.at) + 1) > self.context:  # past the request's room: grow (twice, within the maximum)
+            self.reserve(min(max(end, 2 * self.context), max(end, m.max_seq_len)))
         prev = torch.full_like(token, -1) if self.last is None else torch.where(t[:, None] > 0, self.last, -1)
         h = m.embed(token, prev)
         rope = m.rope[t][:, None]  # (B, 1, head_dim): each row's own position
@@ -347,14 +285,20 @@ class Decoder:
 
 class DecodeCache:
     """A Decoder behind a library's cache argument (transformers' `generate`, nsa_titan/hf): the first
-    `forward` prefills, each later one appends its tokens one at a time, reading only what NSA reads."""
+    `forward` prefills, each later one appends its tokens one at a time, reading only what NSA reads.
+    `context`, `spare`: the Decoder's (the request's positions a row; a finished request's caches)."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, model: Transformer, kernels: str = "auto"):
-        self.decoder = Decoder(model, kernels)
+    def __init__(self, model: Transformer, kernels: str = "auto", context: int = 0,
+                 spare: list[LayerCache] | None = None):
+        self.decoder = Decoder(model, kernels, context, spare)
         self.seen = 0  # tokens given so far
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search's step: row b goes on from row beam_idx[b]."""
+        self.decoder.select(beam_idx)
 
     @property
     def is_linear(self) -> list[bool]:
@@ -363,13 +307,14 @@ class DecodeCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, S, V) of the new tokens (B, S): the prompt's by the training forward the first time
-        (its `document_ids`, as the model takes them: a change starts a document), then one incremental step
-        per token."""
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, keep: int = 0) -> torch.Tensor:
+        """Logits (B, S, V) of the new tokens (B, S) (with `keep`, of the last `keep`): the prompt's by the training
+        forward the first time (its `document_ids`, as the model takes them: a change starts a document), then
+        one incremental step per token."""
         if self.seen == 0:
-            logits = self.decoder.prefill(tokens, document_ids)
+            logits = self.decoder.prefill(tokens, document_ids, keep)
         else:
-            logits = torch.cat([self.decoder.step(tokens[:, i:i + 1]) for i in range(tokens.shape[1])], 1)
+            steps = [self.decoder.step(tokens[:, i:i + 1]) for i in range(tokens.shape[1])]
+            logits = torch.cat(steps[-keep:] if keep else steps, 1)
         self.seen += tokens.shape[1]
         return logits
