@@ -104,7 +104,7 @@ def decoder(attention: str, args: argparse.Namespace, context: int, batch: int, 
     model = model.to(dtype).eval()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (batch, context + WARMUP + args.steps), generator=gen)
-    first = Decoder(model)
+    first = Decoder(model, context=model.max_seq_len)  # its prompt and every step
     if args.fill == "prefill":
         first.prefill(tokens[:, :context])
     else:

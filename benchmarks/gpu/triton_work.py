@@ -129,7 +129,7 @@ def decode_state(context: int, layers: int = 2) -> tuple[Decoder, torch.Tensor]:
     cfg = Model(attention="nsa", dim=768, n_layers=layers, n_heads=12, n_kv_groups=2, head_dim=64, vocab_size=256)
     model = Transformer(cfg, context + 64)
     model.init_weights(0)
-    decoder = Decoder(model.to(torch.bfloat16).eval())
+    decoder = Decoder(model.to(torch.bfloat16).eval(), context=model.max_seq_len)
     random_fill(decoder, 1, context, torch.bfloat16)
     return decoder, torch.zeros(1, 1, dtype=torch.long)
 

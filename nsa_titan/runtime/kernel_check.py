@@ -135,7 +135,7 @@ def decode_errors(model: Transformer, kernel: str, wrap: DecoderWrap | None = No
     ids[1, prompt // 3:] = 1  # the second row's last document starts later: rows at different positions
     with torch.no_grad():
         full = model(tokens, ids)[:, prompt:].float()
-    decoder = Decoder(model, kernel)
+    decoder = Decoder(model, kernel, model.max_seq_len)  # the prompt and every step
     if wrap is not None:
         wrap(decoder)
     decoder.prefill(tokens[:, :prompt], ids[:, :prompt])
