@@ -65,7 +65,7 @@ def test_the_cache_holds_what_the_request_needs_not_the_declared_context():
         assert cache.decoder.context == request_context(model.model, length) < length + 64
         assert cache.decoder.nbytes() <= bound * static_bytes(length, 1), (prompt, cache.decoder.nbytes())
         if prompt == 100:  # before: every row held the declared 32k, more than a dense cache of 32k does
-            assert cache.decoder.nbytes() < static_bytes(32768, 1) / 100
+            assert cache.decoder.nbytes() < static_bytes(32768, 1) / 50
 
 
 @torch.no_grad()
