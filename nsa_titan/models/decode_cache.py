@@ -1,5 +1,5 @@
 """The decoding caches' buffers (models/decode.py reads and writes them): per layer, each branch's keys and
-values in the layout NSA's C++ kernels read, sized to a request (`request_context`, `cache_sizes`, `_pads`),
+values in the layout NSA's C++ kernels read, sized to a request (`request_context`, `layer_sizes`),
 reused by the next request of the same sizes, grown past them, and reordered for beam search."""
 
 from __future__ import annotations
