@@ -265,7 +265,7 @@ class Decoder:
         """Logits (B, 1, V) after appending `token` (B, 1) at each row's next position."""
         m, t = self.model, self.t
         if (end := max(self.at) + 1) > self.context:  # past the request's room: grow (twice, within the maximum)
-            self.reserve(min(max(end, 2 * self.context), max(end, m.max_seq_len)))
+            self.reserve(max(end, min(2 * self.context, m.max_seq_len)))
         prev = torch.full_like(token, -1) if self.last is None else torch.where(t[:, None] > 0, self.last, -1)
         h = m.embed(token, prev)
         rope = m.rope[t][:, None]  # (B, 1, head_dim): each row's own position

@@ -112,13 +112,17 @@ class LayerCache:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
 def request_context(model: Transformer, positions: int) -> int:
     """The positions a request's caches hold for `positions` a row (its longest prompt and new tokens): rounded up
     to whole sel blocks (NSA's l'; dense: 16), within the model's declared maximum; more is a ValueError."""
     model.check_length(positions)
     attn = next(iter(model.layers.values())).attention
     unit = attn.spec.l_sel if isinstance(attn, NSAAttention) else 16
-    return min(-(-max(positions, 1) // unit) * unit, model.max_seq_len)
+    return min(_round_up(max(positions, 1), unit), model.max_seq_len)
 
 
 def cache_sizes(attn: NSAAttention | DenseAttention, context: int) -> dict[str, int]:
@@ -137,9 +141,8 @@ def cache_pads(attn: NSAAttention | DenseAttention, sizes: dict[str, int]) -> di
     block's end; the compressed blocks' one more, which a row with every block writes (never read)."""
     if isinstance(attn, DenseAttention):
         return {}
-    up = lambda n: -(-n // 16) * 16  # noqa: E731
-    sel = -(-sizes["k_sel"] // attn.spec.l_sel) * attn.spec.l_sel + 16 - sizes["k_sel"]
-    kc, win = up(sizes["kc"] + 1) - sizes["kc"], up(sizes["k_win"]) - sizes["k_win"]
+    sel = _round_up(sizes["k_sel"], attn.spec.l_sel) + 16 - sizes["k_sel"]
+    kc, win = _round_up(sizes["kc"] + 1, 16) - sizes["kc"], _round_up(sizes["k_win"], 16) - sizes["k_win"]
     return {"kc": kc, "vc": kc, "k_win": win, "v_win": win, "k_sel": sel, "v_sel": sel}
 
 
