@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,8 +29,10 @@ class Job:
     """`run_train.sh ARGS` in a session of its own (as a scheduler or a terminal starts it), output read live."""
 
     def __init__(self, dump: Path, *args: str, nproc: int = 1, env: dict | None = None,
-                 preexec: Callable[[], None] | None = None):
-        self.cmd = [str(ROOT / "run_train.sh"), *SMALL, "--job.dump_folder", str(dump), *args]
+                 preexec: Callable[[], None] | None = None, launcher: Sequence[str] = (), under: Sequence[str] = ()):
+        """`launcher`: the command in place of `run_train.sh` (torchrun called directly); `under`: what starts it (a
+        PID namespace, a subreaper)."""
+        self.cmd = [*under, *(launcher or [str(ROOT / "run_train.sh")]), *SMALL, "--job.dump_folder", str(dump), *args]
         self.proc = subprocess.Popen(self.cmd, cwd=dump.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, preexec_fn=preexec,
                                      env={**os.environ, "NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})})

@@ -9,6 +9,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,19 +41,67 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_launcher_killed_with_sigkill_takes_its_ranks_and_loader_workers_along_and_a_rerun_trains_alone(tmp_path):
+PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc"]
+"""What `docker run IMAGE CMD` and a Kubernetes pod make of CMD: PID 1 of a PID namespace of its own."""
+SUBREAPER = [sys.executable, "-c", """
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: what tini, `docker run --init` and systemd are
+code = subprocess.Popen(sys.argv[1:]).wait()
+while True:  # reap the orphans handed to this process, as an init does
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+sys.exit(code)
+"""]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+            "nsa_titan.train"]
+"""torchrun called directly, without `run_train.sh` and its launcher."""
+
+
+def namespaces_work() -> bool:
+    return subprocess.run([*PID_NAMESPACE, "true"], capture_output=True).returncode == 0
+
+
+needs_namespaces = pytest.mark.skipif(not namespaces_work(), reason="unshare --pid needs root (CI runs as root)")
+
+
+@needs_namespaces
+@pytest.mark.parametrize("launcher", [(), TORCHRUN], ids=["run_train.sh", "torchrun"])
+def test_the_launcher_as_a_containers_pid_1_trains_its_steps(tmp_path, launcher):
+    """Each rank's dead-launcher check read "my parent is PID 1" as its launcher gone, and exited 0 at once."""
+    rc, out = Job(tmp_path / "out", "--training.steps", "5", "--data.num_workers", "2", nproc=2, launcher=launcher,
+                  under=PID_NAMESPACE).finish()
+    assert rc == 0, out[-4000:]
+    assert "run summary: reached step 5 of 5" in out, out[-3000:]
+    assert (tmp_path / "out" / "checkpoint" / "step-5").is_dir()
+
+
+HOW = {"run_train.sh": ((), ()), "pid-1": ((), PID_NAMESPACE), "subreaper": ((), SUBREAPER),
+       "torchrun": (TORCHRUN, ())}
+
+
+@pytest.mark.parametrize("how", list(HOW))
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_and_loader_workers_along(tmp_path, how):
+    """However the launcher is started; after the plain one's, a rerun trains alone and resumes."""
+    launcher, under = HOW[how]
+    if under is PID_NAMESPACE and not namespaces_work():
+        pytest.skip("unshare --pid needs root (CI runs as root)")
     dump, args = tmp_path / "out", [*ASYNC, "--data.num_workers", "2"]
-    job = Job(dump, *args, nproc=2)
+    job = Job(dump, *args, nproc=2, launcher=launcher, under=under)
     job.wait_for(rf"step +6/{STEPS} ")
-    ranks = [job.rank_pid(r) for r in (0, 1)]
+    launcher_pid = child_pids(job.proc.pid)[0] if under else job.proc.pid  # run_train.sh execs the launcher
+    ranks = child_pids(launcher_pid)
     processes = ranks + [w for r in ranks for w in child_pids(r)]
-    assert len(processes) == 6, processes  # 2 ranks, 2 loader workers each
-    os.kill(job.proc.pid, signal.SIGKILL)  # run_train.sh execs the launcher: this is it
+    assert len(ranks) == 2 and len(processes) == 6, processes  # 2 ranks, 2 loader workers each
+    os.kill(launcher_pid, signal.SIGKILL)
     killed = time.monotonic()
     while any(alive(p) for p in processes) and time.monotonic() - killed < 5:
         time.sleep(0.05)
     assert not [p for p in processes if alive(p)], "alive 5 s after the launcher's SIGKILL"
     job.proc.wait(timeout=30)
+    if how != "run_train.sh":
+        return
     rc, out = Job(dump, *args, nproc=2).finish()
     assert rc == 0, out[-4000:]
     assert "taken over from" in out and "resumed from" in out, out[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import signal
 import warnings
 
@@ -60,15 +61,15 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
                                     (data.read_retries, data.retry_wait_seconds), data.bad_documents)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
                               persistent_workers=data.num_workers > 0, snapshot_every_n_steps=SNAPSHOT_EVERY,
-                              worker_init_fn=start_worker, generator=own_generator(data.seed, dp_rank))
+                              worker_init_fn=functools.partial(start_worker, rank=os.getpid()), generator=own_generator(data.seed, dp_rank))
 
 
-def start_worker(worker_id: int) -> None:
+def start_worker(worker_id: int, rank: int) -> None:
     """`worker_init_fn` of the training loaders' workers: the rank decides when they stop, not a stop signal
-    (`signals.ignore_stop_signals`), and they die with their rank. A SIGKILLed rank's workers would otherwise live
+    (`signals.ignore_stop_signals`), and they die with their rank, pid `rank`. A SIGKILLed rank's workers would otherwise live
     on, each blocked at its exit on a result queue that its sibling holds open, and keep the job's output open."""
     ignore_stop_signals(worker_id)
-    die_with_parent()
+    die_with_parent(rank)
 
 
 def is_held_out(text: str, share: float) -> bool:

@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
-LAUNCHED_BY = "NSA_TITAN_LAUNCHER"
-"""Set by the launcher for its ranks: they leave their bad-input line to it (no duplicate lines)."""
+from .signals import LAUNCHER
+
+LAUNCHED_BY = LAUNCHER
+"""Set by the launcher for its ranks, to its own pid: they leave their bad-input line to it (no duplicate lines),
+and die with it (`signals.end_with_launcher`)."""
 JOB_KEY = "NSA_TITAN_JOB"
 """Set by the launcher for its ranks: the key of the job that holds the output folder for them."""
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(16 * 2**30), "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
@@ -84,7 +87,7 @@ def cache_dir() -> Path:
 def set_launcher_env(job: str | None) -> None:
     """The launcher's variables for its ranks (`job`: the key of the job holding the output folder), and
     torchrun's failure report silenced (it repeats what the ranks said; the launcher prints one line)."""
-    os.environ[LAUNCHED_BY] = "1"
+    os.environ[LAUNCHED_BY] = str(os.getpid())
     if job is not None:
         os.environ[JOB_KEY] = job
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
