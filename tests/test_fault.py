@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nsa_titan.config import ActivationCheckpoint, Model, ac_layers
 from nsa_titan.distributed.parallel import apply_ac
+from nsa_titan.runtime.watchdog import Heartbeat
 
 from conftest import TINY, launch_ranks, tb_run, torchrun
 
@@ -143,3 +144,15 @@ def test_activation_checkpointing_on_a_range_of_blocks():
     assert wrapped(mode="full", first_layer=2, last_layer=3) == [2, 3]
     assert wrapped(mode="selective", every_n_layers=2) == [1, 3, 5]
     assert wrapped(mode="selective", every_n_layers=2, first_layer=2, last_layer=5) == [3, 5]
+
+
+def test_a_heartbeat_file_with_a_torn_last_line_is_cut_back_before_the_next_record(tmp_path, caplog):
+    """A rank killed mid-write leaves half a record: the next run's first record would join it (a line no reader
+    parses). The torn tail is cut, with one warning naming the file."""
+    path = tmp_path / "rank0.jsonl"
+    path.write_text('{"time": 1.0, "step": 1}\n{"time": 2.0, "st')
+    heartbeat = Heartbeat(tmp_path, 0)
+    heartbeat.write(step=2)
+    heartbeat.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert f"{path}: its incomplete last line (17 bytes" in caplog.text

@@ -9,10 +9,15 @@ import os
 import re
 import signal
 import struct
+import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 from wandb.proto import wandb_internal_pb2 as pb
+
+from nsa_titan.observe.wandb_run import HISTORY_FILE, WandbRun
+from nsa_titan.system.jsonl import read_records
 
 from conftest import free_port, tb_losses
 from jobs import STEPS, Job, run_job
@@ -155,3 +160,60 @@ def test_an_unreachable_wandb_server_does_not_hold_training(tmp_path):
     assert rc == 0 and "run summary: reached step 8 of 8" in out, out[-3000:]
     warnings = [line for line in out.splitlines() if "W&B" in line]
     assert len(warnings) == 1 and "W&B did not start" in warnings[0], out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_torn_last_line_of_the_kept_history_is_dropped_and_the_resume_trains_to_the_end(tmp_path):
+    """A SIGKILL or a full disk mid-write leaves half a line: every resume failed on it (JSONDecodeError, exit 1).
+    Now one warning names the file and the step, and the history holds every step once, as the console printed."""
+    dump = tmp_path / "out"
+    first = run_job(dump, *OFFLINE, "--training.steps", "10", "--checkpoint.interval", "5")
+    with (dump / "wandb_history.jsonl").open("a") as f:
+        f.write('{"step": 11, "scalars": {"train/lo')
+    rc, out = Job(dump, *OFFLINE, "--training.steps", "15", "--checkpoint.interval", "5").finish()
+    assert rc == 0 and "resumed from" in out, out[-3000:]
+    [warning] = [line for line in out.splitlines() if "incomplete line" in line]
+    assert f"{dump / 'wandb_history.jsonl'}: 1 incomplete line(s) dropped" in warning
+    assert "W&B's history resumes from step 10" in warning
+    assert_one_history_as_printed(dump, first + out, 15)
+
+
+@pytest.mark.multiprocess
+def test_a_kept_history_that_cannot_be_written_is_one_warning_and_the_run_ends_normally(tmp_path):
+    """The history file on a read-only filesystem (a read-only tmpfs: needs the right to mount, as in CI)."""
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)]).returncode != 0:
+        pytest.skip("mounting a read-only tmpfs needs root (CI runs as root)")
+    try:
+        dump = tmp_path / "out"
+        dump.mkdir()
+        (dump / "wandb_history.jsonl").symlink_to(readonly / "history.jsonl")
+        out = run_job(dump, *OFFLINE, "--training.steps", "4")
+    finally:
+        subprocess.run(["umount", "-l", str(readonly)], check=False)
+    assert "run summary: reached step 4 of 4" in out
+    [warning] = [line for line in out.splitlines() if " WARNING " in line and "W&B" in line]
+    assert "could not be read or written (OSError: [Errno 30] Read-only file system" in warning, warning
+    assert sorted(history(runs(dump)[0])) == [1, 2, 3, 4]  # W&B itself logged every step
+
+
+def test_a_rollback_while_wandb_is_still_starting_keeps_one_timeline(tmp_path):
+    """Steps 1-8 logged while W&B's start is under way, a rollback to step 5, steps 6-8 again: the kept history and
+    what waits for W&B hold steps 1-8 once, the second pass's 6-8 (both timelines were kept)."""
+    w = WandbRun.__new__(WandbRun)
+    started = threading.Event()
+    w.history, w.timeout, w.lock, w.run, w.pending, w.history_warned = (tmp_path / HISTORY_FILE, 0.05,
+                                                                          threading.Lock(), None, [], False)
+    w.thread = threading.Thread(target=started.wait, daemon=True)
+    w.thread.start()
+    for step in range(1, 9):
+        w.log({"train/loss": float(step)}, step)
+    w.rewind(5)
+    for step in range(6, 9):
+        w.log({"train/loss": 10.0 + step}, step)
+    started.set()
+    kept = {r["step"]: r["scalars"]["train/loss"] for r in read_records(w.history)[0]}
+    assert len(read_records(w.history)[0]) == 8 and kept == {**{s: float(s) for s in range(1, 6)},
+                                                               **{s: 10.0 + s for s in range(6, 9)}}
+    assert [(at, scalars["train/loss"]) for scalars, at in w.pending] == sorted(kept.items())

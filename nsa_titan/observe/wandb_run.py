@@ -14,7 +14,6 @@ logging is sent by W&B's own background process.
 
 from __future__ import annotations
 
-import json
 import logging
 import netrc
 import os
@@ -25,6 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..config import Metrics
+from ..system.jsonl import append_record, read_records, write_records
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class WandbRun:
         self.pending: list[tuple[dict[str, float], int]] = []  # logged before the run is up
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.history_warned = False
         mode = wandb_mode(m)
         if not m.enable_wandb or rank != 0 or mode == "disabled":
             return
@@ -89,15 +90,37 @@ class WandbRun:
 
     def _begin(self, step: int) -> None:
         """Start W&B's run in a thread of its own, its history taken back to `step` (the kept history too)."""
-        rows = [json.loads(line) for line in self.history.read_text().splitlines()] if self.history.is_file() else []
-        kept = [row for row in rows if row["step"] <= step]
-        if len(kept) < len(rows):
-            tmp = self.history.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-            os.replace(tmp, self.history)
-        self.thread = threading.Thread(target=self._start, args=(kept, len(kept) < len(rows), step),
-                                       name="wandb-start", daemon=True)
+        kept, rewound = self._history_to(step)
+        self.thread = threading.Thread(target=self._start, args=(kept, rewound, step), name="wandb-start",
+                                       daemon=True)
         self.thread.start()
+
+    def _history_to(self, step: int) -> tuple[list[dict[str, Any]], bool]:
+        """The kept history up to `step`, the file cut back to it, and whether steps after it were dropped. A torn
+        line (a kill or a full disk mid-write) is dropped with one warning; a file that cannot be read or rewritten
+        is one warning too, and the replay is what could be read."""
+        try:
+            rows, torn = read_records(self.history)
+        except OSError as e:
+            self._history_failed(e)
+            return [], False
+        kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
+        if torn:
+            logger.warning("%s: %d incomplete line(s) dropped (a write cut short by a kill or a full disk); W&B's "
+                           "history resumes from step %d", self.history, torn, step)
+        if torn or len(kept) < len(rows):
+            try:
+                write_records(self.history, kept)
+            except OSError as e:
+                self._history_failed(e)
+        return kept, len(kept) < len(rows)
+
+    def _history_failed(self, e: OSError) -> None:
+        """A read or write of the kept history failed: one warning (the first), and W&B goes on."""
+        if not self.history_warned:
+            self.history_warned = True
+            logger.warning("W&B's kept history %s could not be read or written (%s): training and W&B go on; a "
+                           "resume replays only what was kept", self.history, _why(e))
 
     def _init(self, rewind: bool, step: int) -> Any:
         """wandb.init of the run; online with steps after `step` logged (`rewind`), rewound there where W&B can."""
@@ -148,8 +171,10 @@ class WandbRun:
         if self.thread is None:
             return
         with self.lock:
-            with self.history.open("a") as f:
-                f.write(json.dumps({"step": step, "scalars": scalars}) + "\n")
+            try:
+                append_record(self.history, {"step": step, "scalars": scalars})
+            except OSError as e:
+                self._history_failed(e)
             if self.run is not None:
                 self._log(scalars, step)
             elif self.thread.is_alive():
@@ -163,7 +188,9 @@ class WandbRun:
         self.thread.join(self.timeout)
         with self.lock:
             run, self.run = self.run, None
-        if run is None:  # W&B did not start, or failed: the run goes on without it
+            self.pending = [(scalars, at) for scalars, at in self.pending if at <= step]  # a start still under way
+        if run is None:  # W&B did not start, or failed: the run goes on without it, its history kept to `step`
+            self._history_to(step)
             return
         _finish(run)
         self._begin(step)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..config import Fault
 from ..system.cli import note_failure
+from ..system.jsonl import cut_torn_tail
 from .failure import LOST_STORE, after_peer_code, exit_now, note, peer_words
 from .failure_channel import Failure, FailureChannel
 
@@ -58,6 +59,8 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int):
         path = folder / f"rank{rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        if cut := cut_torn_tail(path):  # the last run's torn write: the next record would join it
+            logger.warning("%s: its incomplete last line (%d bytes, a write cut short) was dropped", path, cut)
         self.file = path.open("a")
         self.lock = threading.Lock()
 
