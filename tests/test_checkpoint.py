@@ -172,19 +172,27 @@ def test_incompatible_model_stops_and_overwrites_nothing(saved_run):
     assert tree_digest(saved_run / "checkpoint") == before
 
 
-def test_truncated_file_stops_naming_checkpoint_and_file(saved_run, tmp_path):
+@pytest.mark.parametrize("case", ["asked-to-stop", "none-verifies"])
+def test_truncated_file_stops_naming_checkpoint_and_file(saved_run, tmp_path, case):
+    """`--checkpoint.on_damaged stop`; or the default, where no older checkpoint verifies either: nothing is set
+    aside, nothing changed, and the run does not start afresh."""
     import shutil
 
     dump = tmp_path / "copy"
     shutil.copytree(saved_run, dump)
-    shard = dump / "checkpoint" / "step-4" / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:1000])
+    for step in ("step-4", "step-2") if case == "none-verifies" else ("step-4",):
+        shard = dump / "checkpoint" / step / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
     before = tree_digest(dump / "checkpoint")
-    proc = single(dump, "--training.steps", "6")
+    proc = single(dump, "--training.steps", "6", *(["--checkpoint.on_damaged", "stop"] if case == "asked-to-stop"
+                                                     else []))
     assert proc.returncode == 2
     err = proc.stderr
     assert f"checkpoint {dump / 'checkpoint' / 'step-4'} cannot be used: file __0_0.distcp is truncated" in err
-    assert "--checkpoint.load_step 2" in err  # the way out
+    if case == "asked-to-stop":
+        assert "--checkpoint.load_step 2" in err  # the way out
+    else:
+        assert "no older checkpoint verifies: repair it, or move the checkpoint folder aside to start afresh" in err
     assert tree_digest(dump / "checkpoint") == before
 
 

@@ -72,10 +72,10 @@ def test_each_ninja_has_its_own_build(tmp_path, monkeypatch):
     """Two ninja versions read each other's build log as changed commands and rebuild: the build's name tags the
     version of the ninja on PATH, so that each builds once, in a folder of its own."""
     here = cpu_attention._build_tag()
-    real = cpu_attention.ninja_version()
+    real = cpu_attention.tool_version("ninja")
     assert real
     monkeypatch.setenv("PATH", f"{fake_ninja(tmp_path / 'other', '1.11.1')}:{os.environ['PATH']}")
-    assert cpu_attention.ninja_version() == "1.11.1" and cpu_attention._build_tag() != here
+    assert cpu_attention.tool_version("ninja") == "1.11.1" and cpu_attention._build_tag() != here
     monkeypatch.setenv("PATH", f"{fake_ninja(tmp_path / 'same', real)}:{os.environ['PATH']}")
     assert cpu_attention._build_tag() == here
 

@@ -210,6 +210,10 @@ def triton_decode_case(case: str) -> dict[str, float]:
         return triton_compression()
     calls, real = [], decode.STEPS["triton"]
     decode.STEPS["triton"] = lambda *a: calls.append(1) or real(*a)
+    if case == "poisoned":  # 12 steps on caches left with NaN in every slot, against fresh ones: 0 means equal
+        fresh, poisoned, reused = poisoned_against_fresh(small_model("nsa", FAMILIES["cpp"](), sel_block_size=16),
+                                                         "triton", 12)
+        return {"unequal": float((poisoned != fresh).sum()) + (not reused), "calls": len(calls)}
     if case in ("m7c", "documents"):  # the compressed slots in parts of 16 (6 at M7C here) or 4, 4 or 2 combined a step
         decode.triton_decode.CMP_PART, decode.triton_decode.COMBINE = (16, 4) if case == "m7c" else (4, 2)
     cpp = FAMILIES["cpp"]()
@@ -268,7 +272,7 @@ def triton_compression() -> dict[str, float]:
     return found
 
 
-TRITON_CASES = ("m7c", "reset", "one-document", "documents", "compression")
+TRITON_CASES = ("m7c", "reset", "one-document", "documents", "compression", "poisoned")
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +292,9 @@ def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, 
         assert max(found.values()) <= 1, found
         return
     assert found.pop("calls") >= {"m7c": 20, "reset": 80}.get(case, 24), found
+    if case == "poisoned":  # a NaN-filled reused cache: the same logits as a fresh one's, bit for bit
+        assert found == {"unequal": 0.0}, found
+        return
     assert max(found.values()) <= 1, found
 
 
@@ -316,6 +323,36 @@ def test_the_cache_is_allocated_once_a_request_and_holds_little_more_than_dense_
     layer = lambda m: next(iter(m.layers.values())).attention  # noqa: E731
     slots = [sum(cache_sizes(layer(m), 65536).values()) for m in (paper, dense)]
     assert slots == [2 * 65536 + 2 * 4095 + 2 * 512 + 2 * 32, 2 * 65536] and slots[0] / slots[1] < 1.1
+
+
+def poisoned_against_fresh(model: Transformer, kernel: str, steps: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A 5-token prompt and `steps` steps on fresh caches, and again on caches an earlier request left NaN in every
+    slot of (the buffers reused): both logits, and whether every buffer was reused."""
+    ids = torch.randint(0, 97, (2, 5 + steps), generator=torch.Generator().manual_seed(3))
+
+    def request(decoder: Decoder) -> torch.Tensor:
+        logits = [decoder.prefill(ids[:, :5])]
+        logits += [decoder.step(ids[:, i:i + 1]) for i in range(5, 5 + steps)]
+        return torch.cat(logits, 1)
+
+    fresh = request(Decoder(model, kernel, context=5 + steps))
+    decoder = Decoder(model, kernel, context=5 + steps)
+    request(decoder)
+    for cache in decoder.caches:
+        for buffer in cache.buffers.values():
+            buffer.fill_(float("nan"))
+    pointers = [b.data_ptr() for c in decoder.caches for b in c.buffers.values()]
+    poisoned = request(decoder)
+    return fresh, poisoned, pointers == [b.data_ptr() for c in decoder.caches for b in c.buffers.values()]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpp"])
+def test_a_cache_left_with_nan_in_every_slot_decodes_as_a_fresh_one(kernel):
+    """The next request reuses the buffers; the PyTorch and C++ steps weigh unwritten slots by 0, and 0 x NaN is
+    NaN: every logit of the request was NaN. (The Triton step: `test_the_triton_decode_step_interpreted...`.)"""
+    fresh, poisoned, reused = poisoned_against_fresh(small_model("nsa"), kernel, 40)
+    assert reused and not fresh.isnan().any()
+    assert torch.equal(poisoned, fresh)
 
 
 def test_decoding_reads_the_papers_key_count():

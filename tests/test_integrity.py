@@ -89,20 +89,35 @@ def corrupted_copy(saved_dump: Path, tmp_path: Path, part: str, seed: int = 0) -
     return dump, flip(dump / "checkpoint" / "step-4", part, seed)
 
 
-@pytest.mark.parametrize("nproc,part", [(2, "model."), (2, "optimizer."), (2, ".metadata"), (2, "dataloader."),
-                                        (2, "rng."), (1, "model."), (1, "dataloader.")])
-def test_a_flipped_byte_stops_the_resume_naming_the_file_and_changes_nothing(saved, tmp_path, nproc, part):
+@pytest.mark.parametrize("nproc,part,mode", [(2, "model.", "stop"), (2, "optimizer.", "set_aside"),
+                                             (2, ".metadata", "stop"), (2, "dataloader.", "set_aside"),
+                                             (2, "rng.", "stop"), (1, "model.", "set_aside"),
+                                             (1, "dataloader.", "stop")])
+def test_a_flipped_byte_is_named_and_the_newest_checkpoint_set_aside_or_the_run_stopped(saved, tmp_path, nproc, part,
+                                                                                       mode):
+    """`[checkpoint] on_damaged`: `set_aside` (the default) renames the damaged step folder, unchanged, and resumes
+    from the one before it; `stop` exits 2 with nothing in the dump folder changed."""
     dump, name = corrupted_copy(saved(nproc), tmp_path, part, seed=len(part) + nproc)
-    before = tree_digest(dump)
-    proc = train(dump, 6, nproc=nproc)
-    assert proc.returncode == 2, proc.stderr[-3000:]
     step = dump / "checkpoint" / "step-4"
-    (line,) = [x for x in proc.stderr.splitlines() if "checkpoint error" in x]
-    assert f"checkpoint {step} cannot be used: file {name} does not match its recorded content ({HASH} " in line
-    assert "Nothing was loaded or overwritten; resume from step 2, the newest that verifies, with " \
-           "--checkpoint.load_step 2" in line, line
-    assert "resumed from" not in proc.stdout
-    assert tree_digest(dump) == before
+    before, damaged = tree_digest(dump), tree_digest(step)
+    proc = train(dump, 6, *(["--checkpoint.on_damaged", "stop"] if mode == "stop" else []), nproc=nproc)
+    problem = f"checkpoint {step} cannot be used: file {name} does not match its recorded content ({HASH} "
+    if mode == "stop":
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = [x for x in proc.stderr.splitlines() if "checkpoint error" in x]
+        assert problem in line
+        assert "Nothing was loaded or overwritten; resume from step 2, the newest that verifies, with " \
+               "--checkpoint.load_step 2" in line, line
+        assert "resumed from" not in proc.stdout
+        assert tree_digest(dump) == before
+        return
+    out = ok(proc)
+    (line,) = [x for x in out.splitlines() if "cannot be used" in x]
+    assert problem in line and f"resuming from {dump / 'checkpoint' / 'step-2'}" in line, line
+    (aside,) = (dump / "checkpoint").glob("step-4.damaged-*")
+    assert f"Set aside as {aside} (kept, never read)" in line
+    assert tree_digest(aside) == damaged
+    assert f"resumed from {dump / 'checkpoint' / 'step-2'} at step 2" in out
 
 
 def test_export_evaluate_generate_and_verify_refuse_it_and_the_previous_step_resumes_bit_equal(saved, tmp_path):

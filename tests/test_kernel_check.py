@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -106,6 +107,27 @@ def test_an_injected_decoding_fault_is_found_by_its_check():
                                                 "off the forward's at 512 of 512 row-steps"), line
 
 
+def test_a_nan_row_step_fails_the_decode_check_and_it_runs_on_reused_nan_buffers(monkeypatch):
+    """One NaN in 512 row-steps was inside the 1% near-tie allowance; and the check's decoder, on fresh zero
+    buffers, never met a buffer that an earlier request left NaN in."""
+    errors = torch.zeros(2, kernel_check.DECODE_STEPS)
+    assert kernel_check.decode_line(errors, "cpp", CPU, torch.float32) is None
+    errors[1, 7] = float("nan")
+    line = kernel_check.decode_line(errors, "cpp", CPU, torch.float32)
+    assert line is not None and "off the forward's at 1 of 512 row-steps, by up to inf (step 8" in line, line
+    seen = []
+    plain = Decoder.prefill
+
+    def prefill(self, tokens, document_ids=None, keep=0):
+        seen.append([bool(b.isnan().all()) for c in self.caches for b in c.buffers.values()])
+        return plain(self, tokens, document_ids, keep)
+
+    monkeypatch.setattr(Decoder, "prefill", prefill)
+    model = kernel_check.check_model(DEBUG, "cpp", CPU, torch.float32)
+    assert float(kernel_check.decode_errors(model, "cpp").max()) < 1e-4
+    assert seen[0] == [] and seen[1] and all(seen[1])  # the second prefill reuses buffers full of NaN
+
+
 def test_auto_takes_the_next_family_that_passes_and_a_named_one_refuses(cache, caplog):
     cfg = run_config("--debug.fault_kernel", "cpp:sel")
     wrap, _ = kernel_fault(cfg.debug)
@@ -120,6 +142,92 @@ def test_auto_takes_the_next_family_that_passes_and_a_named_one_refuses(cache, c
         kernel_check.verified_family(named, CPU, wrap)
     off = dataclasses.replace(named, model=dataclasses.replace(named.model, verify_kernels="off"))
     assert kernel_check.verified_family(off, CPU, wrap).name == "cpp"  # not checked: taken as it is
+    kept = json.loads((cache / verdicts.FILE).read_text()).values()
+    assert [e["key"]["name"] for e in kept] == ["torch"] and all(e["passed"] for e in kept)  # no failure kept
+
+
+def test_a_failure_is_not_kept_and_the_next_start_takes_the_family_again(cache, monkeypatch, caplog):
+    """A check that failed once (a transient fault, one node's trouble; none of it in the key) made every later run
+    sharing the cache take the next family, "failed its check here before", for good."""
+    cfg = run_config()
+    plain, calls = kernel_check.family_line, []
+
+    def failing_once(found, name, device, dtype):
+        calls.append(name)
+        return "the cpp family is wrong (a transient fault)" if calls == ["cpp"] else plain(found, name, device, dtype)
+
+    monkeypatch.setattr(kernel_check, "family_line", failing_once)
+    caplog.set_level(logging.INFO, logger="nsa_titan")
+    assert kernel_check.verified_family(cfg, CPU).name == "torch"
+    assert "FAILED in" in caplog.text and "not kept: checked again at the next start" in caplog.text
+    caplog.clear()
+    assert kernel_check.verified_family(cfg, CPU).name == "cpp"  # checked again: passes
+    assert calls == ["cpp", "torch", "cpp"] and "the cpp family passed in" in caplog.text
+    a_failure = {"passed": False, "line": "kept by an earlier release", "seconds": 1.0}
+    verdicts.put(verdicts.family_key("cpp", CPU, torch.float32, cfg.model, True, False), a_failure)
+    assert verdicts.get(verdicts.family_key("cpp", CPU, torch.float32, cfg.model, True, False)) is None
+
+
+def test_every_input_of_the_check_is_in_its_key(tmp_path, monkeypatch):
+    """decode_cache.py (the decode check's buffers), the compiler of the C++ kernels, flash-attn's version, the
+    NVIDIA driver's build, `nsa_branch` and `sel_score_explore`: a change of any renews the verdict."""
+    def keys(m: Model = DEBUG) -> tuple[str, str]:
+        return (verdicts._id(verdicts.family_key("cpp", CPU, torch.float32, m, True, False)),
+                verdicts._id(verdicts.decode_key("cpp", CPU, torch.float32, m)))
+
+    before = keys()
+    assert keys() == before
+    for change in ({"nsa_branch": "sel"}, {"sel_score_grad": 0.1, "sel_score_explore": 2}):
+        assert set(keys(dataclasses.replace(DEBUG, **change))).isdisjoint(before), change
+    copy = tmp_path / "models"
+    shutil.copytree(verdicts.MODELS, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(verdicts, "MODELS", copy)
+    monkeypatch.setattr(verdicts, "ATTENTION", copy / "attention")
+    assert keys() == before  # the same text
+    (copy / "decode_cache.py").write_text((copy / "decode_cache.py").read_text() + "\n# changed\n")
+    assert keys()[0] == before[0] and keys()[1] != before[1]
+    monkeypatch.undo()
+    compiler = tmp_path / "bin" / "c++"
+    compiler.parent.mkdir()
+    compiler.write_text("#!/bin/sh\necho 'c++ (Another) 99.1'\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{compiler.parent}:{os.environ['PATH']}")
+    other = keys()
+    assert other[0] != before[0] and other[1] != before[1]
+    monkeypatch.undo()
+    installed = verdicts._version
+    monkeypatch.setattr(verdicts, "_version", lambda name: "9.9" if name == "flash-attn" else installed(name))
+    assert set(keys()).isdisjoint(before)
+    monkeypatch.undo()
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n")
+    monkeypatch.setattr(verdicts, "DRIVER_FILE", driver)
+    assert verdicts.nvidia_driver() == "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 " \
+                                       "22:23:56 UTC 2024"  # in a CUDA device's key (`machine`), beside the API version
+
+
+def _put_many(folder: str, writer: int) -> None:
+    os.environ["NSA_TITAN_CACHE"] = folder
+    for i in range(25):
+        verdicts.put({"writer": writer, "i": i}, {"passed": True, "line": None, "seconds": 0.0})
+
+
+@pytest.mark.multiprocess
+def test_processes_that_keep_verdicts_at_once_lose_none(cache):
+    """4 processes, 25 verdicts each, into one file at once (the ranks of a node, or nodes sharing ~/.cache): all
+    100 are kept (read-modify-write without a lock lost most of them)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_put_many, args=(str(cache), w)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0] * 4
+    kept = json.loads((cache / verdicts.FILE).read_text())
+    assert sorted((e["key"]["writer"], e["key"]["i"]) for e in kept.values()) == [(w, i) for w in range(4)
+                                                                                   for i in range(25)]
 
 
 def test_a_machine_checks_once_and_again_when_a_kernel_changes(cache, tmp_path, monkeypatch, caplog):

@@ -98,6 +98,38 @@ def test_max_restarts_resumes_after_a_rank_is_killed_and_ends_bit_equal(tmp_path
     assert_bit_equal(dump, uninterrupted(1, 2))
 
 
+def test_damaged_newest_checkpoints_are_set_aside_and_the_same_command_resumes_bit_equal(tmp_path, uninterrupted):
+    """While the job is down, its newest step folder loses a file and the one before has a file truncated: the
+    same command (MAX_RESTARTS=2, 2 ranks, loader workers, async saves) sets both aside under a name that says
+    why, with one warning each, resumes from the newest that verifies and ends bit-equal, with no restart spent."""
+    dump = tmp_path / "out"
+    args = ["--data.num_workers", "2", "--checkpoint.async_mode", "async", "--checkpoint.interval", "4",
+            "--checkpoint.keep_latest_k", "3"]
+    job = Job(dump, *args, nproc=2, env={"MAX_RESTARTS": "2"})
+    job.wait_for(rf"step +14/{STEPS} ")
+    job.proc.send_signal(signal.SIGTERM)
+    rc, out = job.finish()
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out).group(1))
+    assert rc == 0 and 14 <= stopped < 20, out[-3000:]
+    ck = dump / "checkpoint"
+    previous = 4 * ((stopped - 1) // 4)
+    newest, before, good = ck / f"step-{stopped}", ck / f"step-{previous}", ck / f"step-{previous - 4}"
+    next(newest.glob("*.distcp")).unlink()
+    shard = next(before.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    digests = {p.name: tree_digest(p) for p in (newest, before)}
+    rc, out = Job(dump, *args, nproc=2, env={"MAX_RESTARTS": "2"}).finish()
+    assert rc == 0, out[-4000:]
+    for path, problem in ((newest, r"file __\d_0\.distcp is missing"), (before, r"file __\d_0\.distcp is truncated")):
+        (line,) = [x for x in out.splitlines() if f"checkpoint {path} cannot be used" in x]
+        assert re.search(problem, line) and f"resuming from {good}" in line, line
+        (aside,) = ck.glob(f"{path.name}.damaged-*")
+        assert f"Set aside as {aside} (kept, never read)" in line and tree_digest(aside) == digests[path.name]
+    assert f"resumed from {good} at step" in out and "restart 1" not in out, out[-3000:]
+    assert f"run summary: reached step {STEPS} of {STEPS}" in out
+    assert_bit_equal(dump, uninterrupted(2, 2))
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 48 MB tmpfs, for a real full disk (needs the right to mount: root, as in CI), else a folder on which

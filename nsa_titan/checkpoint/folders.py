@@ -4,6 +4,8 @@
     step-N.incomplete-TOKEN/ a save in progress, or one that was interrupted
     step-N.superseded-TIME/  an earlier run's step beyond the one a later run resumed from: set aside,
                              never read, kept or removed (remove it by hand once it is not wanted)
+    step-N.damaged-TIME/     a newest checkpoint that failed its check at a resume (a file missing,
+                             truncated or altered), set aside so the run resumes from an older one
 
 `.complete` is a JSON manifest of every file, its size and its content hash (`integrity.py`),
 written into the save's folder before its rename to `step-N`, which comes last. Only folders with
@@ -112,11 +114,12 @@ def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str,
     return sum(files.values())
 
 
-def set_aside(path: Path) -> Path:
-    """Rename the step folder `path` to `step-N.superseded-TIME` (a free name); returns the new path."""
+def set_aside(path: Path, why: str = "superseded") -> Path:
+    """Rename the step folder `path` to `step-N.WHY-TIME` (a free name: `superseded`, `damaged`); returns the new
+    path."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i in range(1000):
-        target = path.with_name(f"{path.name}.superseded-{stamp}" + (f"-{i}" if i else ""))
+        target = path.with_name(f"{path.name}.{why}-{stamp}" + (f"-{i}" if i else ""))
         if not target.exists():
             os.replace(path, target)
             return target

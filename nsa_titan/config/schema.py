@@ -218,6 +218,11 @@ class Checkpoint:
     """Record each file's content hash (xxh3_128, hashed by the rank that wrote it) in the `.complete`
     manifest, and check them before a checkpoint is read: a flipped byte is a checkpoint error. false
     skips both; sizes are checked either way."""
+    on_damaged: Literal["set_aside", "stop"] = "set_aside"
+    """A resume whose newest checkpoints fail their check (a file missing, truncated or altered): `set_aside`
+    renames each to `step-N.damaged-TIME` (never deleted), with one warning naming the problem, and resumes from the
+    newest that verifies; `stop` stops the run (exit 2) for a person to decide. Either way a run with no checkpoint
+    that verifies stops, and an explicit `load_step` is never replaced."""
     export_at_end: bool = False
     """After training, write the model alone (`export_format`) into the checkpoint folder."""
     export_format: Literal["pt", "hf"] = "pt"

@@ -4,8 +4,8 @@ Per layer the cache holds sel's keys and values for every position (any later to
 block), the compressed blocks, and rings of what only the end is read of: the window's last w keys
 and the cmp branch's last l raw keys; a new compressed block is formed every d tokens, once its l keys
 exist. The buffers are sized to the request (`request_context`: its longest prompt and new tokens, rounded up to
-what the kernels read), allocated once a request, and handed to the next request of the same sizes without
-zeroing (every kernel reads an unwritten slot masked); stepping past them grows them (copies, as a dynamic cache).
+what the kernels read), allocated once a request, and handed to the next request of the same sizes, cleared (a
+NaN an earlier request left would otherwise reach every output: `LayerCache.allocate`); stepping past them grows them (copies, as a dynamic cache).
 A decoding step for the token at position t reads:
   cmp: the Nc(t) compressed keys; sel: the n chosen blocks of l' keys; win: the last w keys;
   dense: all t + 1 keys.

@@ -22,8 +22,8 @@ class LayerCache:
     """One layer's keys and values per name for B rows of G KV groups, in the layout NSA's C++ kernels read:
     the keys they read transposed (B G, D, size + pad; `TRANSPOSED`), the others and the values as rows
     (B G, size + pad, D) (dense's too: SDPA's layout), `pads[name]` slots past the end of what a kernel reads
-    (16 keys, or a block, at a time; finite, read masked). Each buffer is allocated at its first write, taken from
-    `spare` (a finished request's buffers, by name) where one has its shape, else zeros; a ring (`size` below the
+    (16 keys, or a block, at a time; zeros, read masked). Each buffer is allocated at its first write, taken from
+    `spare` (a finished request's buffers, by name, cleared) where one has its shape, else zeros; a ring (`size` below the
     context) holds position p at slot p % size; `n_cmp` (B,) counts each row's compressed blocks (kept by the C++
     and PyTorch steps; the Triton kernels derive it from the position). `get` shows a buffer as (B, S, G, D)."""
 
@@ -40,8 +40,10 @@ class LayerCache:
         return (rows, D, slots) if name in TRANSPOSED else (rows, slots, D)
 
     def allocate(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The buffer of `name`, made for entries like (B, S, G, D): a spare one of its shape as it is (what a
-        kernel reads of it is written first, or read masked), else zeros."""
+        """The buffer of `name`, made for entries like (B, S, G, D): a spare one of its shape, cleared, else zeros.
+        A kernel reads slots not yet written (past a row's last compressed block, past t in its last sel block, the
+        window's ring before it fills, the pads) masked, but the PyTorch and C++ steps weigh them by 0: a NaN or Inf
+        an earlier request left there (an fp16 overflow) would make every output NaN. A memset, once a request."""
         if name not in self.buffers:
             B, _, G, D = like.shape
             self.shape, shape = (B, G, D), self._shape(name, B * G, D)
@@ -49,6 +51,8 @@ class LayerCache:
             if old is None or old.shape != shape or old.dtype != like.dtype or old.device != like.device:
                 self.spare.clear()  # another size: freed before the new buffers are made
                 old = like.new_zeros(shape)
+            else:
+                old.zero_()
             self.buffers[name] = old
             if self.arrivals is None:
                 self.arrivals = torch.zeros(B * G, 2, dtype=torch.int32, device=like.device)

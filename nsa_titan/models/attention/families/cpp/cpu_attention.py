@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 import platform
 import shutil
 import subprocess
@@ -76,25 +77,34 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fopenmp"
 libgomp, loaded already: the same threads, `torch.set_num_threads` holds); without it, one thread."""
 
 
-def ninja_version() -> str:
-    """The version of the ninja torch builds with (the first on PATH: torch runs `ninja`), or "" if none."""
-    ninja = shutil.which("ninja")
-    if ninja is None:
+def tool_version(tool: str) -> str:
+    """The first line `tool --version` prints (the first `tool` on PATH, as torch runs it), or "" if there is none."""
+    found = shutil.which(tool)
+    if found is None:
         return ""
     try:
-        return subprocess.run([ninja, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+        out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
+    return out.splitlines()[0] if out else ""
+
+
+def compiler() -> str:
+    """The C++ compiler torch builds the kernels with (`CXX`, else `c++`) and its version: what -march=native means
+    and how the kernels' sums are ordered depend on it."""
+    cxx = os.environ.get("CXX", "c++")
+    return f"{cxx}: {tool_version(cxx)}"
 
 
 def _build_tag() -> str:
-    """A tag of this CPU's instruction sets, the flags, the sources and where they are, and the ninja: a build for
-    -march=native is only loaded where it was made, a changed header (which torch's own source check does not read)
-    is rebuilt, each checkout keeps its own build (one build folder for two paths would be rebuilt at every
-    switch), and so does each ninja version (two read each other's build log as changed commands: a process of
+    """A tag of this CPU's instruction sets, the flags, the sources and where they are, the compiler and the ninja: a
+    build for -march=native is only loaded where it was made, a changed header (which torch's own source check does
+    not read) or another compiler builds anew, each checkout keeps its own build (one build folder for two paths
+    would be rebuilt at every switch), and so does each ninja version (two read each other's build log as changed commands: a process of
     the venv's interpreter with the system's ninja first on PATH rebuilt the venv's build, two minutes on 2 cores,
     and the next process of the other kind rebuilt it back)."""
-    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, str(SOURCES[0]), f"ninja {ninja_version()}",
+    text = " ".join([platform.machine(), *sorted(cpu_flags()), *CFLAGS, str(SOURCES[0]), f"ninja {tool_version('ninja')}",
+                     compiler(),
                      *(p.read_text() for p in SOURCES)])
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
