@@ -3,7 +3,7 @@
 # package and its dependencies, then build NSA's C++ attention kernel for CPUs (cached; if it cannot
 # be built, CPU runs keep the PyTorch kernels). `--test` adds the test tools and the `[hf]` extra
 # (transformers, lm-eval), which the tests use. Safe to run again.
-#   TORCH_SPEC   torch requirement to install (default: torch==2.13.0 on CPU, torch>=2.7 on GPU)
+#   TORCH_SPEC   torch requirement to install (default: torch==2.13.0 on CPU, torch>=2.13 on GPU: the floor pyproject.toml declares)
 #   PIP_ARGS     extra pip arguments (e.g. --index-url https://download.pytorch.org/whl/cpu)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,7 +12,7 @@ extras=""
 say() { echo "nsa_titan install: $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  torch_spec="${TORCH_SPEC:-torch>=2.7}"
+  torch_spec="${TORCH_SPEC:-torch>=2.13}"
 else
   torch_spec="${TORCH_SPEC:-torch==2.13.0}"  # resolves to the CPU build on our CPU machines
 fi

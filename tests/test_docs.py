@@ -123,3 +123,21 @@ def test_no_internal_labels_in_the_text():
             if p.suffix in (".md", ".py", ".toml", ".sh", ".cpp", ".h", ".cff", "") and p.name != "LICENSE"
             for n, line in enumerate(p.read_text(errors="ignore").splitlines(), 1) if label.search(line)]
     assert hits == []
+
+
+def test_the_declared_torch_floor_is_the_release_the_suite_runs_on():
+    """pyproject.toml declared torch>=2.7 while the suite ran 2.13 and the launcher used torchrun options of late
+    releases: the floor, install.sh's GPU default and its CPU pin (the tested release) agree, and the torch here
+    meets them."""
+    import tomllib
+
+    import torch
+
+    [torch_req] = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                   if re.match(r"torch\b", d)]
+    floor = re.fullmatch(r"torch>=(\d+\.\d+)", torch_req).group(1)
+    install = (ROOT / "scripts" / "install.sh").read_text()
+    assert f'torch_spec="${{TORCH_SPEC:-torch>={floor}}}"' in install  # GPU
+    pinned = re.search(r'torch_spec="\$\{TORCH_SPEC:-torch==(\d+\.\d+)\.\d+\}"', install).group(1)  # CPU
+    assert pinned == floor
+    assert tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= tuple(map(int, floor.split(".")))
