@@ -147,7 +147,8 @@ class Trainer:
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
                 other_owner=lambda: other_holder(self.paths.root, job_key()),
-                records={"shares": self.shares, **({"spikes": self.guard.spikes} if self.guard.spikes else {})})
+                records={"shares": self.shares, "guard": self.guard,
+                         **({"spikes": self.guard.spikes} if self.guard.spikes else {})})
             install_faults(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                            dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
                            world_size=self.world_size, current_step=lambda: self.state.step,

@@ -5,6 +5,7 @@ Exact resume with spike detection on is every resume test's (`warn` is the defau
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -116,6 +117,13 @@ def test_rollback_lands_before_the_streak_and_halts_after_spike_max_rollbacks(tm
     assert re.search(r"the loss spikes again after 1 rollback\(s\) \(\[fault\] spike_max_rollbacks = 1\): 3 spikes "
                      r"within 100 steps, the last at step 25", out), out[-3000:]
     assert len(re.findall(r"\[rank0\] .*loss spike at step 23:", out)) == 2
+    # The same command again (a restart): from step 24, saved after the rollback, the count goes on (it started
+    # again from 0 at every restart, so a run under MAX_RESTARTS rolled back without end).
+    shutil.copytree(tmp_path / "out", tmp_path / "again")
+    rc, again = Job(tmp_path / "again", *args, nproc=2).finish()
+    assert rc == 3 and re.search(r"resumed from \S+/step-24 at step 24", again), again[-3000:]
+    assert "rolled back to" not in again and re.search(r"the loss spikes again after 1 rollback\(s\) \(\[fault\] "
+                                                       r"spike_max_rollbacks = 1\)", again), again[-3000:]
     subprocess.run(["rm", "-r", *map(str, (tmp_path / "out" / "checkpoint").glob("step-2[4-9]*"))], check=True)
     rc, out = Job(tmp_path / "out", *args, nproc=2).finish()
     assert "resumed from" in out and re.search(r"\[rank0\] .*loss spike at step 23:", out), out[-3000:]

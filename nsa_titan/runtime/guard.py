@@ -9,7 +9,8 @@ update (the batch counts as read, the optimizer does not step), and halts after 
 row (a loss that rose for good would otherwise never be learnt from again); `rollback` drops it too and, after
 enough spikes close together, has the trainer reload the newest checkpoint before the first of them, with its
 estimate, while the data goes on, and halts when one more rollback than `spike_max_rollbacks` is due.
-The estimate is saved with the checkpoint (`SpikeDetector.state_dict`).
+The estimate and the rollbacks made are saved with the checkpoint (`SpikeDetector.state_dict`,
+`UpdateGuard.state_dict`): a restarted run flags at once and goes on counting toward `spike_max_rollbacks`.
 """
 
 from __future__ import annotations
@@ -96,8 +97,14 @@ class UpdateGuard:
         self.streak: list[int] = []  # the steps of the spikes in a row up to the last step
         self.roll_back_due = ""  # why the trainer is to reload a checkpoint now (`rollback`)...
         self.roll_back_before = 0  # ... the newest before this step: the first spike that called for it
-        self.rollbacks = 0
+        self.rollbacks = 0  # kept in every checkpoint (`state_dict`): a restart goes on counting
         self.spikes = SpikeDetector(f.spike_threshold, f.spike_window) if f.spikes != "off" else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollbacks = int(state["rollbacks"])
 
     def values(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, float]:
         """(this rank's loss, the global gradient norm, the loss averaged over the ranks when spikes are watched):
