@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from nsa_titan.checkpoint.folders import commit, scan, verify
 from nsa_titan.data import DataError
@@ -139,6 +140,30 @@ def test_the_channel_wakes_its_listeners_at_the_announcement_and_at_the_loss_of_
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_store_connection_that_times_out_is_made_again_not_read_as_the_store_gone(monkeypatch):
+    """A store busy with many ranks at start-up answers after CONNECT_S: every exception of the listener's
+    connection was read as the store's host gone, which ended a healthy rank. Two connections time out here (as
+    torch raises it), the host still accepting; the third is made, and the announcement is heard."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    made, timeouts = FailureChannel._connect, []
+
+    def slow(channel):
+        if channel.rank == 1 and len(timeouts) < 2:
+            timeouts.append(time.monotonic())
+            raise dist.DistNetworkError("The client socket has timed out after 5000ms while trying to connect")
+        return made(channel)
+
+    monkeypatch.setattr(FailureChannel, "_connect", slow)
+    heard = queue.Queue()
+    listener = FailureChannel("127.0.0.1", store.port, 1, 2)
+    listener.listen(heard.put)
+    time.sleep(3)
+    assert len(timeouts) == 2 and heard.empty() and listener.listener.is_alive()
+    failure = Failure(0, 1, "nsa_titan: rank 0 failed ...")
+    assert FailureChannel("127.0.0.1", store.port, 0, 2).announce(failure)
+    assert heard.get(timeout=10) == failure
 
 
 def test_a_loader_workers_bad_input_is_one_line_naming_rank_phase_and_step_without_the_traceback(tmp_path):

@@ -3,9 +3,10 @@ waited on rather than polled.
 
 A failing rank sets one key of the attempt (its rank, exit code and line) first thing on its way out, then every
 rank's wake key in one request (`announce`). Every rank has a thread blocked in one `wait` on its wake key, on a
-store connection of its own (`listen`): it wakes when the key is set, or when the connection closes because the
-store's host (rank 0, or the launcher) is gone. While nothing fails, the store serves one request per rank per
-`WAIT_S`; polling once a second served one per rank per second (`benchmarks/operations/store_load.py` measures
+store connection of its own (`listen`): it wakes when the key is set, or when the store's host (rank 0, or the
+launcher) is gone: its connection closed and a new one refused. A connection that times out (a host busy with
+thousands of ranks at start-up) or breaks while the host still accepts connections is made again. While nothing
+fails, the store serves one request per rank per `WAIT_S`; polling once a second served one per rank per second (`benchmarks/operations/store_load.py` measures
 both). A rank that ends sets its own wake key (`close`): its listener returns before the interpreter's teardown,
 which would abort a thread woken inside the store's C++ call.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -25,6 +28,11 @@ WAIT_S = 24 * 3600.0
 """A listener's wait on the key, re-issued when it runs out: one request per rank a day while nothing fails."""
 CONNECT_S = 5.0
 """How long a connection to the store may take (its host may be the process that is gone)."""
+RETRY_S = 1.0
+"""A listener's pause between connections that timed out or broke while the host still accepts them."""
+PATIENCE_S = 120.0
+"""How long a listener tries to connect to a host that neither answers nor refuses before it counts it gone (a
+machine down: its connections time out)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,7 @@ class FailureChannel:
         self.told: Failure | None = None  # what the listener has heard
         self._store: dist.TCPStore | None = None  # for announce and first: connected when first needed
         self.listener: threading.Thread | None = None
+        self.closing = threading.Event()
 
     def wake_key(self, rank: int) -> str:
         return f"{self.key}/wake/rank{rank}"
@@ -92,31 +101,49 @@ class FailureChannel:
             return self.told
         return Failure.decode(self.store.get(self.key)) if self.store.check([self.key]) else None
 
+    def host_gone(self) -> bool:
+        """Whether the store's host refuses connections (nothing listens at its port any more). A connection that
+        times out (a host busy with many ranks at start-up, a slow network) is not a host gone."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=CONNECT_S):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+
     def listen(self, heard: Callable[[Failure | None], None]) -> None:
         """From a thread of its own, call `heard(failure)` once the attempt's first failure is announced, or
-        `heard(None)` if the store's connection closes first (its host is gone); nothing after `close`."""
+        `heard(None)` once the store's host is gone (its connection closed, and a new one refused, or none made for
+        `PATIENCE_S`); a connection that times out or breaks while the host lives is made again. Nothing after
+        `close`."""
         def wait() -> None:
-            try:
-                store = self._connect()  # a connection of its own: the wait holds it
-                while True:
-                    try:
-                        store.wait([self.wake_key(self.rank)], timedelta(seconds=WAIT_S))
-                        break
-                    except dist.DistStoreError:  # the wait ran out: wait again
-                        continue
-                if store.get(self.wake_key(self.rank)) != b"failure":  # closed
-                    return
-                self.told = Failure.decode(store.get(self.key))
-            except Exception:  # noqa: BLE001 - the connection closed or cannot be made: the host is gone
-                heard(None)
-                return
-            heard(self.told)
+            store, failing_since = None, None
+            while not self.closing.is_set():
+                try:
+                    store = store or self._connect()  # a connection of its own: the wait holds it
+                    failing_since = None
+                    store.wait([self.wake_key(self.rank)], timedelta(seconds=WAIT_S))
+                    if store.get(self.wake_key(self.rank)) == b"failure":
+                        self.told = Failure.decode(store.get(self.key))
+                        heard(self.told)
+                    return  # woken: a failure, or closed
+                except dist.DistStoreError:  # the wait ran out: wait again
+                    continue
+                except Exception:  # noqa: BLE001 - the connection broke or was not made: is the host gone?
+                    store, failing_since = None, failing_since or time.monotonic()
+                    if self.host_gone() or time.monotonic() - failing_since > PATIENCE_S:
+                        if not self.closing.is_set():
+                            heard(None)
+                        return
+                    self.closing.wait(RETRY_S)
 
         self.listener = threading.Thread(target=wait, name="nsa_titan-failure-listener", daemon=True)
         self.listener.start()
 
     def close(self, timeout: float = CONNECT_S) -> None:
         """End the listener (a rank that ends, or fails, hears of no failure after): its own wake key, set."""
+        self.closing.set()  # a listener still making its connection stops trying
         if self.listener is None or not self.listener.is_alive():  # woken already: a failure, or the host gone
             self.listener = None
             return
