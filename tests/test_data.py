@@ -285,3 +285,27 @@ def test_synthetic_windows_hold_several_documents():
     assert min(counts) >= 1 and 3 <= sum(counts) / len(counts) <= 6
     first, again = SyntheticTokens(0, 256, 64, 0, 1, 2), SyntheticTokens(0, 256, 64, 0, 1, 2)
     assert all(torch.equal(a.document_ids, b.document_ids) for a, b, _ in zip(first, again, range(3)))
+
+
+def test_skipping_many_bad_rows_costs_a_counter_not_a_copy_and_a_message_each(tmp_path, caplog, monkeypatch):
+    """2,700 null rows of 3,000 under `bad_documents = 'skip'`: each skip deep-copied the stream to find its row and
+    kept its message for good (a source of many null rows slowed down and grew without bound). Now 10 are named,
+    at most PLACED_SKIPS looked up, and the count said at 100 and 1,000."""
+    from nsa_titan.config import Source
+
+    rows = [f"def f{i}(x):\n    return x + {i}\n" * 4 if i % 10 == 0 else None for i in range(3000)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "train-00000-of-00001.parquet")
+    src = Source(path=str(tmp_path))
+    stream = sources.open_text_stream(str(tmp_path), "", "train", "text")
+    looked_up, place = [], sources.document_place
+    monkeypatch.setattr(sources, "document_place", lambda s: looked_up.append(1) or place(s))
+    monkeypatch.setattr(sources, "_skips", {})
+    caplog.set_level("WARNING", logger="nsa_titan")
+    texts = [sources.document_text(example, src, stream, "skip") for example in stream]
+    assert sum(t is None for t in texts) == 2700 and len(looked_up) <= sources.PLACED_SKIPS
+    named = [r.getMessage() for r in caplog.records if "skipped a document" in r.getMessage()]
+    assert len(named) == sources.NAMED_SKIPS and "row 1: its 'text' is null" in named[0], named[:2]
+    assert "further ones are counted, not named" in named[-1]
+    counts = [r.getMessage() for r in caplog.records if "times so far" in r.getMessage()]
+    assert [re.search(r"skipped ([\d,]+) times", m).group(1) for m in counts] == ["100", "1,000"], counts
+    assert len(caplog.records) == len(named) + 2

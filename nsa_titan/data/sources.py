@@ -10,9 +10,9 @@ source retries transient errors (`retry.py`); so does reading it (`packing.py`).
 from __future__ import annotations
 
 import copy
-import functools
 import glob
 import logging
+import math
 import re
 import socket
 from pathlib import Path
@@ -182,23 +182,42 @@ def document_place(stream: IterableDataset) -> str:
         return "(file and row unknown)"
 
 
-@functools.cache
-def _skipped(what: str) -> None:
-    """One warning for each document skipped, however many epochs read it again."""
-    logger.warning("data: skipped a document: %s ([data] bad_documents = 'skip')", what)
+NAMED_SKIPS, PLACED_SKIPS = 10, 100
+"""A process names at most `NAMED_SKIPS` skipped documents (file and row: a warning each, once however many epochs
+read them again), and looks up the place of at most `PLACED_SKIPS` skips (from a copy of the stream's state); past
+them it counts, and says the count at each power of ten from 100: a source with millions of null rows costs a
+counter, not a copy and a kept message each."""
+_skips: dict[str, tuple[int, set[str]]] = {}
+"""By source path: the skips so far in this process (re-reads included), and the documents named."""
+
+
+def _skip(src: Source, stream: IterableDataset, text: object) -> None:
+    """Count a skip of a document of `src`; name the document while few are named, say the count now and then."""
+    count, named = _skips.get(src.path, (0, set()))
+    _skips[src.path] = (count := count + 1, named)
+    if count <= PLACED_SKIPS and len(named) < NAMED_SKIPS and (what := _bad(src, stream, text)) not in named:
+        named.add(what)
+        logger.warning("data: skipped a document: %s ([data] bad_documents = 'skip')%s", what,
+                       "; further ones are counted, not named" if len(named) == NAMED_SKIPS else "")
+    if count >= 100 and math.log10(count).is_integer():
+        logger.warning("data: documents of [data] path = '%s' skipped %s times so far in this process (null or not "
+                       "text, re-reads included; [data] bad_documents = 'skip')", src.path, f"{count:,}")
+
+
+def _bad(src: Source, stream: IterableDataset, text: object) -> str:
+    return (f"[data] path = '{src.path}', {document_place(stream)}: its '{src.text_column}' is "
+            f"{'null' if text is None else type(text).__name__}, not text")
 
 
 def document_text(example: dict, src: Source, stream: IterableDataset, bad_documents: str) -> str | None:
     """The text of `example`, the document of `src` that `stream` yielded last. One that holds no text (null, a
     number) is bad input named by source, file and row: a DataError, or with `[data] bad_documents = 'skip'`,
-    None and a warning."""
+    None and a warning (`_skip`: the first ones named, then a count)."""
     text = example[src.text_column]
     if isinstance(text, str):
         return text
-    what = (f"[data] path = '{src.path}', {document_place(stream)}: its '{src.text_column}' is "
-            f"{'null' if text is None else type(text).__name__}, not text")
     if bad_documents == "skip":
-        _skipped(what)
+        _skip(src, stream, text)
         return None
-    raise DataError(f"{what}. Mend or drop that row, or set [data] bad_documents = 'skip' to leave such documents "
-                    f"out with a warning each")
+    raise DataError(f"{_bad(src, stream, text)}. Mend or drop that row, or set [data] bad_documents = 'skip' to leave "
+                    f"such documents out (the first named in warnings, then counted)")
