@@ -121,6 +121,50 @@ def test_a_follow_up_turn_on_the_returned_cache_equals_the_whole_conversation_at
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_a_follow_up_after_padding_and_end_of_text_equals_the_whole_conversation_at_once(attention):
+    """Document masking on: row 0 ends its first turn early (its end-of-text at the 3rd new token, padding after it,
+    masked out in the conversation handed back), row 1's next user turn holds an end-of-text. The cached follow-up
+    read neither the mask nor the end-of-text after the prefill, where a forward of the whole conversation starts
+    a document; now both give the same tokens."""
+    model = hf_model(attention, **SMALL)
+    ids, mask = left_padded([7, 26], seed=2)
+    turn1 = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    eos = int(model.generate(ids, **turn1, min_new_tokens=10)[0, 26 + 2])  # row 0's 3rd new token: its end-of-text
+    model.config.eos_token_id = model.config.pad_token_id = eos
+    model.config.document_masking = True
+    first = model.generate(ids, **turn1, eos_token_id=eos, pad_token_id=eos, return_dict_in_generate=True)
+    seq = first.sequences
+    assert (seq[0, 26 + 3:] == eos).all() and seq.shape[1] == 36  # row 0 ended; row 1 went on
+    user = torch.randint(0, EOS, (2, 12), generator=torch.Generator().manual_seed(3))
+    user[1, 5] = eos
+    talk = torch.cat([seq, user], 1)
+    talk_mask = torch.cat([mask, torch.ones(2, 10 + 12, dtype=torch.long)], 1)
+    talk_mask[0, 26 + 3:36] = 0  # the padding after row 0's end-of-text
+    turn = dict(attention_mask=talk_mask, max_new_tokens=15, min_new_tokens=15, do_sample=False, eos_token_id=eos,
+                pad_token_id=eos, return_dict_in_generate=True, output_logits=True)
+    follow_up = model.generate(talk, **turn, **{CACHE_FIELD: getattr(first, CACHE_FIELD)})
+    whole = model.generate(talk, **turn)
+    assert torch.equal(follow_up.sequences, whole.sequences)
+    torch.testing.assert_close(torch.stack(follow_up.logits), torch.stack(whole.logits), rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_cache_returned_by_beam_search_is_refused_for_a_follow_up():
+    """Its rows are the beams of the last step, not the sequences returned (4 beams, 4 returned: the same count of
+    rows, so the size check let it through, misaligned)."""
+    model = hf_model(**SMALL)
+    ids, mask = left_padded([5, 9])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=4, num_return_sequences=4,
+                         do_sample=False, return_dict_in_generate=True)
+    talk = torch.cat([out.sequences, torch.ones(8, 3, dtype=torch.long)], 1)
+    with pytest.raises(ValueError, match=r"generate\(\): the cache handed in was reordered by beam search: .*Run the "
+                                         r"follow-up without it"):
+        model.generate(talk, attention_mask=torch.ones_like(talk), max_new_tokens=4, do_sample=False,
+                       **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
+
+
+@torch.no_grad()
 def test_consecutive_requests_reuse_the_buffers_unless_the_cache_is_kept():
     """Two requests of the same sizes: the second writes the first's buffers (not zeroed) and equals a fresh
     model's; a cache the caller kept is never handed to another request, and continues as if alone."""

@@ -28,6 +28,20 @@ def eos_documents(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(eos, -1) - eos
 
 
+def document_starts(tokens: torch.Tensor, previous: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    eos_id: int | None = None) -> torch.Tensor:
+    """(B, S): whether each of `tokens` (B, S), the last S of a sequence whose mask is `attention_mask` (B, >= S + 1)
+    and whose token before them is `previous` (B, 1), starts a document as `document_ids` of the whole sequence
+    would have it: a change of the mask, or the token after an `eos_id`. A decoder's follow-up tokens, one at a time."""
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        last = attention_mask[:, -tokens.shape[1] - 1:]
+        starts |= last[:, 1:] != last[:, :-1]
+    if eos_id is not None:
+        starts |= torch.cat([previous, tokens[:, :-1]], 1) == eos_id
+    return starts
+
+
 def document_ids(inputs: torch.Tensor, attention_mask: torch.Tensor | None = None, eos_id: int | None = None
                  ) -> torch.Tensor | None:
     """(B, T) document ids of a batch given to a model (not packed by the loader), or None where every

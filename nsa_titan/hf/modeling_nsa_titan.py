@@ -16,7 +16,7 @@ from transformers.generation import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nsa_titan.config import Model
-from nsa_titan.data.batch import document_ids
+from nsa_titan.data.batch import document_ids, document_starts
 from nsa_titan.models.decode import DecodeCache, Decoder
 from nsa_titan.models.rope import rope_settings, rope_tables
 from nsa_titan.models.transformer import Transformer
@@ -91,6 +91,11 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                              "(max_position_embeddings): shorten them, or adapt the model to a longer context "
                              "(docs/long-context.md)")
         given = model_kwargs.get(CACHE_FIELD)
+        if isinstance(given, DecodeCache) and given.beams:
+            raise ValueError("generate(): the cache handed in was reordered by beam search: its rows are the beams of "
+                             "its last step, not the sequences it returned (those may have ended earlier, in another "
+                             "order). Run the follow-up without it (the conversation is prefilled again), or hand "
+                             "back caches of greedy or sampled turns")
         if given is not None:
             rows = max(generation_config.num_beams, generation_config.num_return_sequences) * batch_size
             if not isinstance(given, DecodeCache) or len(given.decoder.at) != rows:
@@ -133,8 +138,10 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError("a prompt ends in padding (right padding): new tokens would follow the padding. "
                                  "Pad on the left (tokenizer.padding_side = 'left'), as for any decoder-only model")
             logits = cache.forward(input_ids, document_ids(input_ids, attention_mask, eos), logits_to_keep)
-        else:
-            logits = cache.forward(input_ids, keep=logits_to_keep)
+        else:  # a step, or a follow-up turn: its padding and end-of-text start documents, as the full forward's
+            previous = cache.decoder.last if cache.decoder.last is not None else input_ids[:, :1]
+            starts = document_starts(input_ids, previous, attention_mask, eos)
+            logits = cache.forward(input_ids, keep=logits_to_keep, starts=starts)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)

@@ -208,6 +208,15 @@ class Decoder:
         self.at = [0] * len(self.t) if self.t is not None else []  # the same on the host
         self.last: torch.Tensor | None = None  # the last token (B, 1) given, read by `smear`
 
+    def restart(self, rows: torch.Tensor) -> None:
+        """Rows `rows` (B,) bool start a new document at their next token (a follow-up turn's padding or end-of-text):
+        position 0, nothing before it read; the other rows go on, every buffer kept."""
+        self.t = torch.where(rows, 0, self.t)
+        self.at = [0 if new else p for new, p in zip(rows.tolist(), self.at)]
+        for cache in self.caches:
+            if cache.n_cmp is not None:
+                cache.n_cmp = torch.where(rows, 0, cache.n_cmp)
+
     def reserve(self, positions: int) -> None:
         """Room for `positions` a row (`request_context`), what the caches hold kept (a follow-up request)."""
         if (context := request_context(self.model, positions)) > self.context:
@@ -261,8 +270,11 @@ class Decoder:
         return m.output(m.norm(h[:, -keep:] if keep else h))
 
     @torch.no_grad()
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Logits (B, 1, V) after appending `token` (B, 1) at each row's next position."""
+    def step(self, token: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, 1, V) after appending `token` (B, 1) at each row's next position; `starts` (B,) bool: the rows
+        where it begins a new document (`restart`)."""
+        if starts is not None and bool(starts.any()):
+            self.restart(starts)
         m, t = self.model, self.t
         if (end := max(self.at) + 1) > self.context:  # past the request's room: grow (twice, within the maximum)
             self.reserve(max(end, min(2 * self.context, m.max_seq_len)))
@@ -295,10 +307,12 @@ class DecodeCache:
                  spare: list[LayerCache] | None = None):
         self.decoder = Decoder(model, kernels, context, spare)
         self.seen = 0  # tokens given so far
+        self.beams = False  # reordered by beam search: its rows are the last step's beams
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search's step: row b goes on from row beam_idx[b]."""
         self.decoder.select(beam_idx)
+        self.beams = True
 
     @property
     def is_linear(self) -> list[bool]:
@@ -307,14 +321,16 @@ class DecodeCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, keep: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, keep: int = 0,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, S, V) of the new tokens (B, S) (with `keep`, of the last `keep`): the prompt's by the training
         forward the first time (its `document_ids`, as the model takes them: a change starts a document), then
-        one incremental step per token."""
+        one incremental step per token (`starts` (B, S): where a token begins a new document)."""
         if self.seen == 0:
             logits = self.decoder.prefill(tokens, document_ids, keep)
         else:
-            steps = [self.decoder.step(tokens[:, i:i + 1]) for i in range(tokens.shape[1])]
+            steps = [self.decoder.step(tokens[:, i:i + 1], None if starts is None else starts[:, i])
+                     for i in range(tokens.shape[1])]
             logits = torch.cat(steps[-keep:] if keep else steps, 1)
         self.seen += tokens.shape[1]
         return logits
