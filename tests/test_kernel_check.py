@@ -348,3 +348,13 @@ def test_the_triton_family_and_decoding_step_pass_interpreted_in_fp32():
 
 if __name__ == "__main__":  # python tests/test_kernel_check.py triton check (under TRITON_INTERPRET=1)
     print(json.dumps(interpreted_check()))
+
+
+def test_the_check_leaves_the_generators_as_they_were(cache):
+    """A run that checks its kernels and one that reads the verdicts draw the same numbers after it: the check's
+    models and inputs drew from the global generator, so a run's saved RNG state depended on the cache."""
+    cfg = run_config()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    kernel_check.checked_kernels(cfg, CPU)
+    assert torch.equal(torch.get_rng_state(), before)

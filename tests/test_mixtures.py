@@ -29,7 +29,7 @@ from nsa_titan.config import ConfigError, Data, Source, Validation, load_config
 from nsa_titan.data import DataError, HeldOutSets, SourceEnded, build_dataloader, build_tokenizer, shutdown_workers
 from nsa_titan.data.loader import is_held_out
 from nsa_titan.data.prepare import prepare
-from nsa_titan.data.prepared import MIX_BLOCK, Mixture, part_hash
+from nsa_titan.data.prepared import Mixture, part_hash
 from nsa_titan.data.tokenizer import ByteTokenizer
 
 from conftest import ROOT, tb_run
@@ -129,20 +129,37 @@ def test_streamed_mixture_shares_are_the_weights_by_tokens(corpora):
     assert (tokens - n * p).abs().max() <= 4 * 17, (tokens.tolist(), p.tolist())  # 4 workers, 17 tokens a document
 
 
-def test_prepared_mixture_shares_are_the_weights_in_every_block():
-    """Prepared windows: each block of MIX_BLOCK global samples holds each source's share (largest remainder),
-    and any run of samples its share to within two."""
-    mix = Mixture(list(WEIGHTS))
-    located = [mix.locate(i) for i in range(2 * MIX_BLOCK)]
-    for block in (located[:MIX_BLOCK], located[MIX_BLOCK:]):
-        counts = np.bincount([s for s, _ in block], minlength=3)
-        assert np.abs(counts - np.array(WEIGHTS) / sum(WEIGHTS) * MIX_BLOCK).max() <= 1
-    for s in range(3):  # each source's k-th sample appears once, in order of the global index
+@pytest.mark.parametrize("weights", [WEIGHTS, (1.0, 1e-4), (0.7, 0.2, 0.05, 0.05)], ids=["3", "tiny", "4"])
+def test_prepared_mixture_shares_are_the_weights_in_every_prefix_and_run(weights):
+    """Prepared windows: the first i global samples hold each source's share of i to within one, any run of samples
+    its share to within two, each source's k-th sample in order; a weight of 1e-4 gets its 2 samples of 20,000
+    (blocks of 4,096 with whole shares each gave it none)."""
+    mix, n, share = Mixture(list(weights)), 20_000, np.array(weights) / sum(weights)
+    located = [mix.locate(i) for i in range(n)]
+    for s in range(len(weights)):  # each source's k-th sample appears once, in order of the global index
         assert [k for src, k in located if src == s] == list(range(sum(1 for src, _ in located if src == s)))
-    seen = np.cumsum(np.eye(3)[[s for s, _ in located]], axis=0)
+    seen = np.cumsum(np.eye(len(weights))[[s for s, _ in located]], axis=0)
+    assert np.abs(seen - np.arange(1, n + 1)[:, None] * share).max() < 1
     for span in (7, 100, 1000):
-        assert np.abs(seen[span:] - seen[:-span] - span * np.array(WEIGHTS) / sum(WEIGHTS)).max() <= 2
-    assert mix.taken(5000).tolist() == np.bincount([s for s, _ in located[:5000]], minlength=3).tolist()
+        assert np.abs(seen[span:] - seen[:-span] - span * share).max() <= 2
+    assert mix.taken(5000).tolist() == np.bincount([s for s, _ in located[:5000]], minlength=len(weights)).tolist()
+    assert mix.taken(n).tolist() == np.round(n * share).astype(int).tolist()
+
+
+def test_a_prepared_weight_too_small_for_one_sample_of_the_run_is_refused(tmp_path):
+    """Weights 1 and 1e-5 over 2 steps of 8 samples: the second source would get none; the refusal names it, its
+    share, the run's samples and the least weight that gets one. 1e-3 over 1,000 steps trains it."""
+    args = ["--data.prepared", str(tmp_path), "--training.local_batch_size", "8", "--training.steps", "2"]
+    sources = ("[[data.sources]]\npath = 'a'\nweight = 1.0\n[[data.sources]]\npath = 'b'\nlabel = 'rare'\n"
+               "weight = {}\n")
+    config = tmp_path / "mix.toml"
+    config.write_text(sources.format(1e-5))
+    with pytest.raises(ConfigError, match=r"\[\[data.sources\]\] 1 \('rare'\): weight = 1e-05 is 1e-05 of the "
+                                          r"mixture: no sample of it among this run's 16 \(steps x global_batch_size\); "
+                                          r"give it a weight of at least 0\.0323, or leave it out"):
+        load_config(["--config", str(config), *args])
+    config.write_text(sources.format(1e-3))
+    load_config(["--config", str(config), *args[:-1], "1000"])
 
 
 LENGTHS = {"short": 256, "long": 2048}

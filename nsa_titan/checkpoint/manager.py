@@ -35,9 +35,10 @@ from ..config import Checkpoint as CheckpointConfig
 from ..distributed.parallel import side_group
 from ..models.rope import describe, rope_of
 from .errors import CheckpointError, root_cause
-from .folders import NO_HASHES, Found, commit, inspect_folder, newest_verified, recorded_hashes, scan, set_aside
+from .check import FolderCheck
+from .folders import commit, inspect_folder, scan, set_aside
 from .hf_folder import check_initial_source, check_settings, is_hf_folder, read_hf_folder
-from .integrity import HashingWriter, verify_files
+from .integrity import HashingWriter
 from .model_file import check_fit, read_model_file, saved_shapes, shapes
 from .states import FixedState, ModelState, Opaque, OptimizerState, RNGState, RunPart, TrainState
 
@@ -91,14 +92,14 @@ class CheckpointManager:
         self.failure: tuple[int, str] | None = None  # the step and cause, if the latest save failed
         self.saved_step: int | None = None  # every rank: the step of the latest save this run committed
         self.resumed_from: Path | None = None
-        self.verified: set[Path] = set()  # the folders whose content verified (checked once)
+        self.check = FolderCheck(cfg, folder, self.rank, self.world_size, self.pg)
 
     # ---------------------------------------------------------------- loading
 
     def load(self) -> Path | None:
         """Resume from the latest (or `load_step`) complete checkpoint, else the initial load. Returns the
         checkpoint a run was resumed from (step > 0 restored), else None."""
-        target = self._resume_target() if self.cfg.enable else None
+        target = self.check.resume_target() if self.cfg.enable else None
         if target is not None:
             exclude = set(self.cfg.exclude_from_loading)
             start = time.perf_counter()
@@ -142,58 +143,11 @@ class CheckpointManager:
             if self.cfg.enable else []
         return complete[-1].path if complete else None
 
-    def _resume_target(self) -> Path | None:
-        found = scan(self.folder)
-        for f in found:
-            if f.problem and f.path.name != f"step-{f.step}":  # an interrupted save; committed ones: below
-                logger.warning("checkpoint %s is not usable and is ignored: %s", f.path, f.problem)
-        complete = [f for f in found if f.problem is None]
-        if self.cfg.load_step >= 0:
-            match = [f for f in found if f.step == self.cfg.load_step and f.path.name == f"step-{f.step}"]
-            if not match:
-                steps = ", ".join(str(f.step) for f in complete) or "none"
-                raise CheckpointError(f"[checkpoint] load_step = {self.cfg.load_step}: there is no {self.folder}/"
-                                      f"step-{self.cfg.load_step} (complete checkpoints: {steps})")
-            if match[0].problem:
-                raise CheckpointError(f"checkpoint {match[0].path} cannot be used: {match[0].problem}; pick another "
-                                      f"with --checkpoint.load_step")
-            return match[0].path
-        return self._newest_verified(found)
-
-    def _newest_verified(self, found: list[Found]) -> Path | None:
-        """The newest committed checkpoint that verifies (sizes, then content on every rank). The newer ones that
-        fail are set aside as `step-N.damaged-TIME` (`on_damaged = "set_aside"`), else stop the run; so does a
-        folder where none verifies (nothing is set aside then)."""
-        damaged: list[tuple[Path, str]] = []
-        good: Found | None = None
-        for f in reversed([f for f in found if f.path.name == f"step-{f.step}"]):
-            problem = f.problem or self._content_problem(f.path)
-            if problem is None:
-                good = f
-                break
-            damaged.append((f.path, problem))
-        if not damaged:
-            return None if good is None else good.path
-        bad, problem = damaged[0]
-        if good is None or self.cfg.on_damaged == "stop":
-            way = ("no older checkpoint verifies: repair it, or move the checkpoint folder aside to start afresh"
-                   if good is None else
-                   f"resume from step {good.step}, the newest that verifies, with --checkpoint.load_step {good.step}, "
-                   f"or let damaged checkpoints be set aside by the run with --checkpoint.on_damaged set_aside")
-            raise CheckpointError(f"checkpoint {bad} cannot be used: {problem}. Nothing was loaded or overwritten; "
-                                  f"{way}")
-        if self.rank == 0:
-            for path, problem in damaged:
-                logger.warning("checkpoint %s cannot be used: %s. Set aside as %s (kept, never read); resuming from "
-                               "%s", path, problem, set_aside(path, "damaged"), good.path)
-        dist.barrier(group=self.pg)
-        return good.path
-
     def _load(self, path: Path, exclude: set[str], initial: bool = False) -> None:
         problem = inspect_folder(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
-        self._verify(path, initial)
+        self.check.verify(path, initial)
         saved = TrainState()
         self._dcp_load({"train_state": saved}, path)
         parts = dict(self.parts)
@@ -225,37 +179,6 @@ class CheckpointManager:
         if "train_state" in exclude:
             self.train_state.step, self.train_state.tokens_seen = 0, 0
         self.train_state.dp_world_size = self.dp_world_size
-
-    def _verify(self, path: Path, initial: bool) -> None:
-        """Before anything of `path` is read: its content checked (`_content_problem`). A mismatch is a
-        CheckpointError on every rank, naming the file, both hashes and the newest checkpoint beside it that
-        verifies."""
-        problem = self._content_problem(path)
-        if problem is None:
-            return
-        good = newest_verified(path)
-        way = ("no earlier checkpoint beside it verifies" if good is None else
-               f"pass --checkpoint.initial_load_path {good.path}, the newest beside it that verifies" if initial else
-               f"resume from step {good.step}, the newest that verifies, with --checkpoint.load_step {good.step}")
-        raise CheckpointError(f"checkpoint {path} cannot be used: {problem}. Nothing was loaded or overwritten; {way}")
-
-    def _content_problem(self, path: Path) -> str | None:
-        """On every rank, the same: None if the files of `path` (complete by their sizes) match the manifest's
-        content hashes, the files dealt across the ranks (unchecked: `[checkpoint] content_hashes = false`, or a
-        checkpoint without hashes), else the first problem. Checked once per folder."""
-        if not self.cfg.content_hashes or path in self.verified:
-            return None
-        hashes, problem = recorded_hashes(path), None
-        if hashes is None:
-            if self.rank == 0:
-                logger.warning("checkpoint %s %s", path, NO_HASHES)
-        else:
-            problems: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(problems, verify_files(path, hashes, self.rank, self.world_size), group=self.pg)
-            problem = next((p for p in problems if p), None)
-        if problem is None:
-            self.verified.add(path)
-        return problem
 
     def _initial_load(self, path: Path) -> None:
         """Warm start from a DCP step folder, an exported single-file state dict or a Hugging Face export;

@@ -184,6 +184,21 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              f"[training] global_batch_size = {t.global_batch_size} must be a positive multiple of "
              f"local_batch_size x dp degree = {t.local_batch_size} x {dp} = {micro} "
              f"(the multiple is the number of gradient-accumulation steps), or -1 for {micro}")
+    _validate_prepared_shares(cfg, t.steps * (micro if t.global_batch_size == -1 else t.global_batch_size))
+
+
+def _validate_prepared_shares(cfg: JobConfig, samples: int) -> None:
+    """Each source of a prepared mixture gets a sample over the run's `samples` (`prepared.Mixture` deals source s's
+    first at 1/2 / f_s): a share f_s below 1/2 sample of the run would get none, silently."""
+    dt = cfg.data
+    if not dt.prepared or len(dt.sources) < 2:
+        return
+    total = sum(src.weight for src in dt.sources)
+    for i, src in enumerate(dt.sources):
+        share, others = src.weight / total, total - src.weight
+        _require(samples * share >= 0.5, f"[[data.sources]] {i} ('{src.label or src.path}'): weight = {src.weight:g} is "
+                 f"{share:.3g} of the mixture: no sample of it among this run's {samples:,} (steps x "
+                 f"global_batch_size); give it a weight of at least {0.5 * others / (samples - 0.5):.3g}, or leave it out")
 
 
 def _validate_rope(m: Model, seq_len: int) -> None:

@@ -36,9 +36,6 @@ logger = logging.getLogger(__name__)
 FORMAT = 2
 """2: each source's `[data] holdout` documents in parts of their own (`holdout-NNNNN.bin`), read by validation."""
 MANIFEST = "manifest.json"
-MIX_BLOCK = 4096
-"""Global samples per mixture block: each block holds every source's share (largest remainder), dealt out in
-one order (`Mixture`)."""
 PREPARED_AS = ("path", "name", "split", "text_column", "min_tokens", "max_tokens")
 """A source's settings that decide its prepared tokens: a run's must equal the manifest's, but for `path` (the
 folder may move, and train without its raw text), which the manifest holds as `origin`."""
@@ -178,34 +175,49 @@ def verify(folder: Path) -> int:
 
 
 class Mixture:
-    """Global sample i -> (source, its k-th sample). Each block of MIX_BLOCK samples holds each source's share of
-    the weights (largest remainder), dealt out in one order (smooth weighted round robin): every window is
-    seq_len + 1 tokens of one source, so a weight is a share of tokens, and in any run of samples each source
-    has its share to within two samples. Any i is found without reading what came before."""
+    """Global sample i -> (source, its k-th sample), in one order over the whole run: source s's k-th sample is due
+    at time (k + 1/2) / f_s, f_s its share of the weights, and the samples are dealt in order of their times (ties
+    to the lower source): Webster's apportionment, one seat at a time. Every window is seq_len + 1 tokens of one
+    source, so a weight is a share of tokens; the first i samples hold each source's i f_s to within 1 + S/2 f_s
+    (S sources), whatever the weight: a share below one sample in 4,096 gets its samples where they fall due,
+    not none (blocks of 4,096 with whole shares each rounded it away). Any i is found without reading what came
+    before: only the samples due within S of i are looked at."""
 
     def __init__(self, weights: list[float]):
-        share = np.asarray(weights, dtype=np.float64) / sum(weights) * MIX_BLOCK
-        counts = np.floor(share).astype(np.int64)
-        counts[np.argsort(counts - share, kind="stable")[:MIX_BLOCK - counts.sum()]] += 1
-        self.counts = counts
-        self.order, current = np.empty(MIX_BLOCK, dtype=np.int64), np.zeros(len(counts), dtype=np.int64)
-        for r in range(MIX_BLOCK):
-            current += counts
-            self.order[r] = s = int(np.argmax(current))
-            current[s] -= MIX_BLOCK
-        self.rank = np.empty_like(self.order)  # each slot's count among its source's slots before it
-        for s in range(len(counts)):
-            self.rank[self.order == s] = np.arange(int(counts[s]))
+        self.shares = [w / sum(weights) for w in weights]
+
+    def _due(self, s: int, k: int) -> float:
+        return (k + 0.5) / self.shares[s]
+
+    def _count(self, s: int, time: float) -> int:
+        """Source s's samples due at or before `time`."""
+        k = max(0, int(time * self.shares[s] + 0.5))
+        while k > 0 and self._due(s, k - 1) > time:
+            k -= 1
+        while self._due(s, k) <= time:
+            k += 1
+        return k
+
+    def _around(self, i: int) -> tuple[list[int], list[tuple[float, int, int]]]:
+        """Each source's samples due up to a time before sample i, and the samples due after it up to a time past
+        i, in the order they are dealt: (time, source, k)."""
+        before, after = i - len(self.shares), i + len(self.shares) + 1
+        counts = [self._count(s, before) for s in range(len(self.shares))]
+        near = [(self._due(s, k), s, k) for s, n in enumerate(counts)
+                for k in range(n, self._count(s, after))]
+        return counts, sorted(near)
 
     def locate(self, i: int) -> tuple[int, int]:
-        b, r = divmod(i, MIX_BLOCK)
-        s = int(self.order[r])
-        return s, b * int(self.counts[s]) + int(self.rank[r])
+        counts, near = self._around(i)
+        _, s, k = near[i - sum(counts)]
+        return s, k
 
     def taken(self, i: int) -> np.ndarray:
         """Each source's samples among global samples [0, i)."""
-        b, r = divmod(i, MIX_BLOCK)
-        return b * self.counts + np.bincount(self.order[:r], minlength=len(self.counts))
+        counts, near = self._around(i)
+        for _, s, _ in near[:i - sum(counts)]:
+            counts[s] += 1
+        return np.asarray(counts, dtype=np.int64)
 
 
 class PreparedWindows(IndexedSamples):

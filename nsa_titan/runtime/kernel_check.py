@@ -266,7 +266,9 @@ def verified_decode(m: Model, device: torch.device, dtype: torch.dtype, family: 
 def checked_kernels(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None,
                     decoder_wrap: DecoderWrap | None = None) -> Family:
     """A run's NSA family, and the decoding step its model will take, each checked here before step 1
-    (`verified_family`, `verified_decode`): the family."""
-    family = verified_family(cfg, device, wrap)
-    verified_decode(cfg.model, device, DTYPES[cfg.training.mixed_precision_param], family, decoder_wrap)
+    (`verified_family`, `verified_decode`): the family. The process's generators are left as they were: a run that
+    checks draws the numbers of one that reads the verdicts (its saved RNG state too)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        family = verified_family(cfg, device, wrap)
+        verified_decode(cfg.model, device, DTYPES[cfg.training.mixed_precision_param], family, decoder_wrap)
     return family
