@@ -34,8 +34,6 @@ FAULTS = {
     "corrupt-data": (["--debug.fault_raise_where", "data"], 1,
                      r"its data-loader worker [01] raised ValueError: a corrupt document in the batch of step 9"),
     "out-of-memory": (["--debug.fault_raise_where", "forward"], 0, r"out of memory \(CUDA out of memory"),
-    "failed-write": (["--debug.fault_raise_where", "write"], 1,
-                     r"OSError: \[Errno 28\] No space left on device \(fault injection\): '\S+/heartbeat/rank1.jsonl'"),
 }
 
 

@@ -414,7 +414,8 @@ class Debug:
     """Fault injection for tests: the step at which fault_raise_rank raises (0: never; counted from step 0)."""
     fault_raise_where: Literal["data", "forward", "write"] = "forward"
     """Fault injection for tests: `data`, a loader worker raises on that step's batch (a corrupt document);
-    `forward`, an out-of-memory error in the forward; `write`, the rank's heartbeat write fails (disk full)."""
+    `forward`, an out-of-memory error in the forward; `write`, the rank's heartbeat write of that step fails (disk
+    full: one warning, the run goes on)."""
     fault_kernel: str = ""
     """Fault injection for tests: a wrong kernel for the startup check to catch. `FAMILY:PART`, that family's (torch,
     flash, cpp, triton) branch output scaled by 1.5 (PART: cmp, sel, win) or one of its gradients (dq, dk_cmp,

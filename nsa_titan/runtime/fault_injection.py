@@ -31,6 +31,7 @@ A loader worker killed as the out-of-memory killer does needs no hook: `kill -9`
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -89,17 +91,28 @@ def _raise_out_of_memory(rank: int, step: int) -> None:
     raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (fault injection at step {step})")
 
 
+class _FullDisk:
+    """A heartbeat's file on which the record of `step` finds the disk full."""
+
+    def __init__(self, file: Any, rank: int, step: int):
+        self.plain, self.name, self.rank, self.step = file, file.name, rank, step
+
+    def write(self, text: str) -> int:
+        if json.loads(text).get("step") == self.step:
+            _say(f"rank {self.rank}'s heartbeat write of step {self.step} fails")
+            raise OSError(errno.ENOSPC, "No space left on device (fault injection)", self.name)
+        return self.plain.write(text)
+
+    def flush(self) -> None:
+        self.plain.flush()
+
+    def close(self) -> None:
+        self.plain.close()
+
+
 def _failing_write(heartbeat: Heartbeat, rank: int, step: int) -> None:
     """The heartbeat's record of `step` finds the disk full."""
-    plain = heartbeat.write
-
-    def write(**record: object) -> None:
-        if record.get("step") == step and "event" not in record:
-            _say(f"rank {rank}'s heartbeat write of step {step} fails")
-            raise OSError(errno.ENOSPC, "No space left on device (fault injection)", heartbeat.file.name)
-        plain(**record)
-
-    heartbeat.write = write
+    heartbeat.file = _FullDisk(heartbeat.file, rank, step)
 
 
 def _install_raise(d: Debug, model: nn.Module, dataloader: StatefulDataLoader, heartbeat: Heartbeat | None,

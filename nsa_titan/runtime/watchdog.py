@@ -54,7 +54,8 @@ TICK_S = 0.5
 
 
 class Heartbeat:
-    """One JSON line per step in `<folder>/rank<R>.jsonl` (the run's heartbeat folder); flushed each time."""
+    """One JSON line per step in `<folder>/rank<R>.jsonl` (the run's heartbeat folder); flushed each time. A write that
+    fails (a full disk) is one warning, the first, not a stop: the records go on when the disk takes them."""
 
     def __init__(self, folder: Path, rank: int):
         path = folder / f"rank{rank}.jsonl"
@@ -63,11 +64,18 @@ class Heartbeat:
             logger.warning("%s: its incomplete last line (%d bytes, a write cut short) was dropped", path, cut)
         self.file = path.open("a")
         self.lock = threading.Lock()
+        self.warned = False
 
     def write(self, **record: Any) -> None:
         with self.lock:
-            self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+                self.file.flush()
+            except OSError as e:
+                if not self.warned:
+                    self.warned = True
+                    logger.warning("heartbeat %s could not be written (%s): training goes on, and so do its records "
+                                   "when the disk takes them", self.file.name, e)
 
     def close(self) -> None:
         self.file.close()
