@@ -36,9 +36,9 @@ def check(folder: str, ids: list[list[int]], prompt: list[int], req: dict) -> di
         counts["block_tokens"] += x.shape[1]
         return block_forward(self, x, *args, **kwargs)
 
-    def counted_step(self, token):
+    def counted_step(self, token, starts=None):
         counts["steps"] += 1
-        return step(self, token)
+        return step(self, token, starts)
 
     TransformerBlock.forward, Decoder.step = counted_forward, counted_step
     try:
