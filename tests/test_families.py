@@ -11,6 +11,7 @@ each, as many at a time as there are cores. A family that cannot run here says w
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -160,14 +161,21 @@ def test_family_equals_the_reference(family, case):
     assert max(found.values()) < TOLERANCE, found
 
 
+M7C_INTERPRETED = os.environ.get("NSA_TITAN_INTERPRET_M7C") == "1"
+"""The Triton family and decode step interpreted at M7C's sizes take 13 and 3 minutes on 2 cores, past CI's budget:
+opt-in (NSA_TITAN_INTERPRET_M7C=1); every other interpreted case runs, and the GPU check runs M7C's natively."""
+
+
 @pytest.fixture(scope="module")
 def triton_errors() -> dict[str, dict]:
-    return interpreted(__file__, [*CASES, *EXTRAS])
+    return interpreted(__file__, [*(c for c in CASES if c != "m7c" or M7C_INTERPRETED), *EXTRAS])
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
+    if case not in triton_errors:
+        pytest.skip("M7C's sizes interpreted: opt-in with NSA_TITAN_INTERPRET_M7C=1 (13 minutes on 2 cores)")
     """Outputs and all 8 gradients. At the M7C case the first block's 1,100 readers span several programs of the
     sel kernels over the inverse index (forward and backward), and most programs reach several blocks."""
     from nsa_titan.models.attention.families.triton import triton_nsa
