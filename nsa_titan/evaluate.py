@@ -37,7 +37,6 @@ import itertools
 import math
 import os
 import re
-import sys
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ from .models.transformer import NSAAttention, Transformer
 from .observe.evals import eval_layout, evaluate_recall, position_sums, recall_batch
 from .observe.lm_harness import Harness, rolling_windows, score
 from .observe.plots import line_chart
-from .system.cli import ArgumentParser, run_command
+from .system.cli import ArgumentParser, leave, run_command
 
 
 def load_at(checkpoint: str, config: str | None, overrides: list[str] | None, seq_len: int = 0,
@@ -320,4 +319,4 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

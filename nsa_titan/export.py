@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from .checkpoint import CheckpointError, load_tensors, read_model_file, write_mo
 from .config import DTYPES
 from .config import Checkpoint as CheckpointConfig
 from .config.paths import config_of_checkpoint
-from .system.cli import ArgumentParser, run_command
+from .system.cli import ArgumentParser, leave, run_command
 from .system.extras import require_hf
 
 logger = logging.getLogger(__name__)
@@ -92,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

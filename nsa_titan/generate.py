@@ -17,7 +17,6 @@ The decoding step's kernel is checked against the model's forward first (`[model
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from .data.batch import document_ids
 from .models.decode import Decoder
 from .models.transformer import Transformer
 from .runtime.kernel_check import verified_decode
-from .system.cli import ArgumentParser, run_command
+from .system.cli import ArgumentParser, leave, run_command
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -178,4 +177,4 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -54,7 +54,7 @@ from .runtime.failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAIL
 from .runtime.ownership import FolderOwner, job_key
 from .runtime.stop import EXIT_ABORTED
 from .runtime.watchdog import EXIT_HANG
-from .system.cli import EXIT_BAD_INPUT, run_command
+from .system.cli import EXIT_BAD_INPUT, leave, run_command
 from .system.env import set_launcher_env
 from .system.signals import STOP_SIGNALS
 
@@ -294,4 +294,4 @@ def _launch(args: Any) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -30,7 +30,7 @@ from .distributed.parallel import apply_ac, build_mesh, parallelize
 from .models.loss import cross_entropy_loss
 from .models.rope import rope_tables
 from .models.transformer import Transformer, TransformerBlock
-from .system.cli import ArgumentParser, run_command
+from .system.cli import ArgumentParser, leave, run_command
 
 GIB = 2**30
 
@@ -290,4 +290,4 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

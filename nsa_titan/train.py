@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from typing import NoReturn
@@ -50,7 +49,7 @@ from .runtime.ownership import FolderOwner, job_key, other_holder
 from .runtime.step_batches import StepBatches
 from .runtime.stop import StopRequest
 from .runtime.watchdog import Heartbeat, StepWatchdog, set_collective_timeout
-from .system.cli import note_failure, report, run_command, setup_logging
+from .system.cli import leave, note_failure, report, run_command, setup_logging
 from .system.env import LAUNCHED_BY, set_deterministic
 from .system.errors import BadInput
 from .system.extras import require_hf, require_wandb
@@ -438,4 +437,4 @@ def _run(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -11,10 +11,9 @@ verifies, 1 when one does not, 2 when PATH holds no checkpoint. One process, no 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from ..system.cli import ArgumentParser, run_command
+from ..system.cli import ArgumentParser, leave, run_command
 from .errors import CheckpointError
 from .folders import MANIFEST, NO_HASHES, PARTIAL_DIR, STEP_DIR, Found, inspect_folder, recorded_hashes, scan, verify
 from .integrity import HASH
@@ -62,4 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

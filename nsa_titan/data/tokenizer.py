@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Protocol
 
 from .errors import DataError
-from .sources import check_hub_reachable
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -101,6 +100,8 @@ def tokenizer_file(path: str) -> Path:
     if not _HUB_ID.match(path) or path.startswith((".", "/")):
         raise DataError(f"[data] tokenizer_path = '{path}': no such file or folder (nor a hub model id)")
     import huggingface_hub
+
+    from .sources import check_hub_reachable  # `datasets` under it: imported only for a hub id
 
     def fetch(name: str, local_only: bool) -> Path:
         return Path(huggingface_hub.hf_hub_download(path, name, local_files_only=local_only))
