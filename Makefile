@@ -11,7 +11,7 @@ train: install
 	./run_train.sh
 
 test: install-test
-	python3 -m pytest -q --durations=30 tests
+	python3 -m pytest -q --durations=10 tests
 
 # The inner loop: everything in-process and quick (times: tests/README.md); CI runs `make test`, all of it.
 test-fast: install-test
