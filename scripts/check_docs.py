@@ -17,12 +17,14 @@ network` or `needs several nodes` is skipped. Exit 1, listing the problems, if a
 
 from __future__ import annotations
 
-import functools
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,12 +62,24 @@ def commands(markdown: str) -> list[tuple[int, str, bool]]:
     return found
 
 
-@functools.cache
-def help_text(*program: str) -> str | None:
-    """`program --help`'s output, or None if it fails."""
+_HELP_RUNS = ThreadPoolExecutor(os.cpu_count() or 1)
+_HELP: dict[tuple[str, ...], Future[str | None]] = {}
+_HELP_LOCK = threading.Lock()
+
+
+def _run_help(program: tuple[str, ...]) -> str | None:
     proc = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     return proc.stdout + proc.stderr if proc.returncode == 0 else None
+
+
+def help_text(*program: str) -> str | None:
+    """`program --help`'s output, or None if it fails: each program's once, as many at a time as there are cores
+    (each imports torch: seconds)."""
+    with _HELP_LOCK:
+        if program not in _HELP:
+            _HELP[program] = _HELP_RUNS.submit(_run_help, program)
+    return _HELP[program].result()
 
 
 def trainer_problems(args: list[str]) -> list[str]:
@@ -136,13 +150,11 @@ def problems_of(command: str) -> list[str]:
 
 def check(files: list[Path]) -> list[str]:
     """Every problem of every command in `files`, as `file:line: command: problem`."""
-    out = []
-    for f in files:
-        for n, command, skipped in commands(f.read_text()):
-            if not skipped:
-                out += [f"{f.relative_to(ROOT) if f.is_relative_to(ROOT) else f}:{n}: {command}: {p}"
-                        for p in problems_of(command)]
-    return out
+    found = [(f, n, command) for f in files for n, command, skipped in commands(f.read_text()) if not skipped]
+    with ThreadPoolExecutor(min(len(found), 64) or 1) as pool:  # the commands wait on their programs' --help together
+        problems = list(pool.map(problems_of, [command for _, _, command in found]))
+    return [f"{f.relative_to(ROOT) if f.is_relative_to(ROOT) else f}:{n}: {command}: {p}"
+            for (f, n, command), found_problems in zip(found, problems) for p in found_problems]
 
 
 def default_files() -> list[Path]:

@@ -15,7 +15,8 @@ from nsa_titan.checkpoint.folders import verify
 from nsa_titan.config import Fault
 from nsa_titan.runtime.guard import SpikeDetector, UpdateGuard
 
-from jobs import Job, assert_states_equal, run_job
+from jobs import STEPS, Job, assert_states_equal, run_job
+from wandb_files import OFFLINE, assert_one_history_as_printed
 
 
 def test_the_detector_flags_only_what_stands_far_above_its_running_mean():
@@ -68,9 +69,10 @@ def test_skip_leaves_the_model_and_optimizer_of_the_step_before(tmp_path):
 def test_rollback_reloads_the_newest_checkpoint_and_goes_on_past_the_batches(tmp_path):
     """`rollback` after 1 spike (the one injected at step 25), 2 ranks, saves every 10 steps: the state of
     step 20 is reloaded, steps 21-25 run again on the next batches (other losses than the first time), and the
-    run ends at step 40 with a checkpoint that verifies."""
+    run ends at step 40 with a checkpoint that verifies. W&B (offline) logs it: its history holds steps 21-25
+    once, with the values of their second pass, as the console printed them."""
     dump = tmp_path / "out"
-    out = run_job(dump, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "1", "--fault.spike_window",
+    out = run_job(dump, *OFFLINE, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "1", "--fault.spike_window",
                   "10", "--debug.fault_spike_step", "25", "--checkpoint.interval", "10", nproc=2)
     assert re.search(r"1 loss spike\(s\) within 100 steps, the first at step 25, the last at step 25 \(rollback 1 "
                      r"of at most 3\): rolled back to \S+/step-20; training goes on from step 20 with the next "
@@ -82,6 +84,7 @@ def test_rollback_reloads_the_newest_checkpoint_and_goes_on_past_the_batches(tmp
     assert all(a != b for a, b in (losses[s] for s in range(21, 25)))  # other batches the second time
     assert "run summary: reached step 40 of 40" in out and "1 loss spike (1 update skipped)" in out
     assert verify(dump / "checkpoint" / "step-40") is None
+    assert_one_history_as_printed(dump, out, STEPS)
 
 
 LASTING = ["--debug.fault_spike_lasting", "true", "--fault.spike_window", "5"]

@@ -1,78 +1,22 @@
 """Weights & Biases as users run it, without network: offline runs whose files hold the logged scalars and the
-config (read back here), one W&B run id across a SIGKILL and restart, `disabled` writing nothing, and a W&B
-that cannot start costing one warning and nothing else."""
+config (read back here), `disabled` writing nothing, and a W&B that cannot start costing one warning and nothing
+else. One W&B run id across a SIGKILL and restart is shown by test_operations.py's restart, a rolled-back run's
+history by test_spikes.py's rollback: the same runs, logging to W&B."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import struct
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
-from wandb.proto import wandb_internal_pb2 as pb
 
 from nsa_titan.observe.wandb_run import HISTORY_FILE, WandbRun
 from nsa_titan.system.jsonl import read_records
 
 from conftest import free_port, tb_losses
-from jobs import STEPS, Job, run_job
-
-OFFLINE = ["--metrics.enable_wandb", "true", "--metrics.wandb_mode", "offline"]
-
-
-def records(run: Path) -> list[pb.Record]:
-    """The records of an offline run's `.wandb` file: W&B's log format (a 7-byte file header, then blocks of
-    32 KiB holding records, each a 7-byte header of checksum, length and kind before its protobuf bytes)."""
-    data = next(run.glob("*.wandb")).read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, out, part = 7, 32768, [], b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        part, pos = part + data[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = pb.Record()
-            record.ParseFromString(part)
-            out.append(record)
-            part = b""
-    return out
-
-
-def history(run: Path) -> dict[int, dict[str, float]]:
-    """{step: {key: value}} of the scalars an offline run logged; each step once (asserted)."""
-    out = {}
-    for r in records(run):
-        if r.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            assert int(items["_step"]) not in out, f"step {items['_step']} twice in {run}"
-            out[int(items["_step"])] = {k: v for k, v in items.items() if not k.startswith("_")}
-    return out
-
-
-def console_losses(out: str) -> dict[int, str]:
-    """{step: its loss as the console printed it last} (a step trained again prints again)."""
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"\[rank0\] .* step +(\d+)/\d+ \| loss +([\d.]+)", out)}
-
-
-def assert_one_history_as_printed(dump: Path, out: str, steps: int) -> None:
-    """The dump's W&B folder holds one offline run (the others set aside), whose history holds steps 1..`steps`
-    once each, with the losses the console printed last."""
-    [run] = runs(dump)
-    logged, printed = history(run), console_losses(out)
-    assert sorted(logged) == list(range(1, steps + 1)) == sorted(printed)
-    for step, loss in printed.items():
-        assert f"{logged[step]['train/loss']:.4f}" == loss, (step, logged[step], loss)
-
-
-def runs(dump: Path) -> list[Path]:
-    return sorted((dump / "wandb").glob("offline-run-*"))
+from jobs import Job, run_job
+from wandb_files import OFFLINE, assert_one_history_as_printed, history, records, runs
 
 
 @pytest.mark.multiprocess
@@ -94,34 +38,6 @@ def test_an_offline_run_holds_the_scalars_and_the_config(tmp_path):
     for step, loss in tb.items():
         assert logged[step]["train/loss"] == pytest.approx(loss, rel=1e-6)
         assert {"train/grad_norm", "train/lr", "train/tokens_per_s", "train/data_wait"} <= set(logged[step])
-
-
-@pytest.mark.multiprocess
-def test_a_killed_and_restarted_run_continues_the_same_wandb_run(tmp_path):
-    """A rank SIGKILLed after the step-10 save and a few more logged steps, the job restarted by MAX_RESTARTS:
-    the same W&B run id, one offline folder (the killed run's set aside) whose history holds every step once,
-    with the values the console printed last (steps 11 on: the restart's)."""
-    dump = tmp_path / "out"
-    job = Job(dump, *OFFLINE, "--checkpoint.interval", "10", nproc=2, env={"MAX_RESTARTS": "1"})
-    job.wait_for(r"step +13/")
-    os.kill(job.rank_pid(0), signal.SIGKILL)
-    rc, out = job.finish()
-    assert rc == 0 and "restart 1 of 1" in out, out[-3000:]
-    run_id = (dump / "wandb_run_id").read_text()
-    [aside] = (dump / "wandb" / "superseded").glob("offline-run-*")
-    assert aside.name.endswith(run_id) and runs(dump)[0].name.endswith(run_id)
-    assert_one_history_as_printed(dump, out, STEPS)
-
-
-@pytest.mark.multiprocess
-def test_a_rolled_back_run_s_wandb_history_holds_the_steps_trained_again(tmp_path):
-    """`rollback` at the spike of step 25 to the step-20 save (2 ranks, async saves): W&B's offline history holds
-    steps 21-25 once, with the values of their second pass, as the console printed them."""
-    dump = tmp_path / "out"
-    out = run_job(dump, *OFFLINE, "--fault.spikes", "rollback", "--fault.spike_rollback_count", "1",
-                  "--fault.spike_window", "10", "--debug.fault_spike_step", "25", "--checkpoint.interval", "10", nproc=2)
-    assert "rolled back to" in out and len(re.findall(r"\[rank0\] .* step +23/", out)) == 2, out[-3000:]
-    assert_one_history_as_printed(dump, out, STEPS)
 
 
 @pytest.mark.multiprocess
