@@ -130,11 +130,12 @@ def test_batched_decoding_of_prompts_of_different_lengths_equals_each_alone(atte
     found = batched_against_alone(small_model(attention), documents)
     assert max(found.values()) <= 1, found
 
-def m7c_prompt(family: Family | None = None) -> tuple[Transformer, torch.Tensor, torch.Tensor]:
-    """One layer of M7C's shape (12 heads, 2 KV groups, head dim 64; l=32, d=16, l'=64, n=16, w=512) and two
-    1,300-token rows whose last documents start at 100 and 0: past w, and past n blocks (the top-n chooses)."""
-    model = Transformer(Model(attention="nsa", dim=768, n_layers=1, n_heads=12, n_kv_groups=2, head_dim=64,
-                              vocab_size=97), 1400, family)
+def m7c_prompt(family: Family | None = None, groups: int = 2) -> tuple[Transformer, torch.Tensor, torch.Tensor]:
+    """One layer of M7C's shape (12 heads, 2 KV groups, head dim 64; l=32, d=16, l'=64, n=16, w=512; `groups` 1:
+    6 heads, M7C's group) and two 1,300-token rows whose last documents start at 100 and 0: past w, and past n
+    blocks (the top-n chooses)."""
+    model = Transformer(Model(attention="nsa", dim=64 * 6 * groups, n_layers=1, n_heads=6 * groups,
+                              n_kv_groups=groups, head_dim=64, vocab_size=97), 1400, family)
     model.init_weights(0)
     tokens = torch.randint(0, 97, (2, 1340), generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([[0] * 100 + [1] * 1240, [0] * 1340])
@@ -204,7 +205,8 @@ def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
 def triton_decode_case(case: str) -> dict[str, float]:
     """One check of the Triton decode step, interpreted (run in a fresh process under TRITON_INTERPRET=1: Triton
     decides at definition), the Triton step `auto`'s first there, the prompts by the C++ family: `m7c`, 20 steps at M7C's shapes
-    against the PyTorch step (`beyond_1e5`), the compressed slots cut into several parts; `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
+    against the PyTorch step (`beyond_1e5`), the compressed slots cut into several parts (`group6`: 6 steps of M7C's
+    group of 6 heads, what runs by default); `reset`, the same at SMALL's sizes (l' = 16, tl.dot's least) across
     a new document started by `reset`; `one-document` and `documents`, `batched_against_alone` with 12 new tokens
     at those sizes; with the Triton step's calls."""
     if case == "compression":
@@ -215,14 +217,16 @@ def triton_decode_case(case: str) -> dict[str, float]:
         fresh, poisoned, reused = poisoned_against_fresh(small_model("nsa", FAMILIES["cpp"](), sel_block_size=16),
                                                          "triton", 12)
         return {"unequal": float((poisoned != fresh).sum()) + (not reused), "calls": len(calls)}
-    if case in ("m7c", "documents"):  # the compressed slots in parts of 16 (6 at M7C here) or 4, 4 or 2 combined a step
-        decode.triton_decode.CMP_PART, decode.triton_decode.COMBINE = (16, 4) if case == "m7c" else (4, 2)
+    if case in ("m7c", "group6", "documents"):  # the compressed slots in parts of 16 (6 at M7C here) or 4, 4 or 2
+        decode.triton_decode.CMP_PART, decode.triton_decode.COMBINE = (4, 2) if case == "documents" else (16, 4)
     cpp = FAMILIES["cpp"]()
     if case in ("one-document", "documents"):
         return {**batched_against_alone(small_model("nsa", cpp, sel_block_size=16), case == "documents", 12),
                 "calls": len(calls)}
     if case == "m7c":
         (model, tokens, ids), prompt, steps = m7c_prompt(cpp), 1300, range(1300, 1320)
+    elif case == "group6":  # M7C's group of 6 heads and its sizes, 6 steps
+        (model, tokens, ids), prompt, steps = m7c_prompt(cpp, groups=1), 1300, range(1300, 1306)
     else:  # "reset": 20 steps past a 20-token prompt, then a new document's first 30 (the caches made by a step)
         model, tokens, ids = small_model("nsa", cpp, sel_block_size=16), torch.randint(0, 97, (2, 70)), None
         prompt, steps = 20, range(20, 70)
@@ -273,7 +277,7 @@ def triton_compression() -> dict[str, float]:
     return found
 
 
-TRITON_CASES = ("m7c", "reset", "one-document", "documents", "compression", "poisoned")
+TRITON_CASES = ("m7c", "group6", "reset", "one-document", "documents", "compression", "poisoned")
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +299,7 @@ def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, 
         assert len(found) == 6 and found["mlp elsewhere"] == found["mean elsewhere"] == 0, found
         assert max(found.values()) <= 1, found
         return
-    assert found.pop("calls") >= {"m7c": 20, "reset": 80}.get(case, 24), found
+    assert found.pop("calls") >= {"m7c": 20, "group6": 6, "reset": 80}.get(case, 24), found
     if case == "poisoned":  # a NaN-filled reused cache: the same logits as a fresh one's, bit for bit
         assert found == {"unequal": 0.0}, found
         return
