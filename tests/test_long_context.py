@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -136,9 +137,21 @@ def pretrained(tmp_path_factory) -> Path:
     return dump / "checkpoint"
 
 
+@pytest.fixture(scope="module")
+def adapted(pretrained, tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("adapted") / "run"
+    run_train(dump, *ADAPT, "--training.steps", "6", "--checkpoint.interval", "6",
+              "--checkpoint.initial_load_path", str(pretrained / "step-12"))
+    return dump / "checkpoint" / "step-6"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("source", ["step-12", "model-step-12-hf"])
-def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exactly(pretrained, source, tmp_path):
+def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exactly(pretrained, adapted, source,
+                                                                                     tmp_path):
+    """From a step folder and from an HF folder: the log names the source, the loss falls; interrupted at step 6
+    and resumed (from the step folder: a resume reads the adaptation's own checkpoint, whatever its source), the
+    run ends bit-equal."""
     src = pretrained / source
     straight = tmp_path / "straight"
     out = run_train(straight, *ADAPT, "--training.steps", "12", "--checkpoint.interval", "6",
@@ -148,10 +161,12 @@ def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exac
     losses = tb_losses(straight / "tb")
     assert sorted(losses) == list(range(1, 13))
     assert sum(losses[s] for s in (10, 11, 12)) < sum(losses[s] for s in (1, 2, 3)) - 0.3, losses
-    # Interrupted at step 6 and resumed: the adaptation's own checkpoint, not the source, and bit-equal.
+    if source != "step-12":
+        return
+    # Interrupted at step 6 (`adapted` is that run: the same command) and resumed: the adaptation's own
+    # checkpoint, not the source, and bit-equal.
     split = tmp_path / "split"
-    run_train(split, *ADAPT, "--training.steps", "6", "--checkpoint.interval", "6",
-              "--checkpoint.initial_load_path", str(src))
+    shutil.copytree(adapted.parent.parent, split)
     out = run_train(split, *ADAPT, "--training.steps", "12", "--checkpoint.interval", "6",
                     "--checkpoint.initial_load_path", str(src))
     assert f"resumed from {split / 'checkpoint' / 'step-6'} at step 6" in out and "initial model weights" not in out
@@ -161,14 +176,6 @@ def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exac
         ta, tb = load_tensors(a, prefix), load_tensors(b, prefix)
         assert ta.keys() == tb.keys() and len(ta) > 10
         assert all(torch.equal(ta[k], tb[k]) for k in ta), f"{prefix} differs after the resume"
-
-
-@pytest.fixture(scope="module")
-def adapted(pretrained, tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("adapted") / "run"
-    run_train(dump, *ADAPT, "--training.steps", "6", "--checkpoint.interval", "6",
-              "--checkpoint.initial_load_path", str(pretrained / "step-12"))
-    return dump / "checkpoint" / "step-6"
 
 
 @pytest.mark.multiprocess
