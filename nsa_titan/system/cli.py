@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import json
 import logging
 import os
@@ -66,6 +67,7 @@ def leave(code: int) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # and C's stdio buffers (extensions' output): os._exit flushes nothing
     os._exit(code)
 
 
