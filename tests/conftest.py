@@ -84,14 +84,15 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | 
 
 def interpreted(script: str, cases: list[str]) -> dict[str, dict]:
     """{case: the JSON of `python script triton case`'s last line}, each case in a fresh process under
-    TRITON_INTERPRET=1 (Triton decides at definition), as many at a time as there are cores; skips without Triton."""
+    TRITON_INTERPRET=1 (Triton decides at definition) through `interpreter.py`, as many at a time as there are
+    cores; skips without Triton."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
     def run(case: str) -> dict:
-        done = subprocess.run([sys.executable, script, "triton", case], env=env, capture_output=True, text=True,
-                              timeout=1800)
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton", case], env=env,
+                              capture_output=True, text=True, timeout=1800)
         assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
         return json.loads(done.stdout.strip().splitlines()[-1])
 
