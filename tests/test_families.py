@@ -38,10 +38,6 @@ CASES = {  # name: (B, T, H, G, D, spec, documents, cuts of the queries into par
     "documents": (2, 333, 12, 2, 64, SMALL, True, ()),
     "parts": (2, 333, 12, 2, 64, SMALL, True, (64, 192)),
 }
-INTERPRETED = {**CASES, "documents": (2, 333, 6, 1, 64, SMALL, True, ()), "parts": (2, 333, 6, 1, 64, SMALL, True, (64, 192))}
-"""The Triton family's cases, interpreted: documents and parts in one group of 6 heads (M7C's tile of rows, as in
-`group6`), not two; a second group is `group1`'s. The interpreter's time grows with heads x groups (documents: 90 s
-at 12 x 2, 45 at 6 x 1), and the CPU families keep `CASES`."""
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
 CPU = torch.device("cpu")
 
@@ -50,17 +46,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def sizes(family: str, case: str) -> tuple:
-    """A case's sizes for `family`: `INTERPRETED`'s for Triton (it runs interpreted here), else `CASES`'."""
-    return (INTERPRETED if family == "triton" else CASES)[case]
-
-
-def inputs(case: str, length: int = 0, family: str = "triton") -> tuple[list[torch.Tensor], Documents | None]:
-    """fp32 inputs of a case at `family`'s sizes (its T, or `length`): q, compressed k / v (with documents: their
-    slots), sel and win k / v, gates."""
+def inputs(case: str, length: int = 0) -> tuple[list[torch.Tensor], Documents | None]:
+    """fp32 inputs of a case (its T, or `length`): q, compressed k / v (with documents: their slots), sel and win
+    k / v, gates."""
     from test_nsa_reference import random_inputs
 
-    B, T, H, G, D, spec, with_docs, _ = sizes(family, case)
+    B, T, H, G, D, spec, with_docs, _ = CASES[case]
     T = length or T
     args = list(random_inputs(B, T, H, G, D, spec, dtype=torch.float32, seed=T + H))
     docs = None
@@ -75,8 +66,8 @@ def inputs(case: str, length: int = 0, family: str = "triton") -> tuple[list[tor
 def errors(family: str, case: str) -> dict[str, float]:
     """Relative errors of `family` against the reference family on `case`: the output and every gradient,
     for one random output gradient; with cuts, the family runs part by part (q0) over the whole keys."""
-    B, T, H, G, D, spec, _, cuts = sizes(family, case)
-    args, docs = inputs(case, family=family)
+    B, T, H, G, D, spec, _, cuts = CASES[case]
+    args, docs = inputs(case)
     op, ref_op = choose_family(family, CPU, torch.float32, spec, H // G, D), FAMILIES["reference"]()
     ref_leaves = [a.clone().requires_grad_(True) for a in args]
     ref = ref_op(*ref_leaves, spec, docs=docs)
@@ -198,7 +189,7 @@ def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
     several blocks."""
     from nsa_titan.models.attention.families.triton import triton_nsa
 
-    _, T, H, G, *_ = INTERPRETED[case]
+    _, T, H, G, *_ = CASES[case]
     if case in ("m7c", "group6"):
         assert T > triton_nsa.READER_STEPS * triton_nsa.ROWS // (H // G)
     assert max(triton_errors[case].values()) < TOLERANCE, triton_errors[case]
