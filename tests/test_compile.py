@@ -53,6 +53,7 @@ def compiled_and_eager(module: NSAAttention, T: int, docs: Documents | None) -> 
 
 
 @pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.slow
 def test_compiled_graph_does_not_grow_with_T_and_equals_eager(small_chunks, monkeypatch, with_docs):
     from nsa_titan.models.attention.families.pytorch import fast_shared
 
@@ -74,6 +75,7 @@ def test_compiled_graph_does_not_grow_with_T_and_equals_eager(small_chunks, monk
 
 
 @pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.slow
 def test_the_ops_pass_opcheck(with_docs):
     """Schema, fake implementation (the shapes dynamo plans with), and the registered backward
     against the ops' own outputs, for cmp, win and sel; a part of the queries (q0 > 0) included."""
@@ -99,6 +101,7 @@ def test_the_ops_pass_opcheck(with_docs):
         torch.library.opcheck(ops._selected_op, (part, k, v, idx, valid, spec, q0, start, fields[4]))
 
 
+@pytest.mark.slow
 def test_the_shared_op_passes_opcheck_with_bf16_chunks():
     """cmp and win as CUDA runs them, on bf16 chunks: the fake implementation's logsumexp is fp32
     (the real one's) there too."""
@@ -129,6 +132,7 @@ def test_inductor_compiled_block_equals_eager():
         assert float((got - want).norm() / want.norm()) < 1e-10
 
 
+@pytest.mark.slow
 def test_a_float32_block_choosing_its_kernels_per_call_compiles_fullgraph():
     """`kernels = None` chooses them inside the graph: on CPUs in fp32 that asks whether the C++ kernels
     built, which dynamo takes as a constant (it could not trace the build) instead of breaking the graph."""

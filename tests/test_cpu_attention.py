@@ -134,6 +134,7 @@ def tiles_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.multiprocess
 def test_the_vector_layer_is_exact_with_avx2_halves_and_avx512_registers(tmp_path):
     """`csrc/tiles.h` built for each instruction set alone (AVX2: 16 lanes as two 8-lane registers;
     AVX-512: one register), run where the CPU has it: e^x (subnormal results, 0 below e^-104), bf16 loads, and the

@@ -94,12 +94,14 @@ def test_a_key_added_to_the_schema_fails_the_reference(tmp_path):
     assert config_reference.render(documented)["checkpoint.md"] != config_reference.render()["checkpoint.md"]
 
 
+@pytest.mark.multiprocess
 def test_every_command_in_the_docs_checks_out():
     found = [c for f in check_docs.default_files() for c in check_docs.commands(f.read_text())]
     assert len([c for c in found if not c[2]]) >= 30
     assert check_docs.check(check_docs.default_files()) == []
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command,problem", [
     ("./run_train.sh --training.stepz 10", "unknown key 'stepz' in [training]"),
     ("./run_train.sh --config train_configs/nope.toml", "train_configs/nope.toml does not exist"),

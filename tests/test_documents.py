@@ -158,6 +158,7 @@ def test_window_branch_takes_flash_attn_varlen_as_documented(monkeypatch):
 
 
 @pytest.mark.parametrize("q0,q1", [(0, 300), (100, 300), (40, 170)], ids=["all", "last-part", "middle-part"])
+@pytest.mark.slow
 def test_dense_baseline_flex_block_mask_equals_the_boolean_mask(q0, q1):
     """The dense baseline's GPU path with documents, FlexAttention's block-causal document mask, gives
     SDPA-with-a-T-x-T-mask's output (forward, on the CPU; tests/test_gpu.py checks the backward),

@@ -134,6 +134,7 @@ def test_bad_eval_settings_are_refused_before_any_rank_starts(args, message):
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.slow
 def test_rows_scored_in_batches_score_as_each_alone(attention):
     """lm-eval's rows batched (padded at their end, longest first) against each row alone, with documents."""
     model = Transformer(Model(attention=attention, dim=64, n_heads=4, n_kv_groups=2, head_dim=16, vocab_size=97,
@@ -151,6 +152,7 @@ def test_rows_scored_in_batches_score_as_each_alone(attention):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_unknown_and_generation_tasks_are_refused_with_the_fix(tmp_path):
     from nsa_titan.observe.lm_harness import Harness
 

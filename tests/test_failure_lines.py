@@ -111,6 +111,7 @@ def test_a_cause_still_settling_its_save_is_printed_first_from_the_note_of_the_r
     assert failures(e) == [(1, crash.line), (1, consequence)]  # the cause's own report, when there is one
 
 
+@pytest.mark.multiprocess
 def test_the_channel_wakes_its_listeners_at_the_announcement_and_at_the_loss_of_the_store(monkeypatch):
     """The first failure of an attempt reaches a listener blocked in its wait within a second, and only the first is
     kept; a listener whose store's host dies is told so (None) at once."""

@@ -93,6 +93,7 @@ def test_the_holder_renews_its_heartbeat_and_notices_a_lost_record(tmp_path):
     assert json.loads((tmp_path / OWNER_FILE).read_text())["job"] == "process 4 on there"  # not removed: not ours
 
 
+@pytest.mark.multiprocess
 def test_two_takers_of_one_gone_record_one_wins(tmp_path):
     write_record(tmp_path, pid=dead_pid())
     code = ("import sys; from pathlib import Path; from nsa_titan.runtime.ownership import FolderOwner, FolderInUse\n"

@@ -51,6 +51,7 @@ def static_bytes(length: int, rows: int) -> int:
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_the_cache_holds_what_the_request_needs_not_the_declared_context():
     """A model declared for 32k at the paper's block sizes: a 100-token prompt and 50 new tokens allocate for 149
     positions, not 32,768 (NSA holds three key/value sets: sel's every position, the window's last w, and the

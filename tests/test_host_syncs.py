@@ -166,6 +166,7 @@ def test_triton_family_launches_a_handful_of_kernels_at_any_t(docs):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_decoding_by_the_triton_kernel_never_syncs_and_launches_at_most_3_kernels_a_layer_and_step():
     """16 decoding steps of two M7C layers (bf16) through the Triton decode step (recorded), from 8,192 and from
     65,536 cached positions: no host sync, and per layer and step at most 3 launches on average (the step's two,
@@ -192,6 +193,7 @@ def test_pytorch_family_forward_and_backward_have_no_host_sync(docs):
 @needs_triton
 @pytest.mark.parametrize("routing", [[], ["--model.sel_score_grad", "1", "--model.sel_score_explore", "8"],
                                      ["--model.nsa_branch", "sel"]], ids=["m7c", "score-gradient", "one-branch"])
+@pytest.mark.slow
 def test_model_step_has_no_host_sync(routing):
     """Two M7C layers (`m7c.toml`'s model), forward and backward with document masking (the documents'
     geometry included), by the Triton family (recorded); also with the block scores' gradient, and with

@@ -142,6 +142,7 @@ def m7c_prompt(family: Family | None = None, groups: int = 2) -> tuple[Transform
     return model, tokens, ids
 
 
+@pytest.mark.slow
 def test_the_decode_kernel_equals_the_reference_step_at_m7c_shapes():
     """40 steps past a 1,300-token prompt (two compressions and more): the C++ step's logits equal the PyTorch
     step's (the reference), fp32, to 1e-5, rows at different positions in their documents."""
@@ -173,6 +174,7 @@ def test_the_decode_kernel_leaves_subnormal_arithmetic_as_it_was():
     tiny = torch.full((1 << 20,), 1e-39) * 0.5  # split among the intra-op threads
     assert (tiny > 0).all() and float(torch.tensor(1e-39) * 0.5) > 0
 
+@pytest.mark.slow
 def test_the_decode_kernel_reads_bf16_caches_as_their_float_values():
     """A bf16 model's step (M7C shapes) by the C++ kernel: bf16 caches read as floats, fp32 arithmetic. Each
     layer's output equals the kernel's over the same caches widened to float32, bit for bit, and the step's

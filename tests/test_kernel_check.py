@@ -76,6 +76,7 @@ def test_the_cpp_family_passes_at_m7c_shapes_and_torch_in_bf16():
 
 
 @pytest.mark.parametrize("m", [DEBUG, M7C], ids=["debug", "m7c"])
+@pytest.mark.slow
 def test_the_cpp_decoding_step_passes_its_check(m):
     model = kernel_check.check_model(m, "cpp", CPU, torch.float32)
     errors = kernel_check.decode_errors(model, "cpp")
@@ -107,6 +108,7 @@ def test_an_injected_decoding_fault_is_found_by_its_check():
                                                 "off the forward's at 512 of 512 row-steps"), line
 
 
+@pytest.mark.slow
 def test_a_nan_row_step_fails_the_decode_check_and_it_runs_on_reused_nan_buffers(monkeypatch):
     """One NaN in 512 row-steps was inside the 1% near-tie allowance; and the check's decoder, on fresh zero
     buffers, never met a buffer that an earlier request left NaN in."""
@@ -268,6 +270,7 @@ def test_a_verdicts_file_that_cannot_be_read_is_checked_again(cache, caplog):
     assert "the cpp family passed in" in caplog.text and json.loads((cache / verdicts.FILE).read_text())
 
 
+@pytest.mark.slow
 def test_decoding_kernels_by_name():
     """`auto` takes the C++ step on a CPU; `torch` is PyTorch's; one that cannot run here is refused, saying why."""
     model = Transformer(dataclasses.replace(DEBUG, n_layers=1, vocab_size=64), 64)

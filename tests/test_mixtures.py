@@ -180,6 +180,7 @@ def short_long(tmp_path_factory) -> list[Path]:
 
 
 @pytest.mark.parametrize("kind", ["streamed", "prepared"])
+@pytest.mark.slow
 def test_token_shares_hold_over_any_1000_windows(short_long, tmp_path, kind):
     """Documents of mean length 256 and 2,048 at weights 0.5 / 0.5 (2 loader workers): each source's share of
     the tokens of any 1,000 consecutive windows lies within 1% of 0.5 (a share of documents would give the long
@@ -286,6 +287,7 @@ def test_new_weights_at_a_resume_continue_each_prepared_source_where_it_was(corp
     assert len(next(iter(again)).inputs) == BATCH
 
 
+@pytest.mark.multiprocess
 def test_a_killed_prepare_continues_and_ends_identical(tmp_path):
     """SIGKILL mid-way (2 processes), then the same command again: the same files and content hashes as a
     prepare that was never interrupted, the held-out documents' parts too. One tokenizing process SIGKILLed:
@@ -642,6 +644,7 @@ def test_bad_mixture_input_is_one_line_and_exit_2(tmp_path, three, three_prepare
     assert folder_state(tmp_path / "out") == before
 
 
+@pytest.mark.multiprocess
 def test_prepare_refuses_bounds_no_document_passes_and_other_settings(tmp_path, three):
     cmd = [sys.executable, "-m", "nsa_titan.data.prepare", "--config", str(three), "--output", str(tmp_path / "p")]
     (tmp_path / "none.toml").write_text(three.read_text().replace("min_tokens = 1500", "min_tokens = 10000000"))
@@ -651,6 +654,7 @@ def test_prepare_refuses_bounds_no_document_passes_and_other_settings(tmp_path, 
     assert out.returncode == 2 and "holds a prepare of other settings" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_adapt_config_mixes_long_documents_at_their_share(tmp_path):
     """m7c_32k_adapt.toml's two sources (offline: the embedded corpus for FineWeb-Edu, its long documents those
     of 1,500 tokens or more): the long source's share of the tokens within 1% of its weight, and each of its

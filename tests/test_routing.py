@@ -151,6 +151,7 @@ def test_the_scores_gradient_reaches_q_and_kc_as_autograds_through_the_cmp_softm
 
 @pytest.mark.parametrize("wrap", ["eager", "aot_eager"])
 @pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.slow
 def test_the_cpp_kernel_gives_the_pytorch_gradient(with_docs, wrap):
     """fp32 on CPUs takes dL/dlog s_j in NSA's C++ kernel (`kernel = None` chooses it): the same gradients as
     `score_grad`'s, eager and compiled (AOTAutograd traces the backward through the op's fake)."""
