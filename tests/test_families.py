@@ -168,10 +168,10 @@ def test_family_equals_the_reference(family, case):
 
 
 M7C_INTERPRETED = os.environ.get("NSA_TITAN_INTERPRET_M7C") == "1"
-"""The Triton family and decode step interpreted at M7C's sizes take 13 and 3 minutes on 2 cores, past CI's budget:
-opt-in (NSA_TITAN_INTERPRET_M7C=1). Every other interpreted case runs, `group6` (M7C's group, head dim and spec, at
-the least length whose first block's readers span two programs: half a minute) among them, and the GPU check runs
-M7C's sizes natively."""
+"""The Triton family and decode step interpreted at M7C's sizes (the family's case about 3 minutes on a core), past
+the suite's budget: opt-in (NSA_TITAN_INTERPRET_M7C=1). Every other interpreted case runs, `group6` (M7C's group,
+head dim and spec, at the least length whose first block's readers span two programs) among them, and the GPU
+check runs M7C's sizes natively (tests/README.md: "Interpreted Triton")."""
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def triton_errors() -> dict[str, dict]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
     if case not in triton_errors:
-        pytest.skip("M7C's sizes interpreted: opt-in with NSA_TITAN_INTERPRET_M7C=1 (13 minutes on 2 cores)")
+        pytest.skip("M7C's sizes interpreted: opt-in with NSA_TITAN_INTERPRET_M7C=1 (about 3 minutes on a core)")
     """Outputs and all 8 gradients. At the M7C and group-6 cases the first block's readers (every query) span
     several programs of the sel kernels over the inverse index (forward and backward), and most programs reach
     several blocks."""

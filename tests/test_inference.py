@@ -295,7 +295,7 @@ def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, 
     a `reset`; 4 prompts of different lengths batched (with and without documents) equal each decoded alone and
     the full forward; its compression (two launches where a block completes) equals the Compressor (fp32, 1e-5)."""
     if case not in triton_decode:
-        pytest.skip("M7C's sizes interpreted: opt-in with NSA_TITAN_INTERPRET_M7C=1 (3 minutes on 2 cores)")
+        pytest.skip("M7C's sizes interpreted: opt-in with NSA_TITAN_INTERPRET_M7C=1 (tests/README.md, 'Interpreted Triton')")
     found = triton_decode[case]
     if case == "compression":  # the compressed key and value where a block completes, nothing elsewhere
         assert len(found) == 6 and found["mlp elsewhere"] == found["mean elsewhere"] == 0, found
