@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,13 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 
+def from_step(saved: Path, step: int, dump: Path) -> Path:
+    """`dump`, a new run folder holding the checkpoint that the run in `saved` wrote at `step` (and nothing else): a
+    run there resumes from it, its first `step` steps being `saved`'s."""
+    shutil.copytree(saved / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+    return dump
+
+
 def step_dirs(dump: Path) -> list[str]:
     return sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-"))
 
@@ -62,19 +70,18 @@ def saved_rng(step: Path, rank: int) -> dict:
 def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
     fast = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
     ok(run(tmp_path / "a", *fast, "--training.steps", "20"))
-    ok(run(tmp_path / "b", *fast, "--training.steps", "10", tb="tb1"))
     # Another seed on resume: only a restored RNG state brings the generators back to run a's.
-    out = ok(run(tmp_path / "b", *fast, "--training.steps", "20", "--debug.seed", "1", tb="tb2"))
+    out = ok(run(from_step(tmp_path / "a", 10, tmp_path / "b"), *fast, "--training.steps", "20", "--debug.seed", "1",
+                 tb="tb2"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-10'} at step 10" in out
     assert "no RNG state" not in out
     for rank in (0, 1):
         # torch's generator, which the seed sets (python's and numpy's start from OS entropy)
         ra, rb = (saved_rng(tmp_path / x / "checkpoint" / "step-20", rank)["torch"] for x in "ab")
         assert ra == rb, f"rank {rank}'s torch generator was not restored on resume"
-    a = tb_losses(tmp_path / "a" / "tb")
-    b = {**tb_losses(tmp_path / "b" / "tb1"), **tb_losses(tmp_path / "b" / "tb2")}
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    assert [a[s] for s in a] == [b[s] for s in a], "losses differ after resume"
+    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb2")
+    assert sorted(a) == list(range(1, 21)) and sorted(b) == list(range(11, 21))
+    assert [a[s] for s in b] == [b[s] for s in b], "losses differ after resume"
     assert_states_equal(tmp_path / "a" / "checkpoint" / "step-20", tmp_path / "b" / "checkpoint" / "step-20")
 
 
@@ -84,11 +91,11 @@ def test_a_run_with_unused_parameters_resumes_exactly(tmp_path, branch):
     no gradient, yet their optimizer state is saved, so the checkpoint loads into a fresh optimizer."""
     args = ["--model.nsa_branch", branch, "--checkpoint.interval", "2"]
     ok(run(tmp_path / "a", *args, "--training.steps", "4"))
-    ok(run(tmp_path / "b", *args, "--training.steps", "2", tb="tb1"))
-    out = ok(run(tmp_path / "b", *args, "--training.steps", "4", tb="tb2"))
+    out = ok(run(from_step(tmp_path / "a", 2, tmp_path / "b"), *args, "--training.steps", "4", tb="tb2"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-2'} at step 2" in out
-    a, b = tb_losses(tmp_path / "a" / "tb"), {**tb_losses(tmp_path / "b" / "tb1"), **tb_losses(tmp_path / "b" / "tb2")}
-    assert sorted(b) == [1, 2, 3, 4] and [a[s] for s in sorted(a)] == [b[s] for s in sorted(b)]
+    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb2")
+    assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [3, 4] and [a[s] for s in b] == [b[s] for s in b]
+    assert_states_equal(tmp_path / "a" / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
 
 
 def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path):
@@ -176,8 +183,6 @@ def test_incompatible_model_stops_and_overwrites_nothing(saved_run):
 def test_truncated_file_stops_naming_checkpoint_and_file(saved_run, tmp_path, case):
     """`--checkpoint.on_damaged stop`; or the default, where no older checkpoint verifies either: nothing is set
     aside, nothing changed, and the run does not start afresh."""
-    import shutil
-
     dump = tmp_path / "copy"
     shutil.copytree(saved_run, dump)
     for step in ("step-4", "step-2") if case == "none-verifies" else ("step-4",):
@@ -202,8 +207,6 @@ def test_checkpoint_without_part_of_the_state_stops_and_the_loader_workers_end(s
     the 2 loader workers (to read their position): the process still exits at once with code 2,
     naming the missing entry and the ways out."""
     import json
-    import shutil
-
     dump = tmp_path / "copy"
     shutil.copytree(saved_run, dump)
     step = dump / "checkpoint" / "step-4"
