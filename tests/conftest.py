@@ -67,6 +67,13 @@ def tb_run(folder: Path) -> str:
     return str(runs[0])
 
 
+def from_step(saved: Path, step: int, dump: Path) -> Path:
+    """`dump`, a new run folder holding the checkpoint that the run in `saved` wrote at `step` (and nothing else): a
+    run there resumes from it, its first `step` steps being `saved`'s."""
+    shutil.copytree(saved / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+    return dump
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

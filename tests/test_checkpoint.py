@@ -20,7 +20,7 @@ from nsa_titan.checkpoint import load_tensors
 from nsa_titan.checkpoint.integrity import HASH
 from nsa_titan.system.hashing import file_hash
 
-from conftest import ROOT, free_port, launch_ranks, tb_losses, torchrun, tree_digest
+from conftest import ROOT, free_port, from_step, launch_ranks, tb_losses, torchrun, tree_digest
 from jobs import assert_states_equal
 
 pytestmark = pytest.mark.multiprocess
@@ -48,13 +48,6 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 
-def from_step(saved: Path, step: int, dump: Path) -> Path:
-    """`dump`, a new run folder holding the checkpoint that the run in `saved` wrote at `step` (and nothing else): a
-    run there resumes from it, its first `step` steps being `saved`'s."""
-    shutil.copytree(saved / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
-    return dump
-
-
 def step_dirs(dump: Path) -> list[str]:
     return sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-"))
 
@@ -71,15 +64,14 @@ def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
     fast = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
     ok(run(tmp_path / "a", *fast, "--training.steps", "20"))
     # Another seed on resume: only a restored RNG state brings the generators back to run a's.
-    out = ok(run(from_step(tmp_path / "a", 10, tmp_path / "b"), *fast, "--training.steps", "20", "--debug.seed", "1",
-                 tb="tb2"))
+    out = ok(run(from_step(tmp_path / "a", 10, tmp_path / "b"), *fast, "--training.steps", "20", "--debug.seed", "1"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-10'} at step 10" in out
     assert "no RNG state" not in out
     for rank in (0, 1):
         # torch's generator, which the seed sets (python's and numpy's start from OS entropy)
         ra, rb = (saved_rng(tmp_path / x / "checkpoint" / "step-20", rank)["torch"] for x in "ab")
         assert ra == rb, f"rank {rank}'s torch generator was not restored on resume"
-    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb2")
+    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb")
     assert sorted(a) == list(range(1, 21)) and sorted(b) == list(range(11, 21))
     assert [a[s] for s in b] == [b[s] for s in b], "losses differ after resume"
     assert_states_equal(tmp_path / "a" / "checkpoint" / "step-20", tmp_path / "b" / "checkpoint" / "step-20")
@@ -91,9 +83,9 @@ def test_a_run_with_unused_parameters_resumes_exactly(tmp_path, branch):
     no gradient, yet their optimizer state is saved, so the checkpoint loads into a fresh optimizer."""
     args = ["--model.nsa_branch", branch, "--checkpoint.interval", "2"]
     ok(run(tmp_path / "a", *args, "--training.steps", "4"))
-    out = ok(run(from_step(tmp_path / "a", 2, tmp_path / "b"), *args, "--training.steps", "4", tb="tb2"))
+    out = ok(run(from_step(tmp_path / "a", 2, tmp_path / "b"), *args, "--training.steps", "4"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-2'} at step 2" in out
-    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb2")
+    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb")
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [3, 4] and [a[s] for s in b] == [b[s] for s in b]
     assert_states_equal(tmp_path / "a" / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
 

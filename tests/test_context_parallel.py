@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from nsa_titan.checkpoint import load_tensors
 from nsa_titan.config import ConfigError, load_config
 from nsa_titan.evaluate import evaluate
 
-from conftest import TINY, launch_ranks, single_process_run, tb_losses, torchrun
+from conftest import TINY, from_step, launch_ranks, single_process_run, tb_losses, torchrun
 
 STEPS = 6
 # seq_len 72 is not a multiple of 2 x cp x l' = 32: the split pads it to 96 (chunks of 24).
@@ -99,8 +98,7 @@ def test_resume_across_cp_degrees_is_exact(tmp_path, saved_cp, loaded_cp):
     """Saved at step 3 with one cp degree, resumed with the other: steps 4-6, the validation loss
     and the model and optimizer at step 6 are those of the run that never stopped."""
     train(tmp_path / "a", saved_cp, "tb")
-    shutil.copytree(tmp_path / "a" / "checkpoint" / "step-3", tmp_path / "b" / "checkpoint" / "step-3")
-    train(tmp_path / "b", loaded_cp, "tb")
+    train(from_step(tmp_path / "a", 3, tmp_path / "b"), loaded_cp, "tb")
     a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb")
     assert sorted(b) == [4, 5, 6]
     torch.testing.assert_close(torch.tensor([b[s] for s in b]), torch.tensor([a[s] for s in b]), rtol=1e-5, atol=1e-6)
