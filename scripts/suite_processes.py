@@ -54,7 +54,7 @@ def main() -> int:
         print(f"{n:5d}  {test}")
     outside = sum(1 for test, _ in lines if not test)
     print(f"{sum(by_test.values())} processes started by {len(by_test)} tests ({outside} outside any test: pytest "
-          f"itself, collection); pytest exit {rc}")
+          f"itself, collection, the commands started in the background); pytest exit {rc}")
     return rc
 
 

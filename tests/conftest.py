@@ -7,12 +7,14 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -89,22 +91,94 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | 
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def interpreted(script: str, cases: list[str]) -> dict[str, dict]:
-    """{case: the JSON of `python script triton case`'s last line}, each case in a fresh process under
-    TRITON_INTERPRET=1 (Triton decides at definition) through `interpreter.py`, as many at a time as there are
-    cores; skips without Triton."""
+class Command(NamedTuple):
+    """A test's command that may run in the background: its arguments and what it adds to the environment."""
+    argv: list[str]
+    env: dict[str, str] = {}
+
+
+BACKGROUND: dict[tuple[str, str], Future] = {}
+"""The commands started so far, by (test module, name). A module whose tests read the output of self-contained
+commands (interpreted Triton cases, scripts' reports) lists them in `BACKGROUND = {name: Command}` and marks those
+tests `background`: when such a test is collected, its module's commands start at the session's start
+(`pytest_collection_finish`), at the lowest priority, on the cores the rest of the suite leaves idle; the tests
+take their results (`background`)."""
+POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="background")
+RUNNING: set[subprocess.Popen] = set()
+
+
+def lowest_priority() -> None:
+    """In a child before exec: a session of its own at nice 19, and its scheduler group too (with autogroups, which
+    give each session an equal share whatever its nice, a niced process in pytest's group would take a core from
+    the ranks of the job under test)."""
+    os.setsid()
+    os.nice(19)
+    try:
+        Path("/proc/self/autogroup").write_text("19")
+    except OSError:  # no autogroups here: nice alone ranks it
+        pass
+
+
+def run_lowest(command: Command) -> subprocess.CompletedProcess:
+    """`command` from the repository's root at the lowest priority, output captured (30 minutes at most)."""
+    with subprocess.Popen(command.argv, cwd=ROOT, env={**os.environ, **command.env}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=lowest_priority) as proc:
+        RUNNING.add(proc)
+        try:
+            out, err = proc.communicate(timeout=1800)
+        finally:
+            RUNNING.discard(proc)
+    return subprocess.CompletedProcess(command.argv, proc.returncode, out, err)
+
+
+def start_background(module: str, commands: dict[str, Command]) -> None:
+    for name, command in commands.items():
+        if (module, name) not in BACKGROUND:
+            BACKGROUND[module, name] = POOL.submit(run_lowest, command)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the commands of the modules of the collected tests marked `background`, in the order the tests come."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.get_closest_marker("background"):
+            start_background(str(item.module.__file__), item.module.BACKGROUND)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Commands no test waited for (a run stopped early, `-x`) end with the session."""
+    POOL.shutdown(wait=False, cancel_futures=True)
+    for proc in list(RUNNING):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def background(module: str, name: str, commands: dict[str, Command]) -> subprocess.CompletedProcess:
+    """The finished command `name` of `module` (its `commands`), started now if it was not in the background."""
+    start_background(module, {name: commands[name]})
+    return BACKGROUND[module, name].result()
+
+
+def interpreted_commands(script: str, cases: list[str]) -> dict[str, Command]:
+    """`python script triton case` for each case, under TRITON_INTERPRET=1 (Triton decides at definition) through
+    `interpreter.py`; none without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    return {case: Command([sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton", case],
+                          {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}) for case in cases}
+
+
+def interpreted(script: str, commands: dict[str, Command]) -> dict[str, dict]:
+    """{case: the JSON of its command's last line} for the interpreted cases `commands` (`interpreted_commands`),
+    each in a fresh process; skips without Triton."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-
-    def run(case: str) -> dict:
-        done = subprocess.run([sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton", case], env=env,
-                              capture_output=True, text=True, timeout=1800)
+    found = {}
+    for case in commands:
+        done = background(script, case, commands)
         assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(zip(cases, pool.map(run, cases)))
+        found[case] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
 
 
 def launch_ranks(specs: list[dict], out_dir: Path, nproc: int = 2, timeout: float = 1200) -> dict[str, dict]:

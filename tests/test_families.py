@@ -26,7 +26,7 @@ from nsa_titan.config import ConfigError, Model  # noqa: E402
 from nsa_titan.models.attention import FAMILIES, Documents, NSASpec, choose_family  # noqa: E402
 from nsa_titan.models.attention.families.pytorch import kernels as kernels_module  # noqa: E402
 from nsa_titan.models.attention.families.choose import describe_attention, model_family  # noqa: E402
-from conftest import interpreted  # noqa: E402
+from conftest import interpreted, interpreted_commands  # noqa: E402
 
 PAPER = NSASpec(l=32, d=16, l_sel=64, n=16, w=512)
 SMALL = NSASpec(l=16, d=8, l_sel=32, n=5, w=96)
@@ -174,12 +174,16 @@ head dim and spec, at the least length whose first block's readers span two prog
 check runs M7C's sizes natively (tests/README.md: "Interpreted Triton")."""
 
 
+BACKGROUND = interpreted_commands(__file__, [*(c for c in CASES if c != "m7c" or M7C_INTERPRETED), *EXTRAS])
+
+
 @pytest.fixture(scope="module")
 def triton_errors() -> dict[str, dict]:
-    return interpreted(__file__, [*(c for c in CASES if c != "m7c" or M7C_INTERPRETED), *EXTRAS])
+    return interpreted(__file__, BACKGROUND)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
     if case not in triton_errors:
@@ -196,22 +200,26 @@ def test_triton_family_interpreted_equals_the_reference(triton_errors, case):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background
 def test_triton_family_in_half_precision_tracks_the_fp32_reference(triton_errors):
     assert max(triton_errors["half"].values()) < 5e-3, triton_errors["half"]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background
 def test_triton_op_passes_opcheck(triton_errors):
     """Schema, fake implementation and registered backward of the custom op (one node under compile)."""
     assert triton_errors["opcheck"] == {"group1": "ok", "parts": "ok"}, triton_errors["opcheck"]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background
 def test_triton_family_is_causal(triton_errors):
     assert triton_errors["causal"] and all(triton_errors["causal"].values()), triton_errors["causal"]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background
 def test_triton_family_packed_documents_equal_separate_runs(triton_errors):
     assert max(triton_errors["packed"].values()) < 1e-5, triton_errors["packed"]
 

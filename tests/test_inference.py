@@ -22,7 +22,7 @@ from nsa_titan.models.decode import Decoder
 from nsa_titan.models.decode_cache import cache_sizes
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, interpreted, tb_run, torchrun
+from conftest import ROOT, interpreted, interpreted_commands, tb_run, torchrun
 from test_families import M7C_INTERPRETED
 
 # Small blocks so that 70 tokens cross many window, compression and selection boundaries.
@@ -282,13 +282,17 @@ def triton_compression() -> dict[str, float]:
 TRITON_CASES = ("m7c", "group6", "reset", "one-document", "documents", "compression", "poisoned")
 
 
+BACKGROUND = interpreted_commands(__file__, [c for c in TRITON_CASES if c != "m7c" or M7C_INTERPRETED])
+"""The cases interpreted; M7C's sizes opt-in, as test_families' (`M7C_INTERPRETED`)."""
+
+
 @pytest.fixture(scope="module")
 def triton_decode() -> dict[str, dict]:
-    """The cases interpreted; M7C's sizes opt-in, as test_families' (`M7C_INTERPRETED`)."""
-    return interpreted(__file__, [c for c in TRITON_CASES if c != "m7c" or M7C_INTERPRETED])
+    return interpreted(__file__, BACKGROUND)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.background
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_the_triton_decode_step_interpreted_equals_the_reference(triton_decode, case):
     """The Triton decode step (two launches a layer) equals the PyTorch step (fp32, 1e-5) at M7C's shapes and across

@@ -11,9 +11,18 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, Command, background
 
 pytestmark = pytest.mark.multiprocess
+
+GPU = ROOT / "benchmarks" / "gpu"
+TRITON = importlib.util.find_spec("triton") is not None
+BACKGROUND = {  # the scripts whose output these tests read, no timing among them (a timing waits for an idle machine)
+    "gpu_prediction": Command([sys.executable, str(GPU / "gpu_prediction.py"), "--T", "8192"]),
+    **({"triton_work": Command([sys.executable, str(GPU / "triton_work.py"), "--T", "512", "2048"]),
+        "decode_prediction": Command([sys.executable, str(GPU / "decode_prediction.py"), "--contexts", "8192", "65536",
+                                      "--batch", "1"])} if TRITON else {}),
+}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -49,12 +58,12 @@ def test_attention_interleave_takes_each_ratio_within_a_round():
     assert float(seconds) > 0 and 0 < low <= float(ratio.split("x")[0]) <= high and memory == "-"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(not TRITON, reason="triton is not installed")
+@pytest.mark.background
 def test_triton_work_prints_the_launches_of_each_setting():
     """The script's table: the same 6 Triton launches and 4 ATen ops at 512 and 2,048, with and without
     documents; with the off-paper options the PyTorch score gradient's ops come on top."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "triton_work.py"), "--T", "512", "2048"],
-                          capture_output=True, text=True, timeout=600)
+    proc = background(__file__, "triton_work", BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:7]] for line in proc.stdout.splitlines() if line.startswith("| 5")
             or line.startswith("| 2,048")]
@@ -64,12 +73,12 @@ def test_triton_work_prints_the_launches_of_each_setting():
     assert options and all(int(r[4]) > 2 for r in options)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(not TRITON, reason="triton is not installed")
+@pytest.mark.background
 def test_decode_prediction_counts_the_compression_and_predicts_each_context():
     """`benchmarks/gpu/decode_prediction.py`: the compression's launches recorded (one of each kernel over d steps, no
     ATen op), and a row per batch and context with the step as built, the next design and dense."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "decode_prediction.py"), "--contexts", "8192",
-                           "65536", "--batch", "1"], capture_output=True, text=True, timeout=900)
+    proc = background(__file__, "decode_prediction", BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "{'_cmp_hidden': 1, '_cmp_out': 1, 'ATen ops': 0}" in proc.stdout
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
@@ -78,12 +87,12 @@ def test_decode_prediction_counts_the_compression_and_predicts_each_context():
         assert all(float(x) > 0 for x in (*r[2].split("/"), r[3], r[4])), r
 
 
+@pytest.mark.background
 def test_gpu_prediction_calibrates_then_predicts_every_kernel_fitted_and_pessimistic():
     """`benchmarks/gpu/gpu_prediction.py`: the calibration on the H100 profile (each old kernel predicted back in sample
     and left out, the ones it cannot fit named), the new family's kernels (and every fill and cast) at the T asked
     for with both sets of constants, the totals against the measured dense time, and the M7C training step."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_prediction.py"), "--T", "8192"],
-                          capture_output=True, text=True, timeout=900)
+    proc = background(__file__, "gpu_prediction", BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "Calibration on the H100 profile at T 32,768" in out
