@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -41,6 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if SESSION_CACHE in config.stash:
         shutil.rmtree(config.stash[SESSION_CACHE], ignore_errors=True)
+    shutil.rmtree(BACKGROUND_FOLDER, ignore_errors=True)
 
 # A tiny NSA model whose sequence holds several blocks of every kind: 15 cmp blocks,
 # 8 selection blocks of which 4 are chosen, a window shorter than the sequence.
@@ -92,49 +94,68 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | 
 
 
 class Command(NamedTuple):
-    """A test's command that may run in the background: its arguments and what it adds to the environment."""
+    """A test's command that may run in the background: its arguments, what it adds to the environment, and the
+    folder it runs in (made if missing)."""
     argv: list[str]
     env: dict[str, str] = {}
+    cwd: Path = ROOT
 
 
-BACKGROUND: dict[tuple[str, str], Future] = {}
-"""The commands started so far, by (test module, name). A module whose tests read the output of self-contained
-commands (interpreted Triton cases, scripts' reports) lists them in `BACKGROUND = {name: Command}` and marks those
-tests `background`: when such a test is collected, its module's commands start at the session's start
-(`pytest_collection_finish`), at the lowest priority, on the cores the rest of the suite leaves idle; the tests
-take their results (`background`)."""
+BACKGROUND: dict[str, Future] = {}
+"""The commands started so far, by name. A module whose tests read what self-contained commands print or write
+(interpreted Triton cases, scripts' reports, the uninterrupted runs that others are compared with) lists them in
+`BACKGROUND = {name: a Command, or a tuple of them run in turn}` and marks those tests `background`: when such a
+test is collected, its module's commands start at the session's start (`pytest_collection_finish`), at the lowest
+priority, on the cores the rest of the suite leaves idle; the tests take their results (`background`). A name is
+one command whichever modules list it."""
+BACKGROUND_FOLDER = Path(tempfile.mkdtemp(prefix="nsa_titan_background_"))
+"""Where the background commands write (`background_folder`): removed with the session."""
 POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="background")
 RUNNING: set[subprocess.Popen] = set()
+PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None  # looked up here, not in a forked child
+
+
+def background_folder(name: str) -> Path:
+    """The folder of the background command `name`'s outputs."""
+    return BACKGROUND_FOLDER / name
 
 
 def lowest_priority() -> None:
     """In a child before exec: a session of its own at nice 19, and its scheduler group too (with autogroups, which
     give each session an equal share whatever its nice, a niced process in pytest's group would take a core from
-    the ranks of the job under test)."""
+    the ranks of the job under test); killed if pytest dies (Linux's parent-death signal)."""
     os.setsid()
     os.nice(19)
+    if PRCTL is not None:
+        PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the command ends with pytest's thread
     try:
         Path("/proc/self/autogroup").write_text("19")
     except OSError:  # no autogroups here: nice alone ranks it
         pass
 
 
-def run_lowest(command: Command) -> subprocess.CompletedProcess:
-    """`command` from the repository's root at the lowest priority, output captured (30 minutes at most)."""
-    with subprocess.Popen(command.argv, cwd=ROOT, env={**os.environ, **command.env}, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, preexec_fn=lowest_priority) as proc:
-        RUNNING.add(proc)
-        try:
-            out, err = proc.communicate(timeout=1800)
-        finally:
-            RUNNING.discard(proc)
+def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedProcess:
+    """`commands` (one, or several in turn until one fails) at the lowest priority, output captured (30 minutes
+    each at most): the last one's result."""
+    for command in (commands,) if isinstance(commands, Command) else commands:
+        Path(command.cwd).mkdir(parents=True, exist_ok=True)
+        with subprocess.Popen(command.argv, cwd=command.cwd, env={**os.environ, **command.env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lowest_priority) as proc:
+            RUNNING.add(proc)
+            try:
+                out, err = proc.communicate(timeout=1800)
+            finally:
+                RUNNING.discard(proc)
+        if proc.returncode != 0:
+            break
     return subprocess.CompletedProcess(command.argv, proc.returncode, out, err)
 
 
-def start_background(module: str, commands: dict[str, Command]) -> None:
+def start_background(commands: dict[str, Command | tuple[Command, ...]]) -> None:
     for name, command in commands.items():
-        if (module, name) not in BACKGROUND:
-            BACKGROUND[module, name] = POOL.submit(run_lowest, command)
+        if name not in BACKGROUND:
+            BACKGROUND[name] = POOL.submit(run_lowest, command)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -143,7 +164,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     for item in session.items:
         if item.get_closest_marker("background"):
-            start_background(str(item.module.__file__), item.module.BACKGROUND)
+            start_background(item.module.BACKGROUND)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -153,31 +174,32 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def background(module: str, name: str, commands: dict[str, Command]) -> subprocess.CompletedProcess:
-    """The finished command `name` of `module` (its `commands`), started now if it was not in the background."""
-    start_background(module, {name: commands[name]})
-    return BACKGROUND[module, name].result()
+def background(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> subprocess.CompletedProcess:
+    """The finished command `name` (of `commands`), started now if it was not in the background."""
+    start_background({name: commands[name]})
+    return BACKGROUND[name].result()
 
 
 def interpreted_commands(script: str, cases: list[str]) -> dict[str, Command]:
-    """`python script triton case` for each case, under TRITON_INTERPRET=1 (Triton decides at definition) through
-    `interpreter.py`; none without Triton."""
+    """`python script triton case` for each case, named `script's stem:case`, under TRITON_INTERPRET=1 (Triton
+    decides at definition) through `interpreter.py`; none without Triton."""
     if importlib.util.find_spec("triton") is None:
         return {}
-    return {case: Command([sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton", case],
-                          {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}) for case in cases}
+    return {f"{Path(script).stem}:{case}": Command(
+        [sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton", case],
+        {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}) for case in cases}
 
 
-def interpreted(script: str, commands: dict[str, Command]) -> dict[str, dict]:
+def interpreted(commands: dict[str, Command]) -> dict[str, dict]:
     """{case: the JSON of its command's last line} for the interpreted cases `commands` (`interpreted_commands`),
     each in a fresh process; skips without Triton."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
     found = {}
-    for case in commands:
-        done = background(script, case, commands)
-        assert done.returncode == 0, f"{case}: {done.stderr[-3000:]}"
-        found[case] = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in commands:
+        done = background(name, commands)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+        found[name.partition(":")[2]] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
 
 
@@ -256,18 +278,23 @@ def tb_losses(folder: Path, tag: str = "train/loss") -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
+def uninterrupted_commands(variants: list[tuple[int, int]]) -> dict[str, Command]:
+    """The uninterrupted runs of `jobs.Job` with (loader workers, ranks) of `variants`, as background commands."""
+    from jobs import job_command  # jobs imports this module
+
+    return {f"uninterrupted-w{w}-r{n}": job_command(background_folder(f"uninterrupted-w{w}-r{n}") / "out",
+                                                    "--data.num_workers", str(w), nproc=n) for w, n in variants}
+
+
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory):
-    """The uninterrupted run of each (loader workers, ranks) of `jobs.Job`, trained once on first use."""
-    done: dict[tuple[int, int], Path] = {}
+def uninterrupted():
+    """The dump folder of the uninterrupted run of each (loader workers, ranks) of `jobs.Job` (its modules start
+    the variants they use in the background: `uninterrupted_commands`)."""
 
     def get(workers: int, nproc: int) -> Path:
-        from jobs import run_job  # jobs imports this module
-
-        if (workers, nproc) not in done:
-            dump = tmp_path_factory.mktemp(f"uninterrupted-w{workers}-r{nproc}") / "out"
-            run_job(dump, "--data.num_workers", str(workers), nproc=nproc)
-            done[workers, nproc] = dump
-        return done[workers, nproc]
+        [(name, command)] = uninterrupted_commands([(workers, nproc)]).items()
+        done = background(name, {name: command})
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        return Path(command.cwd) / "out"
 
     return get

@@ -16,7 +16,7 @@ import torch
 from nsa_titan.checkpoint import inspect_folder, load_tensors
 from nsa_titan.launch import child_pids
 
-from conftest import ROOT
+from conftest import ROOT, Command
 
 STEPS = 40
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
@@ -25,17 +25,25 @@ SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "
          "--data.shuffle_buffer", "64"]
 
 
+def job_command(dump: Path, *args: str, nproc: int = 1, env: dict | None = None, launcher: Sequence[str] = (),
+                under: Sequence[str] = ()) -> Command:
+    """`run_train.sh ARGS` on the small model, writing to `dump`, from its parent folder. `launcher`: the command in
+    place of `run_train.sh` (torchrun called directly); `under`: what starts it (a PID namespace, a subreaper)."""
+    return Command([*under, *(launcher or [str(ROOT / "run_train.sh")]), *SMALL, "--job.dump_folder", str(dump), *args],
+                   {"NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})}, dump.parent)
+
+
 class Job:
     """`run_train.sh ARGS` in a session of its own (as a scheduler or a terminal starts it), output read live."""
 
     def __init__(self, dump: Path, *args: str, nproc: int = 1, env: dict | None = None,
                  preexec: Callable[[], None] | None = None, launcher: Sequence[str] = (), under: Sequence[str] = ()):
-        """`launcher`: the command in place of `run_train.sh` (torchrun called directly); `under`: what starts it (a
-        PID namespace, a subreaper)."""
-        self.cmd = [*under, *(launcher or [str(ROOT / "run_train.sh")]), *SMALL, "--job.dump_folder", str(dump), *args]
-        self.proc = subprocess.Popen(self.cmd, cwd=dump.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        """The arguments as `job_command` takes them."""
+        command = job_command(dump, *args, nproc=nproc, env=env, launcher=launcher, under=under)
+        self.cmd = command.argv
+        self.proc = subprocess.Popen(self.cmd, cwd=command.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True, preexec_fn=preexec,
-                                     env={**os.environ, "NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})})
+                                     env={**os.environ, **command.env})
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line was read (time.monotonic)
         self.ended: float | None = None  # when the job exited

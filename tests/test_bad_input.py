@@ -4,6 +4,7 @@ stderr naming the problem, no traceback, and nothing that existed before is chan
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -11,28 +12,33 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, tree_digest
+from conftest import ROOT, Command, background, background_folder, tree_digest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.background]
 
 TINY_RUN = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
             "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
             "--validation.enable", "false", "--data.num_workers", "0"]
 
 
+BACKGROUND = {"bad-input-run": Command([str(ROOT / "run_train.sh"), *TINY_RUN, "--job.dump_folder",
+                                         str(background_folder("bad-input") / "run"), "--checkpoint.export_at_end",
+                                         "true"], {"NGPU": "1", "OMP_NUM_THREADS": "1"}, background_folder("bad-input"))}
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
-    """A trained run (step-2 checkpoint, an export), a broken checkpoint copy, a file and a junk .pt file."""
-    base = tmp_path_factory.mktemp("bad_input")
-    env = {**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(ROOT / "run_train.sh"), *TINY_RUN, "--job.dump_folder", str(base / "run"),
-                           "--checkpoint.export_at_end", "true"], cwd=base, env=env, capture_output=True, text=True)
+def world() -> Path:
+    """A trained run (step-2 checkpoint, an export) and its copy, a broken checkpoint copy, a file and a junk .pt
+    file."""
+    proc = background("bad-input-run", BACKGROUND)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    base = background_folder("bad-input")
     broken = base / "broken" / "step-2"
     broken.mkdir(parents=True)
     for f in (base / "run" / "checkpoint" / "step-2").iterdir():
         if f.name != ".complete":
             (broken / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(base / "run", base / "run-copy")  # a second run folder: two bad training commands at a time
     (base / "a_file").write_text("not a folder\n")
     (base / "junk.pt").write_bytes(b"not a state dict")
     (base / "other.toml").write_text((ROOT / "train_configs" / "debug_model.toml").read_text())
@@ -101,8 +107,12 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(world, entry):
         cmd, phrase = case
         return cmd, phrase, subprocess.run(cmd, cwd=world, env=env, capture_output=True, text=True, timeout=300)
 
-    with ThreadPoolExecutor(1 if entry == "train" else 2) as pool:  # training runs share a folder: one at a time
-        results = list(pool.map(run, cases(world)[entry]))
+    found = cases(world)[entry]
+    if entry == "train":  # two runs at once on one folder are refused: every other one on the run's copy
+        found = [([*cmd, "--job.dump_folder", str(world / "run-copy")] if k % 2 and "--job.dump_folder" not in cmd[-2:]
+                  else cmd, phrase) for k, (cmd, phrase) in enumerate(found)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, found))
     assert len(results) >= 5
     for cmd, phrase, proc in results:
         shown = f"{' '.join(cmd[-4:])}\nstdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-1500:]}"

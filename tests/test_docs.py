@@ -101,7 +101,7 @@ def test_a_key_added_to_the_schema_fails_the_reference(tmp_path):
 def test_every_command_in_the_docs_checks_out():
     found = [c for f in check_docs.default_files() for c in check_docs.commands(f.read_text())]
     assert len([c for c in found if not c[2]]) >= 30
-    checked = background(__file__, "check_docs", BACKGROUND)  # check_docs.check over the default files
+    checked = background("check_docs", BACKGROUND)  # check_docs.check over the default files
     assert checked.returncode == 0 and checked.stdout.endswith("check_docs: 0 problem(s)\n"), checked.stdout[-3000:]
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from nsa_titan.config import ConfigError, Model, load_config
 from nsa_titan.observe.lm_harness import score
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, TINY, tb_losses, torchrun
-from jobs import run_job
+from conftest import ROOT, TINY, Command, background, background_folder, tb_losses, torchrun
+from jobs import job_command, run_job
 from lm_tasks import local_tasks
 
 STEPS = 10
@@ -68,18 +69,19 @@ def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int, out: str)
     lm-eval requests shared out among the 2 / cp data-parallel ranks (`out`: the run's output), each scoring its
     half (the harness pads the shorter share to equal counts)."""
     got, ckpt = scalars(tb, "eval/", STEPS), str(dump / "checkpoint" / f"step-{STEPS}")
+    with ThreadPoolExecutor(2) as pool:  # two one-process evaluations at once, then the two-rank one
+        recall, harness = pool.map(lambda args: evaluate(ckpt, *args), (
+            ["--task", "recall", "--distances", "16", "40", "--batches", "3"],
+            ["--task", "lm_eval", "--tasks", "nsa_titan_mc", "nsa_titan_ppl", "--include_path", str(tasks)]))
     by_position = evaluate(ckpt, "--by_position", "--bucket", "32", "--batches", "2", "--context_parallel", str(cp),
                            nproc=2)
     rows = re.findall(r"^\| (\d+)-(\d+) \| (\S+) \| [\d,]+ \|$", by_position.replace(",", ""), re.M)
     assert len(rows) >= 2, by_position
     for first, end, loss in rows:
         assert same(got[f"loss_by_position/{first}-{end}"], loss), (first, end, got)
-    recall = evaluate(ckpt, "--task", "recall", "--distances", "16", "40", "--batches", "3")
     for d, share, queries in re.findall(r"^\| (\d+) \| ([\d.]+)% \| (\d+) \|$", recall, re.M):
         assert same(got[f"recall/{d}"], share, 100) and int(queries) > 0, (d, recall)
     assert {f"recall/{d}" for d in (16, 40)} <= got.keys()
-    harness = evaluate(ckpt, "--task", "lm_eval", "--tasks", "nsa_titan_mc", "nsa_titan_ppl", "--include_path",
-                       str(tasks))
     printed = dict(re.findall(r"^(nsa_titan_\w+/\w+): (\S+)$", harness, re.M))
     assert set(printed) == {"nsa_titan_mc/acc", "nsa_titan_ppl/word_perplexity", "nsa_titan_ppl/byte_perplexity",
                             "nsa_titan_ppl/bits_per_byte"}
@@ -94,32 +96,51 @@ def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int, out: str)
     assert 0 < got["share_of_run"] < 1 and got["seconds"] > 0
 
 
+TASKS = local_tasks(background_folder("evals-tasks"))
+RUNS = {name: background_folder(name) / "out" for name in ("evals-fsdp", "evals-plain", "evals-cp")}
+BACKGROUND = {
+    "evals-fsdp": job_command(RUNS["evals-fsdp"], "--training.steps", str(STEPS), "--checkpoint.interval", "5", *EVAL,
+                              "--eval.lm_eval_include_path", str(TASKS), nproc=2),
+    "evals-plain": job_command(RUNS["evals-plain"], "--training.steps", str(STEPS), "--checkpoint.interval", "5",
+                               nproc=2),
+    "evals-cp": Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+                         "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(TASKS), "--job.dump_folder",
+                         str(RUNS["evals-cp"])], {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}),
+}
+"""The runs, as run_train.sh and torchrun start them: with evaluations at 2 FSDP ranks, the same without, and
+with evaluations at context parallelism 2."""
+
+
+def finished(name: str) -> str:
+    """The output of the run `name` of BACKGROUND, which exited 0."""
+    proc = background(name, BACKGROUND)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
 @pytest.mark.multiprocess
-def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unchanged(tmp_path):
+@pytest.mark.background
+def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unchanged():
     """run_train.sh at 2 ranks (the default config's loader workers and async saves): evaluations at steps 5 and
     10, each line on the console; step 10's equal `evaluate`'s on step-10 (one process), each rank having scored
     about half the lm-eval requests; the training losses equal those of the same run without evaluations (the
     evaluations change no random state, model or data position)."""
-    tasks = local_tasks(tmp_path / "tasks")
-    args = ["--training.steps", str(STEPS), "--checkpoint.interval", "5"]
-    out = run_job(tmp_path / "eval", *args, *EVAL, "--eval.lm_eval_include_path", str(tasks), nproc=2)
+    out, dump = finished("evals-fsdp"), RUNS["evals-fsdp"]
     lines = re.findall(r"eval at step (\d+): loss_by_position/0-32 [\d.]+ .* \| recall/16 [\d.]+ .* \| "
                        r"lm_eval/nsa_titan_mc/acc [\d.]+ .* \| [\d.]+ s \(evaluations [\d.]+% of the run so far\)", out)
     assert lines == ["5", "10"], out[-3000:]
-    run_job(tmp_path / "plain", *args, nproc=2)
-    assert tb_losses(tmp_path / "eval" / "tb") == tb_losses(tmp_path / "plain" / "tb")
-    assert_equals_evaluate(tmp_path / "eval", tmp_path / "eval" / "tb", tasks, cp=1, out=out)
+    finished("evals-plain")
+    assert tb_losses(dump / "tb") == tb_losses(RUNS["evals-plain"] / "tb")
+    assert_equals_evaluate(dump, dump / "tb", TASKS, cp=1, out=out)
 
 
 @pytest.mark.multiprocess
-def test_with_context_parallelism_2_the_evaluations_equal_evaluate(tmp_path):
+@pytest.mark.background
+def test_with_context_parallelism_2_the_evaluations_equal_evaluate():
     """2 ranks splitting each sequence (cp = 2, loader workers, async saves): step 10's evaluations equal
     `evaluate`'s on step-10, the loss by position with the sequence split the same way."""
-    tasks, dump = local_tasks(tmp_path / "tasks"), tmp_path / "cp"
-    proc = torchrun(["-m", "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(tasks),
-                     "--job.dump_folder", str(dump)], nproc=2)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert_equals_evaluate(dump, dump / "tb", tasks, cp=2, out=proc.stdout + proc.stderr)
+    out, dump = finished("evals-cp"), RUNS["evals-cp"]
+    assert_equals_evaluate(dump, dump / "tb", TASKS, cp=2, out=out)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -179,7 +179,7 @@ BACKGROUND = interpreted_commands(__file__, [*(c for c in CASES if c != "m7c" or
 
 @pytest.fixture(scope="module")
 def triton_errors() -> dict[str, dict]:
-    return interpreted(__file__, BACKGROUND)
+    return interpreted(BACKGROUND)
 
 
 @pytest.mark.multiprocess

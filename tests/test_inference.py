@@ -288,7 +288,7 @@ BACKGROUND = interpreted_commands(__file__, [c for c in TRITON_CASES if c != "m7
 
 @pytest.fixture(scope="module")
 def triton_decode() -> dict[str, dict]:
-    return interpreted(__file__, BACKGROUND)
+    return interpreted(BACKGROUND)
 
 
 @pytest.mark.multiprocess

@@ -15,6 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,22 +25,26 @@ from nsa_titan.checkpoint import load_tensors
 from nsa_titan.checkpoint.folders import verify
 from nsa_titan.checkpoint.integrity import HASH
 
-from conftest import ROOT, free_port, tree_digest
+from conftest import ROOT, Command, background, background_folder, tree_digest
 from test_checkpoint import CK
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.background]
 
 ASYNC = [*(a if a != "disabled" else "async" for a in CK), "--checkpoint.interval", "2"]
 
 
+def train_command(dump: Path, steps: int, *args: str, nproc: int) -> Command:
+    """A run under the launcher as run_train.sh starts it (the trainer's exit code, its error line once)."""
+    return Command([sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node", str(nproc), "--standalone", "-m",
+                    "nsa_titan.train", *ASYNC, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+                    "--metrics.save_tb_folder", f"tb-{steps}", *args],
+                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
 def train(dump: Path, steps: int, *args: str, nproc: int) -> subprocess.CompletedProcess:
-    """A run under the launcher (as run_train.sh starts it: the trainer's exit code, its error line once)."""
-    return subprocess.run(
-        [sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), "-m", "nsa_titan.train", *ASYNC, "--job.dump_folder", str(dump),
-         "--training.steps", str(steps), "--metrics.save_tb_folder", f"tb-{steps}", *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=600)
+    command = train_command(dump, steps, *args, nproc=nproc)
+    return subprocess.run(command.argv, cwd=command.cwd, env={**os.environ, **command.env}, capture_output=True,
+                          text=True, timeout=600)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -51,19 +56,15 @@ def command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A run to step 4 (checkpoints at 2 and 4) on each number of ranks, trained once on first use."""
-    done: dict[int, Path] = {}
+BACKGROUND = {f"integrity-saved-{n}": train_command(background_folder(f"integrity-saved-{n}"), 4, nproc=n)
+              for n in (1, 2)}
+"""A run to step 4 (checkpoints at 2 and 4) on each number of ranks."""
 
-    def get(nproc: int) -> Path:
-        if nproc not in done:
-            dump = tmp_path_factory.mktemp(f"saved-{nproc}")
-            ok(train(dump, 4, nproc=nproc))
-            done[nproc] = dump
-        return done[nproc]
 
-    return get
+def saved(nproc: int) -> Path:
+    """The dump folder of the run to step 4 on `nproc` ranks (`BACKGROUND`); copy it to change it."""
+    ok(background(f"integrity-saved-{nproc}", BACKGROUND))
+    return background_folder(f"integrity-saved-{nproc}")
 
 
 def flip(step: Path, part: str, seed: int) -> str:
@@ -93,7 +94,7 @@ def corrupted_copy(saved_dump: Path, tmp_path: Path, part: str, seed: int = 0) -
                                              (2, ".metadata", "stop"), (2, "dataloader.", "set_aside"),
                                              (2, "rng.", "stop"), (1, "model.", "set_aside"),
                                              (1, "dataloader.", "stop")])
-def test_a_flipped_byte_is_named_and_the_newest_checkpoint_set_aside_or_the_run_stopped(saved, tmp_path, nproc, part,
+def test_a_flipped_byte_is_named_and_the_newest_checkpoint_set_aside_or_the_run_stopped(tmp_path, nproc, part,
                                                                                        mode):
     """`[checkpoint] on_damaged`: `set_aside` (the default) renames the damaged step folder, unchanged, and resumes
     from the one before it; `stop` exits 2 with nothing in the dump folder changed."""
@@ -120,27 +121,29 @@ def test_a_flipped_byte_is_named_and_the_newest_checkpoint_set_aside_or_the_run_
     assert f"resumed from {dump / 'checkpoint' / 'step-2'} at step 2" in out
 
 
-def test_export_evaluate_generate_and_verify_refuse_it_and_the_previous_step_resumes_bit_equal(saved, tmp_path):
+def test_export_evaluate_generate_and_verify_refuse_it_and_the_previous_step_resumes_bit_equal(tmp_path):
     dump, name = corrupted_copy(saved(2), tmp_path, "model.", seed=7)
     ck = dump / "checkpoint"
     before = tree_digest(dump)
     out = tmp_path / "model.pt"
-    for args in (["nsa_titan.export", str(ck / "step-4"), "--output", str(out)],
-                 ["nsa_titan.evaluate", str(ck / "step-4"), "--batches", "1"],
-                 ["nsa_titan.generate", str(ck / "step-4"), "--prompt", "def", "--max_new_tokens", "2"]):
-        proc = command(*args)
+    refusing = (["nsa_titan.export", str(ck / "step-4"), "--output", str(out)],
+                ["nsa_titan.evaluate", str(ck / "step-4"), "--batches", "1"],
+                ["nsa_titan.generate", str(ck / "step-4"), "--prompt", "def", "--max_new_tokens", "2"])
+    verifying = (["nsa_titan.checkpoint", "verify", str(ck)], ["nsa_titan.checkpoint", "verify", str(ck / "step-2")])
+    with ThreadPoolExecutor(2) as pool:  # each reads the folder alone, and changes nothing (asserted below)
+        *refused, verified, verified_2 = pool.map(lambda args: command(*args), (*refusing, *verifying))
+    for proc in refused:
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert f"checkpoint {ck / 'step-4'} cannot be read: file {name} does not match its recorded content" \
                in proc.stderr, proc.stderr[-2000:]
         assert f"{ck / 'step-2'} is the newest beside it that verifies" in proc.stderr
     assert not out.exists()
-    proc = command("nsa_titan.checkpoint", "verify", str(ck))
-    assert proc.returncode == 1
-    assert proc.stdout.splitlines() == [
+    assert verified.returncode == 1
+    assert verified.stdout.splitlines() == [
         f"{ck / 'step-2'}: ok (4 files, {sum(f.stat().st_size for f in (ck / 'step-2').iterdir() if f.name != '.complete') / 1e6:,.1f} MB, "
         f"{HASH} content and sizes match)",
         f"{ck / 'step-4'}: FAILED, {verify(ck / 'step-4')}"]
-    assert command("nsa_titan.checkpoint", "verify", str(ck / "step-2")).returncode == 0
+    assert verified_2.returncode == 0
     assert tree_digest(dump) == before
 
     resumed = train(dump, 6, "--checkpoint.load_step", "2", nproc=2)
@@ -153,7 +156,7 @@ def test_export_evaluate_generate_and_verify_refuse_it_and_the_previous_step_res
         assert all(torch.equal(a[k], b[k]) for k in a), prefix
 
 
-def test_a_checkpoint_without_hashes_resumes_with_a_warning(saved, tmp_path):
+def test_a_checkpoint_without_hashes_resumes_with_a_warning(tmp_path):
     dump = tmp_path / "copy"
     shutil.copytree(saved(1), dump)
     manifest = dump / "checkpoint" / "step-4" / ".complete"
@@ -170,7 +173,7 @@ def test_a_checkpoint_without_hashes_resumes_with_a_warning(saved, tmp_path):
     assert verified.returncode == 0 and "sizes match; it has no content hashes" in verified.stdout
 
 
-def test_a_non_finite_step_after_a_resume_names_the_checkpoint(saved, tmp_path):
+def test_a_non_finite_step_after_a_resume_names_the_checkpoint(tmp_path):
     dump = tmp_path / "copy"
     shutil.copytree(saved(1), dump)
     proc = train(dump, 8, "--debug.fault_nan_step", "6", nproc=1)
@@ -181,7 +184,7 @@ def test_a_non_finite_step_after_a_resume_names_the_checkpoint(saved, tmp_path):
             in proc.stderr), proc.stderr[-3000:]
 
 
-def test_verify_skips_interrupted_saves_and_needs_a_checkpoint(saved, tmp_path):
+def test_verify_skips_interrupted_saves_and_needs_a_checkpoint(tmp_path):
     ck = tmp_path / "checkpoint"
     shutil.copytree(saved(1) / "checkpoint", ck)
     shutil.copytree(ck / "step-4", ck / "step-6.incomplete-123")
@@ -195,7 +198,7 @@ def test_verify_skips_interrupted_saves_and_needs_a_checkpoint(saved, tmp_path):
                                    f"give a step-N folder or the checkpoint folder that holds them")
 
 
-def test_a_flipped_byte_in_a_warm_start_folder_names_the_one_beside_it_that_verifies(saved, tmp_path):
+def test_a_flipped_byte_in_a_warm_start_folder_names_the_one_beside_it_that_verifies(tmp_path):
     dump, name = corrupted_copy(saved(1), tmp_path, "optimizer.", seed=3)
     step = dump / "checkpoint" / "step-4"
     proc = train(tmp_path / "warm", 1, "--checkpoint.initial_load_path", str(step), nproc=1)

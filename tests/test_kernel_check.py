@@ -348,7 +348,7 @@ BACKGROUND = interpreted_commands(__file__, ["check"])
 def test_the_triton_family_and_decoding_step_pass_interpreted_in_fp32():
     """fp32 only: the Triton 3.9 interpreter's bf16 `tl.dot` is wrong (a 16 x 16 product off by 1e10), so the bf16
     checks run on GPUs alone."""
-    found = interpreted(__file__, BACKGROUND)["check"]
+    found = interpreted(BACKGROUND)["check"]
     assert found["family_line"] is None and found["decode_line"] is None, found
     assert found["family"] < 1e-5 and found["decode"] < 1e-4, found
 

@@ -32,8 +32,8 @@ from nsa_titan.data.prepare import prepare
 from nsa_titan.data.prepared import Mixture, part_hash
 from nsa_titan.data.tokenizer import ByteTokenizer
 
-from conftest import ROOT, tb_run
-from jobs import STEPS, Job, assert_bit_equal, run_job
+from conftest import ROOT, Command, background, background_folder, tb_run
+from jobs import STEPS, Job, assert_bit_equal, job_command, run_job
 
 NAMES, WEIGHTS = ("alpha", "beta", "gamma"), (5.0, 3.0, 2.0)
 SEQ_LEN, BATCH, WORKERS = 33, 2, 2
@@ -166,17 +166,34 @@ LENGTHS = {"short": 256, "long": 2048}
 """Two sources of documents of these mean lengths (byte tokens: uniform over half to 1.5 times the mean)."""
 
 
-@pytest.fixture(scope="module")
-def short_long(tmp_path_factory) -> list[Path]:
-    """The two sources, each 4 parquet shards."""
+def write_short_long(folder: Path) -> list[Path]:
+    """The two sources, each 4 parquet shards, in `folder`."""
     rng, roots = np.random.default_rng(0), []
     for name, mean in LENGTHS.items():
-        root = tmp_path_factory.mktemp(name)
+        (root := folder / name).mkdir(parents=True)
         for k in range(4):
             docs = [name[0] * int(n) for n in rng.integers(mean // 2, 3 * mean // 2 - 1, 300 if name == "short" else 40)]
             pq.write_table(pa.table({"text": docs}), root / f"train-{k:05d}-of-00004.parquet")
         roots.append(root)
     return roots
+
+
+def write_config(path: Path, sources: str) -> Path:
+    """The shipped default config with 2 loader workers and the `[[data.sources]]` tables `sources`."""
+    text = (ROOT / "train_configs" / "debug_model.toml").read_text().replace("num_workers = 1", "num_workers = 2")
+    path.write_text(text + sources)
+    return path
+
+
+SHARED = background_folder("mixtures")
+SHARED.mkdir(parents=True)
+SHORT_LONG = write_short_long(SHARED)
+"""Written when the module is collected, for the runs in the background (BACKGROUND, below)."""
+
+
+@pytest.fixture(scope="module")
+def short_long() -> list[Path]:
+    return SHORT_LONG
 
 
 @pytest.mark.parametrize("kind", ["streamed", "prepared"])
@@ -352,32 +369,69 @@ def test_a_source_that_does_not_repeat_stops_the_run_at_its_end(corpora, prepare
 # ---------------------------------------------------------------- jobs
 
 
-@pytest.fixture(scope="module")
-def three(tmp_path_factory) -> Path:
-    """The shipped default config with the three-source mixture of the embedded corpus and 2 loader workers."""
-    path = tmp_path_factory.mktemp("config") / "three.toml"
-    text = (ROOT / "train_configs" / "debug_model.toml").read_text().replace("num_workers = 1", "num_workers = 2")
-    path.write_text(text + THREE)
-    return path
+THREE_TOML = write_config(SHARED / "three.toml", THREE)
+"""The shipped default config with the three-source mixture of the embedded corpus and 2 loader workers."""
+TWO_TOML = write_config(SHARED / "two.toml", "".join(f'\n[[data.sources]]\npath = "{p}"\nlabel = "{n}"\nweight = 0.5\n'
+                                                    for p, n in zip(SHORT_LONG, LENGTHS)))
+"""The shipped default config with 2 loader workers and the two sources of mean length 256 and 2,048."""
+TWO = ["--data.tokenizer", "byte", "--training.seq_len", "512", "--training.local_batch_size", "8",
+       "--checkpoint.interval", "20", "--metrics.log_freq", "10"]
+"""40 steps of 2 ranks x 8 windows of 512 tokens: 327,680 tokens."""
+PREPARED = {"three": SHARED / "three-prepared", "two": SHARED / "two-prepared"}
+WHOLE = {f"{config}-{kind}": SHARED / f"{config}-{kind}" / "whole" for config in ("three", "two")
+         for kind in ("streamed", "prepared")}
+
+
+def run_args(config: str, kind: str) -> list[str]:
+    """The arguments of the runs of `config` ('three', 'two') streamed or prepared."""
+    args = ["--config", str(THREE_TOML)] if config == "three" else ["--config", str(TWO_TOML), *TWO]
+    return [*args, *(["--data.prepared", str(PREPARED[config])] if kind == "prepared" else [])]
+
+
+def prepare_command(config: str) -> Command:
+    extra = ["--processes", "2", "--docs_per_part", "256"] if config == "three" else ["--docs_per_part", "64"]
+    return Command([sys.executable, "-m", "nsa_titan.data.prepare", *run_args(config, "streamed"), "--output",
+                    str(PREPARED[config]), *extra])
+
+
+BACKGROUND = {
+    **{f"mixtures-{name}": ((prepare_command(name.split("-")[0]),) if name.endswith("prepared") else ()) +
+       (job_command(WHOLE[name], *run_args(*name.split("-")), nproc=2),) for name in WHOLE},
+    "mixtures-earlier": job_command(SHARED / "earlier" / "out", "--config", str(THREE_TOML), "--training.steps", "4",
+                                    "--checkpoint.interval", "2"),
+}
+"""The uninterrupted 2-rank runs of each mixture (the prepared ones after their `prepare`), and an earlier run of
+the three-source mixture (checkpoints of steps 2 and 4, its config, TensorBoard)."""
+
+
+def whole(config: str, kind: str) -> tuple[Path, str]:
+    """The uninterrupted run of `config` `kind`: its folder and output."""
+    proc = background(f"mixtures-{config}-{kind}", BACKGROUND)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return WHOLE[f"{config}-{kind}"], proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def three_prepared(three, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("three") / "prepared"
-    subprocess.run([sys.executable, "-m", "nsa_titan.data.prepare", "--config", str(three), "--output", str(out),
-                    "--processes", "2", "--docs_per_part", "256"], check=True, cwd=ROOT, capture_output=True)
-    return out
+def three() -> Path:
+    return THREE_TOML
 
 
+@pytest.fixture(scope="module")
+def three_prepared() -> Path:
+    """The three-source mixture prepared (`--processes 2`, 256 documents a part)."""
+    whole("three", "prepared")
+    return PREPARED["three"]
+
+
+@pytest.mark.background
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["streamed", "prepared"])
-def test_sigkill_and_resume_with_a_mixture_is_bit_equal(tmp_path, three, three_prepared, kind):
+def test_sigkill_and_resume_with_a_mixture_is_bit_equal(tmp_path, kind):
     """2 ranks, 2 loader workers: a rank SIGKILLed after a save, the job restarted by MAX_RESTARTS, ends with
     the model and optimizer of an uninterrupted run, bit for bit, and no process of it left behind; the summary
     gives the run's realized shares, the same as the uninterrupted run's."""
-    args = ["--config", str(three), *(["--data.prepared", str(three_prepared)] if kind == "prepared" else [])]
-    whole = tmp_path / "whole"
-    out = run_job(whole, *args, nproc=2)
+    args = run_args("three", kind)
+    uninterrupted, out = whole("three", kind)
     shares = re.search(r"shares of the run \(tokens / documents, weight\): short [\d.]+% / [\d.]+% \(0.5\), long "
                        r"[\d.]+% / [\d.]+% \(0.3\), all [\d.]+% / [\d.]+% \(0.2\)", out)
     assert shares, out[-3000:]
@@ -389,7 +443,7 @@ def test_sigkill_and_resume_with_a_mixture_is_bit_equal(tmp_path, three, three_p
     assert rc == 0 and f"run summary: reached step {STEPS} of {STEPS}" in out, out[-4000:]
     assert "restart 1 of 1" in out and shares.group(0) in out
     assert not running(str(dump)), "a killed rank's loader workers outlived it"  # they die with their rank
-    assert_bit_equal(dump, whole)
+    assert_bit_equal(dump, uninterrupted)
 
 
 @pytest.mark.multiprocess
@@ -418,6 +472,7 @@ def test_validation_loss_per_source_in_the_console_and_tensorboard(tmp_path, thr
         assert last.step == 10 and abs(last.value - float(x)) < 1e-4
 
 
+@pytest.mark.background
 @pytest.mark.multiprocess
 def test_a_prepared_run_saved_at_two_ranks_resumes_at_one(tmp_path, three, three_prepared):
     """The checkpoint of a 2-rank run loads at 1 rank without restarting the data: it continues at the global
@@ -428,21 +483,6 @@ def test_a_prepared_run_saved_at_two_ranks_resumes_at_one(tmp_path, three, three
     out = run_job(dump, *args, "--training.steps", "14", nproc=1)
     assert "the prepared samples continue at global sample 80" in out, out[-3000:]  # 10 steps x 2 ranks x 4
     assert "run summary: reached step 14 of 14" in out
-
-
-@pytest.fixture(scope="module")
-def two(short_long, tmp_path_factory) -> Path:
-    """The shipped default config with 2 loader workers and the two sources of mean length 256 and 2,048."""
-    path = tmp_path_factory.mktemp("config") / "two.toml"
-    text = (ROOT / "train_configs" / "debug_model.toml").read_text().replace("num_workers = 1", "num_workers = 2")
-    path.write_text(text + "".join(f'\n[[data.sources]]\npath = "{p}"\nlabel = "{n}"\nweight = 0.5\n'
-                                   for p, n in zip(short_long, LENGTHS)))
-    return path
-
-
-TWO = ["--data.tokenizer", "byte", "--training.seq_len", "512", "--training.local_batch_size", "8",
-       "--checkpoint.interval", "20", "--metrics.log_freq", "10"]
-"""40 steps of 2 ranks x 8 windows of 512 tokens: 327,680 tokens."""
 
 
 def run_shares(out: str) -> tuple[float, float]:
@@ -460,32 +500,29 @@ def resumable_copy(whole: Path, to: Path) -> Path:
     return to
 
 
+@pytest.mark.background
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["streamed", "prepared"])
-def test_token_shares_of_a_run_are_summed_over_ranks_and_kept_across_a_resume(tmp_path, two, kind):
+def test_token_shares_of_a_run_are_summed_over_ranks_and_kept_across_a_resume(tmp_path, kind):
     """2 ranks x 2 loader workers, async saves, documents of mean length 256 and 2,048 at weights 0.5 / 0.5:
     the run's token shares (both ranks' tokens) lie within 1% of 0.5 in the summary and TensorBoard; resumed
     from its step-20 save, the run ends with the very same shares (also after a SIGKILL: the bit-equal test
     above); other weights at the resume are refused with the fix, and taken (logged) with
     `--data.new_weights_on_resume true`."""
-    args = ["--config", str(two), *TWO]
-    if kind == "prepared":
-        subprocess.run([sys.executable, "-m", "nsa_titan.data.prepare", *args, "--output", str(tmp_path / "p"),
-                        "--docs_per_part", "64"], check=True, cwd=ROOT, capture_output=True)
-        args += ["--data.prepared", str(tmp_path / "p")]
-    out = run_job(tmp_path / "whole", *args, nproc=2)
+    args = run_args("two", kind)
+    done, out = whole("two", kind)
     short, long = run_shares(out)
     assert abs(long - 50) < 1 and abs(short + long - 100) < 0.2, (short, long)
-    events = EventAccumulator(tb_run(tmp_path / "whole" / "tb"))
+    events = EventAccumulator(tb_run(done / "tb"))
     events.Reload()
     last = events.Scalars("data/share_tokens/long")[-1]
     assert last.step == STEPS and abs(100 * last.value - long) < 0.05
     if kind == "streamed":  # the shares' record is the same for both kinds; the data positions differ
-        out = run_job(resumable_copy(tmp_path / "whole", tmp_path / "resumed"), *args, nproc=2)
+        out = run_job(resumable_copy(done, tmp_path / "resumed"), *args, nproc=2)
         assert "at step 20" in out and run_shares(out) == (short, long), out[-3000:]
-    (tmp_path / "other.toml").write_text(two.read_text().replace("weight = 0.5", "weight = 0.25", 1))
+    (tmp_path / "other.toml").write_text(TWO_TOML.read_text().replace("weight = 0.5", "weight = 0.25", 1))
     other = ["--config", str(tmp_path / "other.toml"), *args[2:]]
-    rc, out = Job(resumable_copy(tmp_path / "whole", tmp_path / "other"), *other, nproc=2).finish()
+    rc, out = Job(resumable_copy(done, tmp_path / "other"), *other, nproc=2).finish()
     assert rc == 2 and "weights short 0.25, long 0.5 differ from the checkpoint's (short 0.5, long 0.5)" in out, \
         out[-3000:]
     assert "--data.new_weights_on_resume true" in out
@@ -581,10 +618,11 @@ def running(marker: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def earlier(three, tmp_path_factory) -> Path:
+def earlier() -> Path:
     """The folder of an earlier run of the mixture: checkpoints of steps 2 and 4, its config, TensorBoard."""
-    dump = tmp_path_factory.mktemp("earlier") / "out"
-    run_job(dump, "--config", str(three), "--training.steps", "4", "--checkpoint.interval", "2")
+    proc = background("mixtures-earlier", BACKGROUND)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    dump = SHARED / "earlier" / "out"
     assert len(list(dump.glob("checkpoint/step-*"))) == 2
     return dump
 
@@ -625,6 +663,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.background
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case,args,message", REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_bad_mixture_input_is_one_line_and_exit_2(tmp_path, three, three_prepared, earlier, case, args, message):

@@ -21,7 +21,7 @@ import pytest
 
 from nsa_titan.checkpoint import inspect_folder
 
-from conftest import tree_digest
+from conftest import tree_digest, uninterrupted_commands
 from jobs import STEPS, Job, assert_bit_equal, run_job
 from wandb_files import OFFLINE, assert_one_history_as_printed, runs
 
@@ -34,7 +34,10 @@ CASES = [
     ("SIGTERM", 1, "async", 1), ("SIGTERM", 2, "disabled", 1), ("SIGTERM", 2, "async", 2),
     ("SIGUSR1", 2, "async", 2), ("SIGINT", 1, "async", 2),
 ]
+BACKGROUND = uninterrupted_commands(sorted({(w, n) for _, w, _, n in CASES}))  # (1, 2) and (2, 2) among them
 
+
+@pytest.mark.background
 
 @pytest.mark.parametrize("sig,workers,mode,nproc", CASES, ids=[f"{s}-w{w}-{m}-r{n}" for s, w, m, n in CASES])
 def test_stop_signal_saves_the_step_exits_0_and_the_rerun_is_bit_equal(tmp_path, uninterrupted, sig, workers, mode,
@@ -86,6 +89,7 @@ def test_second_ctrl_c_aborts_at_once_without_saving(tmp_path):
     assert not [p for p in (dump / "checkpoint").iterdir() if p.name.startswith("step-")]
 
 
+@pytest.mark.background
 def test_max_restarts_resumes_after_a_rank_is_killed_and_ends_bit_equal(tmp_path, uninterrupted):
     """Rank 0 SIGKILLed after the step-5 save and a few more logged steps, the job restarted by MAX_RESTARTS: it
     resumes from the save and ends bit-equal. W&B (offline) keeps one run id: one offline folder (the killed
@@ -107,6 +111,7 @@ def test_max_restarts_resumes_after_a_rank_is_killed_and_ends_bit_equal(tmp_path
     assert_one_history_as_printed(dump, out, STEPS)
 
 
+@pytest.mark.background
 def test_damaged_newest_checkpoints_are_set_aside_and_the_same_command_resumes_bit_equal(tmp_path, uninterrupted):
     """While the job is down, its newest step folder loses a file and the one before has a file truncated: the
     same command (MAX_RESTARTS=2, 2 ranks, loader workers, async saves) sets both aside under a name that says

@@ -22,12 +22,14 @@ import pytest
 from nsa_titan.checkpoint.folders import verify
 from nsa_titan.launch import child_pids
 
+from conftest import uninterrupted_commands
 from jobs import STEPS, Job, assert_bit_equal
 
 pytestmark = pytest.mark.multiprocess
 
 ARGS = ["--data.num_workers", "2", "--checkpoint.async_mode", "async", "--checkpoint.interval", "4"]
 LIMIT_S = 30.0
+BACKGROUND = uninterrupted_commands([(2, 2)])  # what the restarted runs end equal to
 # fault -> (its [debug] keys, the rank it hits, the cause its line must name)
 FAULTS = {
     "loader-worker-killed": ([], 0, r"its data-loader worker \(pid (\d+)\) was killed by SIGKILL, perhaps for memory"),
@@ -109,6 +111,7 @@ def test_a_fault_on_one_rank_ends_the_job_within_30_s_and_its_first_error_line_n
     assert int(saved.group(1)) in folders and all(problem is None for problem in folders.values()), folders
 
 
+@pytest.mark.background
 @pytest.mark.parametrize("fault", FAULTS)
 def test_with_max_restarts_the_job_restarts_within_30_s_and_ends_bit_equal(tmp_path, uninterrupted, fault):
     dump = tmp_path / "out"

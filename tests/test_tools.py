@@ -63,7 +63,7 @@ def test_attention_interleave_takes_each_ratio_within_a_round():
 def test_triton_work_prints_the_launches_of_each_setting():
     """The script's table: the same 6 Triton launches and 4 ATen ops at 512 and 2,048, with and without
     documents; with the off-paper options the PyTorch score gradient's ops come on top."""
-    proc = background(__file__, "triton_work", BACKGROUND)
+    proc = background("triton_work", BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [[c.strip() for c in line.split("|")[1:7]] for line in proc.stdout.splitlines() if line.startswith("| 5")
             or line.startswith("| 2,048")]
@@ -78,7 +78,7 @@ def test_triton_work_prints_the_launches_of_each_setting():
 def test_decode_prediction_counts_the_compression_and_predicts_each_context():
     """`benchmarks/gpu/decode_prediction.py`: the compression's launches recorded (one of each kernel over d steps, no
     ATen op), and a row per batch and context with the step as built, the next design and dense."""
-    proc = background(__file__, "decode_prediction", BACKGROUND)
+    proc = background("decode_prediction", BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "{'_cmp_hidden': 1, '_cmp_out': 1, 'ATen ops': 0}" in proc.stdout
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
@@ -92,7 +92,7 @@ def test_gpu_prediction_calibrates_then_predicts_every_kernel_fitted_and_pessimi
     """`benchmarks/gpu/gpu_prediction.py`: the calibration on the H100 profile (each old kernel predicted back in sample
     and left out, the ones it cannot fit named), the new family's kernels (and every fill and cast) at the T asked
     for with both sets of constants, the totals against the measured dense time, and the M7C training step."""
-    proc = background(__file__, "gpu_prediction", BACKGROUND)
+    proc = background("gpu_prediction", BACKGROUND)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "Calibration on the H100 profile at T 32,768" in out
