@@ -20,10 +20,11 @@ from nsa_titan.checkpoint import load_tensors
 from nsa_titan.checkpoint.integrity import HASH
 from nsa_titan.system.hashing import file_hash
 
-from conftest import ROOT, free_port, from_step, launch_ranks, tb_losses, torchrun, tree_digest
+from conftest import (ROOT, Command, background, background_folder, free_port, from_step, launch_ranks, tb_losses,
+                      tree_digest)
 from jobs import assert_states_equal
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.background]  # the first runs (BACKGROUND) start at once
 
 # The default data pipeline (embedded corpus, sentencepiece, 2 loader workers) and a tiny model.
 CK = [
@@ -37,14 +38,44 @@ CK = [
 ]
 
 
+def run_command(dump: Path, *args: str, nproc: int = 2, tb: str = "tb") -> Command:
+    """The trainer on CK under torchrun (`--standalone`, as run_train.sh starts it)."""
+    return Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", "-m",
+                    "nsa_titan.train", *CK, "--job.dump_folder", str(dump), "--metrics.save_tb_folder", tb, *args],
+                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
 def run(dump: Path, *args: str, nproc: int = 2, tb: str = "tb") -> subprocess.CompletedProcess:
-    return torchrun(["-m", "nsa_titan.train", *CK, "--job.dump_folder", str(dump), "--metrics.save_tb_folder", tb,
-                     *args], nproc=nproc)
+    command = run_command(dump, *args, nproc=nproc, tb=tb)
+    return subprocess.run(command.argv, cwd=command.cwd, env={**os.environ, **command.env}, capture_output=True,
+                          text=True, timeout=900)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+FAST = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
+FIRST = {
+    "checkpoint-compiled": (FAST, "--training.steps", "20"),
+    "checkpoint-unused-win": ("--model.nsa_branch", "win", "--checkpoint.interval", "2", "--training.steps", "4"),
+    "checkpoint-unused-sel": ("--model.nsa_branch", "sel", "--checkpoint.interval", "2", "--training.steps", "4"),
+    "checkpoint-reshard-2": ("--training.steps", "4"),
+    "checkpoint-reshard-1": ("--training.steps", "4"),
+    "checkpoint-saved": ("--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.export_at_end", "true"),
+    "checkpoint-keep": ("--training.steps", "12", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"),
+}
+BACKGROUND = {name: run_command(background_folder(name), *(a for arg in args for a in (arg if isinstance(arg, list)
+                                                                                          else [arg])),
+                                nproc=1 if name in ("checkpoint-reshard-1", "checkpoint-saved") else 2)
+              for name, args in FIRST.items()}
+"""The runs that the tests below resume, reshard or read, started in the background."""
+
+
+def first(name: str) -> tuple[Path, str]:
+    """The folder and output of the finished run `name` of BACKGROUND."""
+    return background_folder(name), ok(background(name, BACKGROUND))
 
 
 
@@ -61,33 +92,31 @@ def saved_rng(step: Path, rank: int) -> dict:
 
 @pytest.mark.filterwarnings("ignore:.*assuming the intent is to load in a single process")
 def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
-    fast = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
-    ok(run(tmp_path / "a", *fast, "--training.steps", "20"))
+    a, _ = first("checkpoint-compiled")
     # Another seed on resume: only a restored RNG state brings the generators back to run a's.
-    out = ok(run(from_step(tmp_path / "a", 10, tmp_path / "b"), *fast, "--training.steps", "20", "--debug.seed", "1"))
+    out = ok(run(from_step(a, 10, tmp_path / "b"), *FAST, "--training.steps", "20", "--debug.seed", "1"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-10'} at step 10" in out
     assert "no RNG state" not in out
     for rank in (0, 1):
         # torch's generator, which the seed sets (python's and numpy's start from OS entropy)
-        ra, rb = (saved_rng(tmp_path / x / "checkpoint" / "step-20", rank)["torch"] for x in "ab")
+        ra, rb = (saved_rng(x / "checkpoint" / "step-20", rank)["torch"] for x in (a, tmp_path / "b"))
         assert ra == rb, f"rank {rank}'s torch generator was not restored on resume"
-    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb")
-    assert sorted(a) == list(range(1, 21)) and sorted(b) == list(range(11, 21))
-    assert [a[s] for s in b] == [b[s] for s in b], "losses differ after resume"
-    assert_states_equal(tmp_path / "a" / "checkpoint" / "step-20", tmp_path / "b" / "checkpoint" / "step-20")
+    la, lb = tb_losses(a / "tb"), tb_losses(tmp_path / "b" / "tb")
+    assert sorted(la) == list(range(1, 21)) and sorted(lb) == list(range(11, 21))
+    assert [la[s] for s in lb] == [lb[s] for s in lb], "losses differ after resume"
+    assert_states_equal(a / "checkpoint" / "step-20", tmp_path / "b" / "checkpoint" / "step-20")
 
 
 @pytest.mark.parametrize("branch", ["win", "sel"])
 def test_a_run_with_unused_parameters_resumes_exactly(tmp_path, branch):
     """`nsa_branch` win leaves cmp's and sel's parameters out of the graph, sel leaves cmp's: they get
     no gradient, yet their optimizer state is saved, so the checkpoint loads into a fresh optimizer."""
-    args = ["--model.nsa_branch", branch, "--checkpoint.interval", "2"]
-    ok(run(tmp_path / "a", *args, "--training.steps", "4"))
-    out = ok(run(from_step(tmp_path / "a", 2, tmp_path / "b"), *args, "--training.steps", "4"))
+    a, _ = first(f"checkpoint-unused-{branch}")
+    out = ok(run(from_step(a, 2, tmp_path / "b"), *FIRST[f"checkpoint-unused-{branch}"]))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-2'} at step 2" in out
-    a, b = tb_losses(tmp_path / "a" / "tb"), tb_losses(tmp_path / "b" / "tb")
-    assert sorted(a) == [1, 2, 3, 4] and sorted(b) == [3, 4] and [a[s] for s in b] == [b[s] for s in b]
-    assert_states_equal(tmp_path / "a" / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
+    la, lb = tb_losses(a / "tb"), tb_losses(tmp_path / "b" / "tb")
+    assert sorted(la) == [1, 2, 3, 4] and sorted(lb) == [3, 4] and [la[s] for s in lb] == [lb[s] for s in lb]
+    assert_states_equal(a / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")
 
 
 def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path):
@@ -105,14 +134,16 @@ def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path
 
 @pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2)])
 def test_reshard_model_and_optimizer_between_world_sizes(tmp_path, saved_on, loaded_on):
-    ok(run(tmp_path, "--training.steps", "4", nproc=saved_on))
-    ckpt = tmp_path / "checkpoint" / "step-4"
+    dump, _ = first(f"checkpoint-reshard-{saved_on}")
+    ckpt = dump / "checkpoint" / "step-4"
+    before = tree_digest(dump / "checkpoint")
     # Without consent the data position is not silently dropped.
-    refused = run(tmp_path, "--training.steps", "4", nproc=loaded_on)
+    refused = run(dump, "--training.steps", "4", nproc=loaded_on)
     assert refused.returncode != 0
     assert f"was saved by {saved_on} data-parallel ranks and this run has {loaded_on}" in refused.stderr
+    assert tree_digest(dump / "checkpoint") == before
     loaded = launch_ranks([{"name": "r", "args": [*CK, "--training.steps", "4", "--checkpoint.restart_data_on_reshard",
-                                                  "true", "--checkpoint.folder", str(tmp_path / "checkpoint")],
+                                                  "true", "--checkpoint.folder", str(dump / "checkpoint")],
                             "save_params": True, "save_optimizer": True}], tmp_path / "load", nproc=loaded_on)["r"]
     assert loaded["step"] == 4
     model, optim = load_tensors(ckpt, "model"), load_tensors(ckpt, "optimizer")
@@ -123,9 +154,9 @@ def test_reshard_model_and_optimizer_between_world_sizes(tmp_path, saved_on, loa
         assert torch.equal(v, optim[f"state.{k}"]), k
 
 
-def test_keep_latest_k_keeps_exactly_k_complete_checkpoints(tmp_path):
-    out = ok(run(tmp_path, "--training.steps", "12", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"))
-    assert step_dirs(tmp_path) == ["step-10", "step-12", "step-8"]
+def test_keep_latest_k_keeps_exactly_k_complete_checkpoints():
+    dump, out = first("checkpoint-keep")
+    assert step_dirs(dump) == ["step-10", "step-12", "step-8"]
     assert out.count("removed checkpoint") == 3
     assert "training blocked" in out and "MB in" in out  # size and save time are logged
 
@@ -146,10 +177,9 @@ def test_async_save_writes_the_same_bytes_as_sync_save(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("saved")
-    ok(run(dump, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.export_at_end", "true", nproc=1))
-    return dump
+def saved_run() -> Path:
+    """A run of 4 steps on one rank, checkpoints at 2 and 4, exported at the end."""
+    return first("checkpoint-saved")[0]
 
 
 def single(dump: Path, *args: str) -> subprocess.CompletedProcess:
