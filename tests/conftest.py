@@ -94,11 +94,12 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | 
 
 
 class Command(NamedTuple):
-    """A test's command that may run in the background: its arguments, what it adds to the environment, and the
-    folder it runs in (made if missing)."""
+    """A test's command that may run in the background: its arguments, what it adds to the environment, the
+    folder it runs in (made if missing), and whether its stderr joins its stdout (a job's console, read as one)."""
     argv: list[str]
     env: dict[str, str] = {}
     cwd: Path = ROOT
+    merged: bool = False
 
 
 BACKGROUND: dict[str, Future] = {}
@@ -140,8 +141,8 @@ def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedP
     for command in (commands,) if isinstance(commands, Command) else commands:
         Path(command.cwd).mkdir(parents=True, exist_ok=True)
         with subprocess.Popen(command.argv, cwd=command.cwd, env={**os.environ, **command.env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              preexec_fn=lowest_priority) as proc:
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT if command.merged else subprocess.PIPE,
+                              text=True, preexec_fn=lowest_priority) as proc:
             RUNNING.add(proc)
             try:
                 out, err = proc.communicate(timeout=1800)

@@ -16,7 +16,7 @@ import torch
 from nsa_titan.checkpoint import inspect_folder, load_tensors
 from nsa_titan.launch import child_pids
 
-from conftest import ROOT, Command
+from conftest import ROOT, Command, background
 
 STEPS = 40
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
@@ -27,10 +27,11 @@ SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "
 
 def job_command(dump: Path, *args: str, nproc: int = 1, env: dict | None = None, launcher: Sequence[str] = (),
                 under: Sequence[str] = ()) -> Command:
-    """`run_train.sh ARGS` on the small model, writing to `dump`, from its parent folder. `launcher`: the command in
-    place of `run_train.sh` (torchrun called directly); `under`: what starts it (a PID namespace, a subreaper)."""
+    """`run_train.sh ARGS` on the small model, writing to `dump`, from its parent folder, its output as one stream.
+    `launcher`: the command in place of `run_train.sh` (torchrun called directly); `under`: what starts it (a PID
+    namespace, a subreaper)."""
     return Command([*under, *(launcher or [str(ROOT / "run_train.sh")]), *SMALL, "--job.dump_folder", str(dump), *args],
-                   {"NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})}, dump.parent)
+                   {"NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})}, dump.parent, merged=True)
 
 
 class Job:
@@ -82,6 +83,12 @@ def run_job(dump: Path, *args: str, nproc: int = 1, env: dict | None = None) -> 
     rc, out = Job(dump, *args, nproc=nproc, env=env).finish()
     assert rc == 0, out[-4000:]
     return out
+
+
+def job_in_background(name: str, commands: dict[str, Command]) -> tuple[Path, int, str]:
+    """The dump folder, exit code and output of the finished background job `name` (`job_command`'s)."""
+    done = background(name, commands)
+    return Path(commands[name].argv[commands[name].argv.index("--job.dump_folder") + 1]), done.returncode, done.stdout
 
 
 def assert_states_equal(a: Path, b: Path) -> None:
