@@ -150,7 +150,7 @@ def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedP
                 RUNNING.discard(proc)
         if proc.returncode != 0:
             break
-    return subprocess.CompletedProcess(command.argv, proc.returncode, out, err)
+    return subprocess.CompletedProcess(command.argv, proc.returncode, out, err or "")  # err: None when merged
 
 
 def start_background(commands: dict[str, Command | tuple[Command, ...]]) -> None:
