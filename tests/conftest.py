@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -95,11 +96,14 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 900, env: dict | 
 
 class Command(NamedTuple):
     """A test's command that may run in the background: its arguments, what it adds to the environment, the
-    folder it runs in (made if missing), and whether its stderr joins its stdout (a job's console, read as one)."""
+    folder it runs in (made if missing), whether its stderr joins its stdout (a job's console, read as one), and
+    whether it starts processes in sessions of their own (torchrun's ranks), which leave a nice and an autogroup
+    behind: those run in the background only inside a CPU cgroup (`IDLE_GROUP`)."""
     argv: list[str]
     env: dict[str, str] = {}
     cwd: Path = ROOT
     merged: bool = False
+    sessions: bool = False
 
 
 BACKGROUND: dict[str, Future] = {}
@@ -121,18 +125,42 @@ def background_folder(name: str) -> Path:
     return BACKGROUND_FOLDER / name
 
 
+def idle_group() -> Path | None:
+    """A CPU cgroup of this session's own at the lowest weight, idle-scheduled where the kernel has it (v1's `cpu`
+    controller or v2's), or None where cgroups cannot be made here: every process started in it, and every one
+    those start in sessions of their own, gets only the CPU no other process wants."""
+    for root, weight in ((Path("/sys/fs/cgroup/cpu"), ("cpu.shares", "2")), (Path("/sys/fs/cgroup"), ("cpu.weight", "1"))):
+        try:
+            if weight[0] == "cpu.weight" and "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+                continue
+            group = root / f"nsa_titan_tests_{os.getpid()}"
+            group.mkdir()
+            (group / weight[0]).write_text(weight[1])
+            if (group / "cpu.idle").exists():
+                (group / "cpu.idle").write_text("1")
+            return group
+        except OSError:
+            continue
+    return None
+
+
+IDLE_GROUP = idle_group()
+JOIN_IDLE_GROUP = str(IDLE_GROUP / "cgroup.procs") if IDLE_GROUP else ""
+
+
 def lowest_priority() -> None:
-    """In a child before exec: a session of its own at nice 19, and its scheduler group too (with autogroups, which
-    give each session an equal share whatever its nice, a niced process in pytest's group would take a core from
-    the ranks of the job under test); killed if pytest dies (Linux's parent-death signal)."""
+    """In a child before exec: a session of its own at nice 19, in the idle CPU cgroup (where there is none: its
+    scheduler autogroup at nice 19 too, as autogroups give each session an equal share whatever its nice); killed
+    if pytest dies (Linux's parent-death signal)."""
     os.setsid()
     os.nice(19)
+    try:
+        with open(JOIN_IDLE_GROUP or "/proc/self/autogroup", "w") as f:
+            f.write(str(os.getpid()) if JOIN_IDLE_GROUP else "19")
+    except OSError:  # neither here: nice alone ranks it
+        pass
     if PRCTL is not None:
         PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the command ends with pytest's thread
-    try:
-        Path("/proc/self/autogroup").write_text("19")
-    except OSError:  # no autogroups here: nice alone ranks it
-        pass
 
 
 def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedProcess:
@@ -154,8 +182,11 @@ def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedP
 
 
 def start_background(commands: dict[str, Command | tuple[Command, ...]]) -> None:
+    """Start each command not yet started; without the idle CPU cgroup, not those that start sessions (their
+    ranks would take as large a share of the CPU as the tests': `background` runs them when a test asks)."""
     for name, command in commands.items():
-        if name not in BACKGROUND:
+        sessions = any(c.sessions for c in ((command,) if isinstance(command, Command) else command))
+        if name not in BACKGROUND and (IDLE_GROUP or not sessions):
             BACKGROUND[name] = POOL.submit(run_lowest, command)
 
 
@@ -169,15 +200,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Commands no test waited for (a run stopped early, `-x`) end with the session."""
+    """Commands no test waited for (a run stopped early, `-x`) end with the session, and the idle group with them."""
     POOL.shutdown(wait=False, cancel_futures=True)
     for proc in list(RUNNING):
         os.killpg(proc.pid, signal.SIGKILL)
+    if IDLE_GROUP:
+        for _ in range(50):  # the killed processes leave the group as they are reaped
+            try:
+                IDLE_GROUP.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def background(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> subprocess.CompletedProcess:
-    """The finished command `name` (of `commands`), started now if it was not in the background."""
-    start_background({name: commands[name]})
+    """The finished command `name` (of `commands`), run now if it was not started in the background."""
+    if name not in BACKGROUND:
+        BACKGROUND[name] = POOL.submit(run_lowest, commands[name])
     return BACKGROUND[name].result()
 
 

@@ -31,7 +31,8 @@ def job_command(dump: Path, *args: str, nproc: int = 1, env: dict | None = None,
     `launcher`: the command in place of `run_train.sh` (torchrun called directly); `under`: what starts it (a PID
     namespace, a subreaper)."""
     return Command([*under, *(launcher or [str(ROOT / "run_train.sh")]), *SMALL, "--job.dump_folder", str(dump), *args],
-                   {"NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})}, dump.parent, merged=True)
+                   {"NGPU": str(nproc), "OMP_NUM_THREADS": "1", **(env or {})}, dump.parent, merged=True,
+                   sessions=True)
 
 
 class Job:

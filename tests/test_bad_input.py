@@ -23,7 +23,8 @@ TINY_RUN = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"
 
 BACKGROUND = {"bad-input-run": Command([str(ROOT / "run_train.sh"), *TINY_RUN, "--job.dump_folder",
                                          str(background_folder("bad-input") / "run"), "--checkpoint.export_at_end",
-                                         "true"], {"NGPU": "1", "OMP_NUM_THREADS": "1"}, background_folder("bad-input"))}
+                                         "true"], {"NGPU": "1", "OMP_NUM_THREADS": "1"}, background_folder("bad-input"),
+                                        sessions=True)}
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def run_command(dump: Path, *args: str, nproc: int = 2, tb: str = "tb") -> Comma
     """The trainer on CK under torchrun (`--standalone`, as run_train.sh starts it)."""
     return Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", "-m",
                     "nsa_titan.train", *CK, "--job.dump_folder", str(dump), "--metrics.save_tb_folder", tb, *args],
-                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, sessions=True)
 
 
 def run(dump: Path, *args: str, nproc: int = 2, tb: str = "tb") -> subprocess.CompletedProcess:

@@ -105,7 +105,8 @@ BACKGROUND = {
                                nproc=2),
     "evals-cp": Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
                          "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(TASKS), "--job.dump_folder",
-                         str(RUNS["evals-cp"])], {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}),
+                         str(RUNS["evals-cp"])], {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                        sessions=True),
 }
 """The runs, as run_train.sh and torchrun start them: with evaluations at 2 FSDP ranks, the same without, and
 with evaluations at context parallelism 2."""

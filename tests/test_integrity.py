@@ -38,7 +38,7 @@ def train_command(dump: Path, steps: int, *args: str, nproc: int) -> Command:
     return Command([sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node", str(nproc), "--standalone", "-m",
                     "nsa_titan.train", *ASYNC, "--job.dump_folder", str(dump), "--training.steps", str(steps),
                     "--metrics.save_tb_folder", f"tb-{steps}", *args],
-                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, sessions=True)
 
 
 def train(dump: Path, steps: int, *args: str, nproc: int) -> subprocess.CompletedProcess:
