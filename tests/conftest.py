@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -35,7 +36,12 @@ SESSION_CACHE = pytest.StashKey[str]()
 
 def pytest_configure(config: pytest.Config) -> None:
     """The kernels' verdicts (`[model] verify_kernels`) in a folder of this session's, removed at its end: each
-    kernel is checked once a session, whatever an earlier run on this machine kept (NSA_TITAN_CACHE, if set, wins)."""
+    kernel is checked once a session, whatever an earlier run on this machine kept (NSA_TITAN_CACHE, if set, wins).
+    The background commands' folder and idle CPU cgroup."""
+    global BACKGROUND_FOLDER, IDLE_GROUP, JOIN_IDLE_GROUP
+    BACKGROUND_FOLDER = Path(tempfile.mkdtemp(prefix="nsa_titan_background_"))
+    IDLE_GROUP = idle_group()
+    JOIN_IDLE_GROUP = str(IDLE_GROUP / "cgroup.procs") if IDLE_GROUP else ""
     if "NSA_TITAN_CACHE" not in os.environ:
         config.stash[SESSION_CACHE] = os.environ["NSA_TITAN_CACHE"] = tempfile.mkdtemp(prefix="nsa_titan_cache_")
 
@@ -43,7 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if SESSION_CACHE in config.stash:
         shutil.rmtree(config.stash[SESSION_CACHE], ignore_errors=True)
-    shutil.rmtree(BACKGROUND_FOLDER, ignore_errors=True)
+    if BACKGROUND_FOLDER is not None:
+        shutil.rmtree(BACKGROUND_FOLDER, ignore_errors=True)
 
 # A tiny NSA model whose sequence holds several blocks of every kind: 15 cmp blocks,
 # 8 selection blocks of which 4 are chosen, a window shorter than the sequence.
@@ -113,8 +120,9 @@ BACKGROUND: dict[str, Future] = {}
 test is collected, its module's commands start at the session's start (`pytest_collection_finish`), at the lowest
 priority, on the cores the rest of the suite leaves idle; the tests take their results (`background`). A name is
 one command whichever modules list it."""
-BACKGROUND_FOLDER = Path(tempfile.mkdtemp(prefix="nsa_titan_background_"))
-"""Where the background commands write (`background_folder`): removed with the session."""
+BACKGROUND_FOLDER: Path | None = None
+"""Where the background commands write (`background_folder`): made when pytest starts, removed with the session
+(a script that imports this module, as the interpreted cases do, makes none)."""
 POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="background")
 RUNNING: set[subprocess.Popen] = set()
 PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None  # looked up here, not in a forked child
@@ -122,6 +130,7 @@ PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None  # looked u
 
 def background_folder(name: str) -> Path:
     """The folder of the background command `name`'s outputs."""
+    assert BACKGROUND_FOLDER is not None, "pytest makes the background folder (pytest_configure)"
     return BACKGROUND_FOLDER / name
 
 
@@ -144,8 +153,9 @@ def idle_group() -> Path | None:
     return None
 
 
-IDLE_GROUP = idle_group()
-JOIN_IDLE_GROUP = str(IDLE_GROUP / "cgroup.procs") if IDLE_GROUP else ""
+IDLE_GROUP: Path | None = None
+"""The idle CPU cgroup, made when pytest starts (`idle_group`), removed at the session's end."""
+JOIN_IDLE_GROUP = ""
 
 
 def lowest_priority() -> None:
@@ -205,7 +215,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     for proc in list(RUNNING):
         os.killpg(proc.pid, signal.SIGKILL)
     if IDLE_GROUP:
-        for _ in range(50):  # the killed processes leave the group as they are reaped
+        for _ in range(100):  # every process in it (ranks start sessions of their own), until it is empty
+            for pid in (IDLE_GROUP / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
             try:
                 IDLE_GROUP.rmdir()
                 break
