@@ -173,10 +173,15 @@ def lowest_priority() -> None:
         PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the command ends with pytest's thread
 
 
+def steps(commands: Command | tuple[Command, ...]) -> tuple[Command, ...]:
+    """A background entry's commands, in turn."""
+    return (commands,) if isinstance(commands, Command) else commands
+
+
 def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedProcess:
     """`commands` (one, or several in turn until one fails) at the lowest priority, output captured (30 minutes
     each at most): the last one's result."""
-    for command in (commands,) if isinstance(commands, Command) else commands:
+    for command in steps(commands):
         Path(command.cwd).mkdir(parents=True, exist_ok=True)
         with subprocess.Popen(command.argv, cwd=command.cwd, env={**os.environ, **command.env},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT if command.merged else subprocess.PIPE,
@@ -195,8 +200,7 @@ def start_background(commands: dict[str, Command | tuple[Command, ...]]) -> None
     """Start each command not yet started; without the idle CPU cgroup, not those that start sessions (their
     ranks would take as large a share of the CPU as the tests': `background` runs them when a test asks)."""
     for name, command in commands.items():
-        sessions = any(c.sessions for c in ((command,) if isinstance(command, Command) else command))
-        if name not in BACKGROUND and (IDLE_GROUP or not sessions):
+        if name not in BACKGROUND and (IDLE_GROUP or not any(c.sessions for c in steps(command))):
             BACKGROUND[name] = POOL.submit(run_lowest, command)
 
 
@@ -231,6 +235,13 @@ def background(name: str, commands: dict[str, Command | tuple[Command, ...]]) ->
     if name not in BACKGROUND:
         BACKGROUND[name] = POOL.submit(run_lowest, commands[name])
     return BACKGROUND[name].result()
+
+
+def finished(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> str:
+    """The output of the background command `name`, which must have exited 0."""
+    done = background(name, commands)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done.stdout + done.stderr
 
 
 def interpreted_commands(script: str, cases: list[str]) -> dict[str, Command]:
@@ -346,8 +357,7 @@ def uninterrupted():
 
     def get(workers: int, nproc: int) -> Path:
         [(name, command)] = uninterrupted_commands([(workers, nproc)]).items()
-        done = background(name, {name: command})
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        finished(name, {name: command})
         return Path(command.cwd) / "out"
 
     return get

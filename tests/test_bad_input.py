@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Command, background, background_folder, tree_digest
+from conftest import ROOT, Command, background_folder, finished, tree_digest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.background]
 
@@ -31,8 +31,7 @@ BACKGROUND = {"bad-input-run": Command([str(ROOT / "run_train.sh"), *TINY_RUN, "
 def world() -> Path:
     """A trained run (step-2 checkpoint, an export) and its copy, a broken checkpoint copy, a file and a junk .pt
     file."""
-    proc = background("bad-input-run", BACKGROUND)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finished("bad-input-run", BACKGROUND)
     base = background_folder("bad-input")
     broken = base / "broken" / "step-2"
     broken.mkdir(parents=True)

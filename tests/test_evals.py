@@ -19,7 +19,7 @@ from nsa_titan.config import ConfigError, Model, load_config
 from nsa_titan.observe.lm_harness import score
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, TINY, Command, background, background_folder, tb_losses, torchrun
+from conftest import ROOT, TINY, Command, background_folder, finished, tb_losses, torchrun
 from jobs import job_command, run_job
 from lm_tasks import local_tasks
 
@@ -112,13 +112,6 @@ BACKGROUND = {
 with evaluations at context parallelism 2."""
 
 
-def finished(name: str) -> str:
-    """The output of the run `name` of BACKGROUND, which exited 0."""
-    proc = background(name, BACKGROUND)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
-
-
 @pytest.mark.multiprocess
 @pytest.mark.background
 def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unchanged():
@@ -126,11 +119,11 @@ def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unc
     10, each line on the console; step 10's equal `evaluate`'s on step-10 (one process), each rank having scored
     about half the lm-eval requests; the training losses equal those of the same run without evaluations (the
     evaluations change no random state, model or data position)."""
-    out, dump = finished("evals-fsdp"), RUNS["evals-fsdp"]
+    out, dump = finished("evals-fsdp", BACKGROUND), RUNS["evals-fsdp"]
     lines = re.findall(r"eval at step (\d+): loss_by_position/0-32 [\d.]+ .* \| recall/16 [\d.]+ .* \| "
                        r"lm_eval/nsa_titan_mc/acc [\d.]+ .* \| [\d.]+ s \(evaluations [\d.]+% of the run so far\)", out)
     assert lines == ["5", "10"], out[-3000:]
-    finished("evals-plain")
+    finished("evals-plain", BACKGROUND)
     assert tb_losses(dump / "tb") == tb_losses(RUNS["evals-plain"] / "tb")
     assert_equals_evaluate(dump, dump / "tb", TASKS, cp=1, out=out)
 
@@ -140,7 +133,7 @@ def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unc
 def test_with_context_parallelism_2_the_evaluations_equal_evaluate():
     """2 ranks splitting each sequence (cp = 2, loader workers, async saves): step 10's evaluations equal
     `evaluate`'s on step-10, the loss by position with the sequence split the same way."""
-    out, dump = finished("evals-cp"), RUNS["evals-cp"]
+    out, dump = finished("evals-cp", BACKGROUND), RUNS["evals-cp"]
     assert_equals_evaluate(dump, dump / "tb", TASKS, cp=2, out=out)
 
 

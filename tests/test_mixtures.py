@@ -32,7 +32,7 @@ from nsa_titan.data.prepare import prepare
 from nsa_titan.data.prepared import Mixture, part_hash
 from nsa_titan.data.tokenizer import ByteTokenizer
 
-from conftest import ROOT, Command, background, background_folder, tb_run
+from conftest import ROOT, Command, background_folder, finished, tb_run
 from jobs import STEPS, Job, assert_bit_equal, job_command, run_job
 
 NAMES, WEIGHTS = ("alpha", "beta", "gamma"), (5.0, 3.0, 2.0)
@@ -406,9 +406,7 @@ the three-source mixture (checkpoints of steps 2 and 4, its config, TensorBoard)
 
 def whole(config: str, kind: str) -> tuple[Path, str]:
     """The uninterrupted run of `config` `kind`: its folder and output."""
-    proc = background(f"mixtures-{config}-{kind}", BACKGROUND)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return WHOLE[f"{config}-{kind}"], proc.stdout + proc.stderr
+    return WHOLE[f"{config}-{kind}"], finished(f"mixtures-{config}-{kind}", BACKGROUND)
 
 
 @pytest.fixture(scope="module")
@@ -620,8 +618,7 @@ def running(marker: str) -> list[str]:
 @pytest.fixture(scope="module")
 def earlier() -> Path:
     """The folder of an earlier run of the mixture: checkpoints of steps 2 and 4, its config, TensorBoard."""
-    proc = background("mixtures-earlier", BACKGROUND)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    finished("mixtures-earlier", BACKGROUND)
     dump = SHARED / "earlier" / "out"
     assert len(list(dump.glob("checkpoint/step-*"))) == 2
     return dump
