@@ -17,15 +17,17 @@ network` or `needs several nodes` is skipped. Exit 1, listing the problems, if a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import os
+import io
+import json
 import re
+import runpy
 import shlex
 import subprocess
 import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -34,6 +36,8 @@ from nsa_titan.config import ConfigError, parse_args  # noqa: E402
 
 SKIP = re.compile(r"needs (a GPU|GPUs|the network|several nodes)")
 REPO_PATH = re.compile(r"^(\./)?(data|train_configs|scripts|benchmarks|tests|docs)/")
+Helps = Callable[[tuple[str, ...]], str | None]
+"""A program's --help output, or None if it fails."""
 PASS_THROUGH = {"pip", "tensorboard", "nvidia-smi"}
 """Programs whose arguments are not this project's to check."""
 
@@ -62,24 +66,35 @@ def commands(markdown: str) -> list[tuple[int, str, bool]]:
     return found
 
 
-_HELP_RUNS = ThreadPoolExecutor(os.cpu_count() or 1)
-_HELP: dict[tuple[str, ...], Future[str | None]] = {}
-_HELP_LOCK = threading.Lock()
+def help_texts(programs: set[tuple[str, ...]]) -> dict[tuple[str, ...], str | None]:
+    """Each program's `--help` output (None if it fails), all run in turn in one child interpreter: each imports
+    torch, seconds that one child pays once (runpy runs a module or script as `python -m`/`python` would)."""
+    if not programs:
+        return {}
+    order = sorted(programs)
+    proc = subprocess.run([sys.executable, __file__, "--help-of", json.dumps(order)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the child running the programs' --help failed:\n{proc.stderr[-3000:]}")
+    return dict(zip(order, json.loads(proc.stdout.splitlines()[-1])))
 
 
-def _run_help(program: tuple[str, ...]) -> str | None:
-    proc = subprocess.run([sys.executable, *program, "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    return proc.stdout + proc.stderr if proc.returncode == 0 else None
-
-
-def help_text(*program: str) -> str | None:
-    """`program --help`'s output, or None if it fails: each program's once, as many at a time as there are cores
-    (each imports torch: seconds)."""
-    with _HELP_LOCK:
-        if program not in _HELP:
-            _HELP[program] = _HELP_RUNS.submit(_run_help, program)
-    return _HELP[program].result()
+def _help_of(program: list[str]) -> str | None:
+    """In the child: one program's `--help` output, or None if it fails."""
+    out = io.StringIO()
+    sys.argv = [program[1] if program[0] == "-m" else str(ROOT / program[0]), *program[2 if program[0] == "-m" else 1:],
+                "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            if program[0] == "-m":
+                runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return out.getvalue() if e.code in (0, None) else None
+    except Exception:  # noqa: BLE001 - a program that cannot show its --help is a problem of the doc's command
+        return None
+    return out.getvalue()
 
 
 def trainer_problems(args: list[str]) -> list[str]:
@@ -90,10 +105,10 @@ def trainer_problems(args: list[str]) -> list[str]:
     return []
 
 
-def program_problems(program: tuple[str, ...], args: list[str]) -> list[str]:
+def program_problems(program: tuple[str, ...], args: list[str], helps: Helps) -> list[str]:
     """Flags of a module or script against its --help; trainer overrides after a bare `--`."""
     own, _, overrides = (args[:args.index("--")], "--", args[args.index("--") + 1:]) if "--" in args else (args, "", [])
-    text = help_text(*program)
+    text = helps(program)
     if text is None:
         return [f"`{' '.join(program)} --help` fails"]
     keys = []  # `--section.key value`: the config's overrides, as the planner and evaluate take them
@@ -106,8 +121,8 @@ def program_problems(program: tuple[str, ...], args: list[str]) -> list[str]:
     return problems + (trainer_problems(keys + overrides) if keys or overrides else [])
 
 
-def problems_of(command: str) -> list[str]:
-    """What is wrong with one command (empty: nothing)."""
+def problems_of(command: str, helps: Helps) -> list[str]:
+    """What is wrong with one command (empty: nothing); `helps` gives a program's --help output."""
     words = shlex.split(command, comments=True)
     while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):  # NGPU=2 ...
         words.pop(0)
@@ -128,7 +143,7 @@ def problems_of(command: str) -> list[str]:
             script, rest = args[0], args[1:]
             if not (ROOT / script).is_file():
                 return problems + [f"script {script} does not exist"]
-            return problems + program_problems((script,), rest)
+            return problems + program_problems((script,), rest, helps)
         i = args.index("-m")
         module, rest = args[i + 1], args[i + 2:]
         if not module.startswith("nsa_titan"):
@@ -138,7 +153,7 @@ def problems_of(command: str) -> list[str]:
         if module == "nsa_titan.train":
             return problems + trainer_problems(rest)
         sub = (rest[0],) if rest and not rest[0].startswith("-") and module == "nsa_titan.checkpoint" else ()
-        return problems + program_problems(("-m", module, *sub), rest[len(sub):])
+        return problems + program_problems(("-m", module, *sub), rest[len(sub):], helps)
     if name in PASS_THROUGH:
         return problems
     if REPO_PATH.match(program) or program.startswith("./"):
@@ -151,8 +166,11 @@ def problems_of(command: str) -> list[str]:
 def check(files: list[Path]) -> list[str]:
     """Every problem of every command in `files`, as `file:line: command: problem`."""
     found = [(f, n, command) for f in files for n, command, skipped in commands(f.read_text()) if not skipped]
-    with ThreadPoolExecutor(min(len(found), 64) or 1) as pool:  # the commands wait on their programs' --help together
-        problems = list(pool.map(problems_of, [command for _, _, command in found]))
+    wanted: set[tuple[str, ...]] = set()  # a dry pass names the programs whose --help the commands need
+    for _, _, command in found:
+        problems_of(command, lambda program: wanted.add(program) or "")
+    texts = help_texts(wanted)
+    problems = [problems_of(command, texts.__getitem__) for _, _, command in found]
     return [f"{f.relative_to(ROOT) if f.is_relative_to(ROOT) else f}:{n}: {command}: {p}"
             for (f, n, command), found_problems in zip(found, problems) for p in found_problems]
 
@@ -164,6 +182,11 @@ def default_files() -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--help-of"]:  # the child of help_texts: a JSON list of the outputs, on the last line
+        texts = [_help_of(program) for program in json.loads(args[1])]
+        sys.stdout = sys.__stdout__
+        print(json.dumps(texts))
+        return 0
     problems = check([Path(a).resolve() for a in args] or default_files())
     for p in problems:
         print(p)

@@ -142,6 +142,10 @@ def idle_group() -> Path | None:
         try:
             if weight[0] == "cpu.weight" and "cpu" not in (root / "cgroup.subtree_control").read_text().split():
                 continue
+            for left in root.glob("nsa_titan_tests_*"):  # a killed session's, once its processes are gone
+                if not Path(f"/proc/{left.name.rsplit('_', 1)[1]}").exists():
+                    with contextlib.suppress(OSError):
+                        left.rmdir()
             group = root / f"nsa_titan_tests_{os.getpid()}"
             group.mkdir()
             (group / weight[0]).write_text(weight[1])

@@ -400,7 +400,7 @@ def bad_cases(b: Path, exported: Path, tokenizer_dir: Path) -> list[tuple[list[s
     py, ex = [sys.executable, "-m"], [sys.executable, "-m", "nsa_titan.export"]
     train = [sys.executable, "-m", "nsa_titan.train", *variant_args("nsa", tokenizer_dir), "--training.steps", "1",
              "--data.num_workers", "0", "--validation.enable", "false", "--job.dump_folder", str(b / "run")]
-    no_hf = {"PYTHONPATH": str(b / "no_hf")}
+    no_hf = {"PYTHONPATH": os.pathsep.join([str(b / "no_hf"), str(ROOT)])}  # transformers hidden, this tree found
     return [
         ([*train, "--data.tokenizer_path", str(b / "not_a_tokenizer.json")], "is not a Hugging Face tokenizer.json", {}),
         ([*train, "--model.vocab_size", "512"], "vocab_size = 512 is smaller than the tokenizer's 1000 tokens", {}),

@@ -204,20 +204,24 @@ def test_prepare_names_a_null_document_by_file_and_row_or_skips_it(tmp_path, sha
 
 def test_an_entry_point_s_end_runs_the_exit_handlers_flushes_everything_and_keeps_its_code():
     """`leave`, which ends every entry point without Python's module teardown: the exit handlers run, a thread
-    still working is waited for, Python's and C's buffered output (a pipe: fully buffered) reach the reader, and the
-    exit code is the entry point's."""
+    still working is waited for, a thread pool left open (as torch.compile leaves the one it compiled in: joined
+    as a plain thread, its idle workers waited forever) ends, Python's and C's buffered output (a pipe: fully
+    buffered) reach the reader, and the exit code is the entry point's."""
     script = """if True:
         import atexit, ctypes, threading, time
+        from concurrent.futures import ThreadPoolExecutor
         from nsa_titan.system.cli import leave
         atexit.register(lambda: print("exit handler ran"))
         threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished"))).start()
+        pool = ThreadPoolExecutor(2)  # kept, as torch.compile keeps its own
+        pool.submit(print, "pool task ran").result()
         ctypes.CDLL(None).printf(b"from C, no newline")
         print("from Python", end="")
         leave(3)
     """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # which leaves C's stdio unbuffered
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert proc.returncode == 3, proc.stderr
-    for part in ("thread finished", "exit handler ran", "from Python", "from C, no newline"):
+    for part in ("pool task ran", "thread finished", "exit handler ran", "from Python", "from C, no newline"):
         assert part in proc.stdout, proc.stdout

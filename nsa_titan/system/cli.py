@@ -60,10 +60,11 @@ def leave(code: int) -> NoReturn:
     """End a finished entry point with `code` as any exit does (threads joined, exit handlers run, logs and
     output flushed), without the interpreter's teardown of every module: with torch loaded it takes a second or
     more, at each rank's and the launcher's end."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what the interpreter runs at exit (CPython)
+    # What the interpreter runs at exit (CPython), in its order: threading's exit calls (they stop idle thread pools,
+    # such as the one torch.compile leaves after compiling: joined without them, its workers wait forever), every
+    # non-daemon thread joined, then the exit handlers.
+    threading._shutdown()
+    atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
