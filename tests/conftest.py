@@ -123,6 +123,7 @@ one command whichever modules list it."""
 BACKGROUND_FOLDER: Path | None = None
 """Where the background commands write (`background_folder`): made when pytest starts, removed with the session
 (a script that imports this module, as the interpreted cases do, makes none)."""
+STARTED = time.monotonic()
 POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="background")
 RUNNING: set[subprocess.Popen] = set()
 PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None  # looked up here, not in a forked child
@@ -200,12 +201,24 @@ def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedP
     return subprocess.CompletedProcess(command.argv, proc.returncode, out, err or "")  # err: None when merged
 
 
+def timed(name: str, commands: Command | tuple[Command, ...], queued: float) -> subprocess.CompletedProcess:
+    """`run_lowest(commands)`, its queued, started and ended times (seconds after pytest started) added to the
+    file NSA_TITAN_BACKGROUND_TIMES names, if set (a JSON line each: where the background's time goes)."""
+    started = time.monotonic()
+    done = run_lowest(commands)
+    if os.environ.get("NSA_TITAN_BACKGROUND_TIMES"):
+        with open(os.environ["NSA_TITAN_BACKGROUND_TIMES"], "a") as f:
+            f.write(json.dumps({"name": name, "rc": done.returncode, **{k: round(v - STARTED, 1) for k, v in (
+                ("queued", queued), ("started", started), ("ended", time.monotonic()))}}) + "\n")
+    return done
+
+
 def start_background(commands: dict[str, Command | tuple[Command, ...]]) -> None:
     """Start each command not yet started; without the idle CPU cgroup, not those that start sessions (their
     ranks would take as large a share of the CPU as the tests': `background` runs them when a test asks)."""
     for name, command in commands.items():
         if name not in BACKGROUND and (IDLE_GROUP or not any(c.sessions for c in steps(command))):
-            BACKGROUND[name] = POOL.submit(run_lowest, command)
+            BACKGROUND[name] = POOL.submit(timed, name, command, time.monotonic())
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
