@@ -53,8 +53,7 @@ from .config.paths import RunPaths, make_folder
 from .runtime.failure import CONSEQUENT, EXIT_HALTED, EXIT_RETRY, EXIT_SAVE_FAILED, NO_RESTART, RELAYED, noted_cause
 from .runtime.ownership import FolderOwner, job_key
 from .runtime.stop import EXIT_ABORTED
-from .runtime.watchdog import EXIT_HANG
-from .system.cli import EXIT_BAD_INPUT, leave, run_command
+from .system.cli import EXIT_BAD_INPUT, EXIT_HANG, leave, run_command
 from .system.env import set_launcher_env
 from .system.signals import STOP_SIGNALS
 

@@ -225,3 +225,23 @@ def test_an_entry_point_s_end_runs_the_exit_handlers_flushes_everything_and_keep
     assert proc.returncode == 3, proc.stderr
     for part in ("pool task ran", "thread finished", "exit handler ran", "from Python", "from C, no newline"):
         assert part in proc.stdout, proc.stdout
+
+
+def test_an_entry_point_whose_end_does_not_return_prints_the_stacks_and_exits_124():
+    """A thread that never returns (or an exit handler): past `leave`'s limit, one line and every thread's stack on
+    stderr, and exit 124, as a hung rank's, instead of a process that outlives its work."""
+    script = """if True:
+        import threading
+        from nsa_titan.system.cli import leave
+        def never_returns():
+            threading.Event().wait()
+        threading.Thread(target=never_returns).start()
+        leave(0, limit_s=2)
+    """
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == 124 and time.monotonic() - started < 30, proc.stderr
+    assert re.search(r"^nsa_titan: process \d+ did not end within 2 s of its work's end .*: every thread's stack "
+                     r"follows; exit 124$", proc.stderr, re.M), proc.stderr
+    assert "in never_returns" in proc.stderr, proc.stderr

@@ -39,7 +39,7 @@ from .failure_channel import Failure, FailureChannel
 EXIT_CRASH, EXIT_HALTED, EXIT_SAVE_FAILED, EXIT_RETRY = 1, 3, 4, 75
 """Exit codes: a crash (this line's cause); halted by a non-finite step; the run's last save failed (its
 summary names the last checkpoint it committed); stopped, after saving, by data unreadable through its
-retries (EX_TEMPFAIL: resume it). Bad input is `cli.EXIT_BAD_INPUT`, a hang `watchdog.EXIT_HANG`."""
+retries (EX_TEMPFAIL: resume it). Bad input is `cli.EXIT_BAD_INPUT`, a hang `cli.EXIT_HANG`."""
 EXIT_AFTER_PEER = 1
 """Exit code of a rank stopped by another rank's failure (the job's code is the cause's)."""
 NO_RESTART = {EXIT_BAD_INPUT: "bad input", EXIT_HALTED: "a halt (non-finite steps, loss spikes)"}

@@ -29,15 +29,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import Fault
-from ..system.cli import note_failure
+from ..system.cli import EXIT_HANG, note_failure
 from ..system.jsonl import cut_torn_tail
 from .failure import LOST_STORE, after_peer_code, exit_now, note, peer_words
 from .failure_channel import Failure, FailureChannel
 
 logger = logging.getLogger(__name__)
 
-EXIT_HANG = 124
-"""Exit code of a rank stopped by the watchdog (as timeout(1) uses)."""
 REPORT_GRACE_S = 5.0
 """After its report a stuck rank waits this long before exiting: its peers' watchdogs fire at
 about the same time, and torchrun stops them all as soon as one rank exits."""

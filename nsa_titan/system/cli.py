@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -24,6 +25,11 @@ from .env import LAUNCHED_BY, quiet_libraries
 from .errors import BadInput
 
 EXIT_BAD_INPUT = 2
+EXIT_HANG = 124
+"""Exit code of a process stopped as hung: a rank by its watchdog, any entry point that does not end (as timeout(1)
+uses)."""
+LEAVE_LIMIT_S = 300.0
+"""How long an entry point's end (threads joined, exit handlers) may take before it counts as hung."""
 
 
 def bad_input_line(prog: str, e: BaseException, message: str | None = None, where: str = "") -> str:
@@ -56,10 +62,12 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(EXIT_BAD_INPUT)
 
 
-def leave(code: int) -> NoReturn:
+def leave(code: int, limit_s: float = LEAVE_LIMIT_S) -> NoReturn:
     """End a finished entry point with `code` as any exit does (threads joined, exit handlers run, logs and
     output flushed), without the interpreter's teardown of every module: with torch loaded it takes a second or
-    more, at each rank's and the launcher's end."""
+    more, at each rank's and the launcher's end. An end that takes over `limit_s` (a thread that never returns)
+    prints one line and every thread's stack, and exits with EXIT_HANG instead of sitting there."""
+    threading.Thread(target=_end_hung, args=(limit_s,), name="leave-limit", daemon=True).start()
     # What the interpreter runs at exit (CPython), in its order: threading's exit calls (they stop idle thread pools,
     # such as the one torch.compile leaves after compiling: joined without them, its workers wait forever), every
     # non-daemon thread joined, then the exit handlers.
@@ -70,6 +78,15 @@ def leave(code: int) -> NoReturn:
     sys.stderr.flush()
     ctypes.CDLL(None).fflush(None)  # and C's stdio buffers (extensions' output): os._exit flushes nothing
     os._exit(code)
+
+
+def _end_hung(limit_s: float) -> None:
+    time.sleep(limit_s)
+    print(f"nsa_titan: process {os.getpid()} did not end within {limit_s:.0f} s of its work's end (a thread or an "
+          f"exit handler that does not return): every thread's stack follows; exit {EXIT_HANG}", file=sys.stderr,
+          flush=True)
+    faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    os._exit(EXIT_HANG)
 
 
 def run_command(prog: str, command: Callable[[], int]) -> int:
