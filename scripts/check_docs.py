@@ -81,15 +81,15 @@ def help_texts(programs: set[tuple[str, ...]]) -> dict[tuple[str, ...], str | No
 
 def _help_of(program: list[str]) -> str | None:
     """In the child: one program's `--help` output, or None if it fails."""
-    out = io.StringIO()
-    sys.argv = [program[1] if program[0] == "-m" else str(ROOT / program[0]), *program[2 if program[0] == "-m" else 1:],
-                "--help"]
+    out, module = io.StringIO(), program[0] == "-m"
+    target, rest = (program[1], program[2:]) if module else (str(ROOT / program[0]), program[1:])
+    sys.argv = [target, *rest, "--help"]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            if program[0] == "-m":
-                runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(sys.argv[0], run_name="__main__")
+                runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
         return out.getvalue() if e.code in (0, None) else None
     except Exception:  # noqa: BLE001 - a program that cannot show its --help is a problem of the doc's command
