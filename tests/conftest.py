@@ -262,25 +262,32 @@ def finished(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> s
 
 
 def interpreted_commands(script: str, cases: list[str]) -> dict[str, Command]:
-    """`python script triton case` for each case, named `script's stem:case`, under TRITON_INTERPRET=1 (Triton
-    decides at definition) through `interpreter.py`; none without Triton."""
+    """`python tests/interpreter.py script triton CASE...`, named by the script's stem, under TRITON_INTERPRET=1
+    (Triton decides at definition): the script's imports once, each case in a child forked from there; none
+    without Triton."""
     if importlib.util.find_spec("triton") is None:
         return {}
-    return {f"{Path(script).stem}:{case}": Command(
-        [sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton", case],
-        {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}) for case in cases}
+    return {Path(script).stem: Command([sys.executable, str(ROOT / "tests" / "interpreter.py"), script, "triton",
+                                        *cases], {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})}
 
 
 def interpreted(commands: dict[str, Command]) -> dict[str, dict]:
-    """{case: the JSON of its command's last line} for the interpreted cases `commands` (`interpreted_commands`),
-    each in a fresh process; skips without Triton."""
+    """{case: the JSON of its last line} for the interpreted cases `commands` (`interpreted_commands`), each of
+    which must have exited 0; skips without Triton."""
+    from interpreter import MARK
+
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
     found = {}
-    for name in commands:
+    for name, command in commands.items():
         done = background(name, commands)
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-        found[name.partition(":")[2]] = json.loads(done.stdout.strip().splitlines()[-1])
+        parts = done.stdout.split(f"{MARK} ")[1:]  # "CASE\n...output...\n", "exit CODE\n", in turn
+        outputs = {case.partition("\n")[0]: (case.partition("\n")[2], end.split()[1])
+                   for case, end in zip(parts[::2], parts[1::2])}
+        for case in command.argv[4:]:
+            output, code = outputs.get(case, ("", "missing"))
+            assert code == "0", f"{name} {case}: exit {code}\n{output[-2000:]}\n{done.stderr[-3000:]}"
+            found[case] = json.loads(output.strip().splitlines()[-1])
     return found
 
 

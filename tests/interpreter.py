@@ -1,12 +1,17 @@
-"""One interpreted Triton check, as `conftest.interpreted` runs it: `python tests/interpreter.py SCRIPT ARG...`
-(under TRITON_INTERPRET=1) runs SCRIPT as `__main__` with ARG... on Triton's interpreter made faster where it
-spends its time on itself, each change giving the same results bit for bit (`tests/README.md`: "Interpreted
-Triton")."""
+"""A script's interpreted Triton checks, as `conftest.interpreted` runs them: `python tests/interpreter.py SCRIPT
+FAMILY CASE...` (under TRITON_INTERPRET=1) imports what SCRIPT imports once, then runs SCRIPT as `__main__` with
+`FAMILY CASE` for each case in a child forked from that process (each case starts from the same state, none sees
+another's changes), on Triton's interpreter made faster where it spends its time on itself, each change giving the
+same results bit for bit (`tests/README.md`: "Interpreted Triton"). Before each case's output it prints
+`MARK CASE`, after it `MARK exit CODE`."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import runpy
 import sys
+import traceback
 
 import numpy as np
 
@@ -53,8 +58,38 @@ def builtins_listed_once() -> None:
     interpreter._patch_builtin = _patch_builtin
 
 
+MARK = "== interpreted case"
+"""The line that opens and closes each case's output (`conftest.interpreted` reads between them)."""
+
+
+def run_case(script: str, family: str, case: str) -> int:
+    """`script family case` as `__main__` in a forked child: its exit code."""
+    print(f"{MARK} {case}", flush=True)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sys.argv = [script, family, case]
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except BaseException:  # noqa: BLE001 (reported on stderr, the case's exit code says it failed)
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(f"{MARK} exit {code}", flush=True)
+    return code
+
+
 if __name__ == "__main__":
-    script, sys.argv = sys.argv[1], sys.argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("script", help="a test module whose `__main__` runs one case: SCRIPT FAMILY CASE")
+    parser.add_argument("family", help="the family the script checks (triton)")
+    parser.add_argument("cases", nargs="+", help="the cases, each in a child forked from one import of SCRIPT's")
+    args = parser.parse_args()
     fast_xor_reductions()
     builtins_listed_once()
-    runpy.run_path(script, run_name="__main__")
+    runpy.run_path(args.script, run_name="interpreted")  # its imports (torch, Triton, the kernels), once
+    sys.exit(1 if any([run_case(args.script, args.family, case) for case in args.cases]) else 0)

@@ -31,6 +31,7 @@ model says where the time would go and whether the targets are within reach, not
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from dataclasses import dataclass, field, replace
@@ -100,10 +101,15 @@ class Kernel:
     atomic: float = 0.0
     rounds: float = 0.0
 
+    @functools.cached_property
+    def totals(self) -> list[tuple[float, float]]:
+        """Each launch's steps summed and its longest program's, once (the fit calls `seconds` about 100,000 times)."""
+        return [(float(s.sum()), float(s.max())) for s in self.launches if len(s)]
+
     def seconds(self, x: Costs) -> float:
         c = x.c8 if self.warps == 8 else x.c4
         c = x.gather if self.gathered and x.gather else c
-        steps = sum(max(float(s.sum()) * c / SMS, float(s.max()) * max(x.lat, c)) for s in self.launches if len(s))
+        steps = sum(max(total * c / SMS, longest * max(x.lat, c)) for total, longest in self.totals)
         return (max(steps + self.rounds * x.round / SMS, self.hbm / x.bw, len(self.launches) * x.launch)
                 + self.atomic / x.atomic)
 
@@ -175,10 +181,10 @@ def _block_scores(q: torch.Tensor, kc: torch.Tensor, t: torch.Tensor, g: int) ->
     """Group g's sel block scores of the queries at positions t: exp(q . k_cmp - lse) summed over the group's
     heads and each block's cmp members (`common.choose_blocks`, without the forced blocks), (len(t), Ns)."""
     Nc, Ns = kc.shape[0], SPEC.num_sel_blocks(int(t[-1]) + 1)
-    s = torch.einsum("thd,nd->thn", q[t, g * R:(g + 1) * R].float(), kc[:, g].float()) * D**-0.5
+    s = torch.einsum("thd,nd->thn", q[t, g * R:(g + 1) * R].float(), kc[:, g].float()).mul_(D**-0.5)
     seen = (torch.arange(Nc) * SPEC.d + SPEC.l - 1)[None, :] <= t[:, None]
-    s = s.masked_fill(~seen[:, None, :], float("-inf"))
-    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True)).nan_to_num(0.0).sum(1)  # (t, Nc)
+    s.masked_fill_(~seen[:, None, :], float("-inf"))
+    p = s.sub_(torch.logsumexp(s, -1, keepdim=True)).exp_().nan_to_num_(0.0).sum(1)  # (t, Nc), in place: 100 MB a span
     stride, before = SPEC.l_sel // SPEC.d, SPEC.l // SPEC.d - 1
     padded = torch.nn.functional.pad(p, (before, stride * Ns + stride - Nc - before))
     return sum(padded[:, k:k + stride * Ns:stride] for k in range(stride + before))
