@@ -32,7 +32,7 @@ LOG = "NSA_TITAN_PROCESS_LOG"
 HOOK = '''"""Written by scripts/suite_processes.py for one run: a line to the log as this process ends."""
 import atexit, json, os, resource, time
 _start, _test, _nice = os.getpid(), os.environ.get("PYTEST_CURRENT_TEST", ""), os.getpriority(os.PRIO_PROCESS, 0)
-_argv = open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode(errors="replace")[:300]
+_argv = open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode(errors="replace")[:3000]
 _written = set()
 def _write():
     pid = os.getpid()
@@ -51,7 +51,7 @@ def _ending(code):
 os._exit = _ending
 '''
 """The hook: the module every interpreter of the run imports at its start (a no-op without the log's variable)."""
-BACKGROUND = re.compile(r"nsa_titan_background_[^/]+/([^/ ]+)")
+BACKGROUND = re.compile(r"nsa_titan_background_[^/]+/([^/ ]+)|--job\.dump_folder \S*?([^/ ]+/[^/ ]+)(?: |$)")
 
 
 def kind(line: dict) -> str:
@@ -71,7 +71,7 @@ def owner(line: dict) -> str:
     """The test a process counts under, or the background command it belongs to."""
     if line["nice"] == 19:  # conftest's background commands run at nice 19, and so do their children
         found = BACKGROUND.search(line["argv"])
-        return f"background: {found.group(1) if found else ' '.join(line['argv'].split()[1:4])[-80:]}"
+        return f"background: {(found.group(1) or found.group(2)) if found else ' '.join(line['argv'].split()[1:4])[-80:]}"
     return line["test"].rsplit(" (", 1)[0] or "(outside any test: pytest, collection)"
 
 

@@ -56,20 +56,39 @@ def ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+ASYNC = [*(a if a != "disabled" else "async" for a in CK), "--checkpoint.interval", "2"]
+
+
+def train_command(dump: Path, steps: int, *args: str, nproc: int) -> Command:
+    """A run under the launcher as run_train.sh starts it (the trainer's exit code, its error line once)."""
+    return Command([sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node", str(nproc), "--standalone", "-m",
+                    "nsa_titan.train", *ASYNC, "--job.dump_folder", str(dump), "--training.steps", str(steps),
+                    "--metrics.save_tb_folder", f"tb-{steps}", *args],
+                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, sessions=True)
+
+
+SAVED = {f"saved-{n}": train_command(background_folder(f"saved-{n}"), 4, *(["--checkpoint.export_at_end", "true"]
+                                                                           if n == 1 else []), nproc=n)
+         for n in (1, 2)}
+"""A run to step 4 (async saves at 2 and 4; on one rank exported at the end) on each number of ranks, which the
+tests here and in test_integrity.py read, reshard and load (`saved`)."""
+
+
+def saved(nproc: int) -> Path:
+    """The dump folder of the run to step 4 on `nproc` ranks (`SAVED`); copy it to change it."""
+    ok(background(f"saved-{nproc}", SAVED))
+    return background_folder(f"saved-{nproc}")
+
+
 FAST = ["--compile.enable", "true", "--activation_checkpoint.mode", "full", "--checkpoint.interval", "10"]
 FIRST = {
     "checkpoint-compiled": (FAST, "--training.steps", "20"),
     "checkpoint-unused-win": ("--model.nsa_branch", "win", "--checkpoint.interval", "2", "--training.steps", "4"),
     "checkpoint-unused-sel": ("--model.nsa_branch", "sel", "--checkpoint.interval", "2", "--training.steps", "4"),
-    "checkpoint-reshard-2": ("--training.steps", "4"),
-    "checkpoint-reshard-1": ("--training.steps", "4"),
-    "checkpoint-saved": ("--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.export_at_end", "true"),
     "checkpoint-keep": ("--training.steps", "12", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"),
 }
-BACKGROUND = {name: run_command(background_folder(name), *(a for arg in args for a in (arg if isinstance(arg, list)
-                                                                                          else [arg])),
-                                nproc=1 if name in ("checkpoint-reshard-1", "checkpoint-saved") else 2)
-              for name, args in FIRST.items()}
+BACKGROUND = {**{name: run_command(background_folder(name), *(a for arg in args for a in (
+    arg if isinstance(arg, list) else [arg]))) for name, args in FIRST.items()}, **SAVED}
 """The runs that the tests below resume, reshard or read, started in the background."""
 
 
@@ -134,7 +153,7 @@ def test_rank_killed_mid_save_resumes_from_previous_complete_checkpoint(tmp_path
 
 @pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2)])
 def test_reshard_model_and_optimizer_between_world_sizes(tmp_path, saved_on, loaded_on):
-    dump, _ = first(f"checkpoint-reshard-{saved_on}")
+    dump = saved(saved_on)
     ckpt = dump / "checkpoint" / "step-4"
     before = tree_digest(dump / "checkpoint")
     # Without consent the data position is not silently dropped.
@@ -179,7 +198,7 @@ def test_async_save_writes_the_same_bytes_as_sync_save(tmp_path):
 @pytest.fixture(scope="module")
 def saved_run() -> Path:
     """A run of 4 steps on one rank, checkpoints at 2 and 4, exported at the end."""
-    return first("checkpoint-saved")[0]
+    return saved(1)
 
 
 def single(dump: Path, *args: str) -> subprocess.CompletedProcess:

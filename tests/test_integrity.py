@@ -25,20 +25,10 @@ from nsa_titan.checkpoint import load_tensors
 from nsa_titan.checkpoint.folders import verify
 from nsa_titan.checkpoint.integrity import HASH
 
-from conftest import ROOT, Command, background, background_folder, tree_digest
-from test_checkpoint import CK
+from conftest import ROOT, tree_digest
+from test_checkpoint import SAVED, saved, train_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.background]
-
-ASYNC = [*(a if a != "disabled" else "async" for a in CK), "--checkpoint.interval", "2"]
-
-
-def train_command(dump: Path, steps: int, *args: str, nproc: int) -> Command:
-    """A run under the launcher as run_train.sh starts it (the trainer's exit code, its error line once)."""
-    return Command([sys.executable, "-m", "nsa_titan.launch", "--nproc_per_node", str(nproc), "--standalone", "-m",
-                    "nsa_titan.train", *ASYNC, "--job.dump_folder", str(dump), "--training.steps", str(steps),
-                    "--metrics.save_tb_folder", f"tb-{steps}", *args],
-                   {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, sessions=True)
 
 
 def train(dump: Path, steps: int, *args: str, nproc: int) -> subprocess.CompletedProcess:
@@ -56,15 +46,8 @@ def command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-BACKGROUND = {f"integrity-saved-{n}": train_command(background_folder(f"integrity-saved-{n}"), 4, nproc=n)
-              for n in (1, 2)}
-"""A run to step 4 (checkpoints at 2 and 4) on each number of ranks."""
-
-
-def saved(nproc: int) -> Path:
-    """The dump folder of the run to step 4 on `nproc` ranks (`BACKGROUND`); copy it to change it."""
-    ok(background(f"integrity-saved-{nproc}", BACKGROUND))
-    return background_folder(f"integrity-saved-{nproc}")
+BACKGROUND = SAVED
+"""The runs to step 4 on 1 and 2 ranks (`test_checkpoint.SAVED`), read through `saved`."""
 
 
 def flip(step: Path, part: str, seed: int) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from nsa_titan.checkpoint.inference import load_model
 from nsa_titan.models.loss import cross_entropy_loss
 from nsa_titan.models.rope import check_source, hf_rope_parameters, rope_of, rope_settings, rope_tables
 
-from conftest import ROOT, tb_losses
+from conftest import ROOT, from_step, tb_losses
 
 SCALINGS = {
     "linear": dict(rope_scaling="linear", rope_factor=4.0, rope_original_seq_len=1024),
@@ -138,24 +137,33 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def adapted(pretrained, tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("adapted") / "run"
-    run_train(dump, *ADAPT, "--training.steps", "6", "--checkpoint.interval", "6",
-              "--checkpoint.initial_load_path", str(pretrained / "step-12"))
-    return dump / "checkpoint" / "step-6"
+def adaptation(pretrained, tmp_path_factory) -> tuple[Path, str]:
+    """The adaptation from the step folder: 12 steps at twice the length, checkpoints at 6 and 12; its output."""
+    dump = tmp_path_factory.mktemp("adaptation") / "run"
+    return dump, run_train(dump, *ADAPT, "--training.steps", "12", "--checkpoint.interval", "6",
+                           "--checkpoint.initial_load_path", str(pretrained / "step-12"))
+
+
+@pytest.fixture(scope="module")
+def adapted(adaptation) -> Path:
+    """The adaptation's step-6 checkpoint (a run stopped there and resumed trains on bit-equal: the test below)."""
+    return adaptation[0] / "checkpoint" / "step-6"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("source", ["step-12", "model-step-12-hf"])
-def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exactly(pretrained, adapted, source,
+def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exactly(pretrained, adaptation, source,
                                                                                      tmp_path):
     """From a step folder and from an HF folder: the log names the source, the loss falls; interrupted at step 6
     and resumed (from the step folder: a resume reads the adaptation's own checkpoint, whatever its source), the
     run ends bit-equal."""
     src = pretrained / source
-    straight = tmp_path / "straight"
-    out = run_train(straight, *ADAPT, "--training.steps", "12", "--checkpoint.interval", "6",
-                    "--checkpoint.initial_load_path", str(src))
+    if source == "step-12":  # the module's adaptation is this run
+        straight, out = adaptation
+    else:
+        straight = tmp_path / "straight"
+        out = run_train(straight, *ADAPT, "--training.steps", "12", "--checkpoint.interval", "6",
+                        "--checkpoint.initial_load_path", str(src))
     assert (f"initial model weights from {src}, trained at seq_len 128 with RoPE none; this run: seq_len 256, RoPE "
             f"yarn x4 from 128; fresh optimizer, lr schedule and data position") in out
     losses = tb_losses(straight / "tb")
@@ -163,10 +171,9 @@ def test_adaptation_at_twice_the_length_learns_names_its_source_and_resumes_exac
     assert sum(losses[s] for s in (10, 11, 12)) < sum(losses[s] for s in (1, 2, 3)) - 0.3, losses
     if source != "step-12":
         return
-    # Interrupted at step 6 (`adapted` is that run: the same command) and resumed: the adaptation's own
-    # checkpoint, not the source, and bit-equal.
-    split = tmp_path / "split"
-    shutil.copytree(adapted.parent.parent, split)
+    # Interrupted at step 6 (a new folder holding the run's step-6 checkpoint alone) and resumed by the same
+    # command: the adaptation's own checkpoint, not the source, and bit-equal.
+    split = from_step(straight, 6, tmp_path / "split")
     out = run_train(split, *ADAPT, "--training.steps", "12", "--checkpoint.interval", "6",
                     "--checkpoint.initial_load_path", str(src))
     assert f"resumed from {split / 'checkpoint' / 'step-6'} at step 6" in out and "initial model weights" not in out
