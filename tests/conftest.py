@@ -129,6 +129,12 @@ RUNNING: set[subprocess.Popen] = set()
 PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None  # looked up here, not in a forked child
 
 
+def in_session() -> bool:
+    """Whether pytest runs this process: not a child that imports a test module (a `spawn` child, the interpreted
+    cases' `tests/interpreter.py`), for which no background folder is made."""
+    return BACKGROUND_FOLDER is not None
+
+
 def background_folder(name: str) -> Path:
     """The folder of the background command `name`'s outputs."""
     assert BACKGROUND_FOLDER is not None, "pytest makes the background folder (pytest_configure)"
@@ -185,7 +191,8 @@ def steps(commands: Command | tuple[Command, ...]) -> tuple[Command, ...]:
 
 def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedProcess:
     """`commands` (one, or several in turn until one fails) at the lowest priority, output captured (30 minutes
-    each at most): the last one's result."""
+    each at most): the last one's result, its `outputs` each one's stdout and stderr, in turn."""
+    outputs = []
     for command in steps(commands):
         Path(command.cwd).mkdir(parents=True, exist_ok=True)
         with subprocess.Popen(command.argv, cwd=command.cwd, env={**os.environ, **command.env},
@@ -196,9 +203,12 @@ def run_lowest(commands: Command | tuple[Command, ...]) -> subprocess.CompletedP
                 out, err = proc.communicate(timeout=1800)
             finally:
                 RUNNING.discard(proc)
+        outputs.append(out + (err or ""))  # err: None when merged
         if proc.returncode != 0:
             break
-    return subprocess.CompletedProcess(command.argv, proc.returncode, out, err or "")  # err: None when merged
+    done = subprocess.CompletedProcess(command.argv, proc.returncode, out, err or "")
+    done.outputs = outputs
+    return done
 
 
 def timed(name: str, commands: Command | tuple[Command, ...], queued: float) -> subprocess.CompletedProcess:
@@ -219,6 +229,13 @@ def start_background(commands: dict[str, Command | tuple[Command, ...]]) -> None
     for name, command in commands.items():
         if name not in BACKGROUND and (IDLE_GROUP or not any(c.sessions for c in steps(command))):
             BACKGROUND[name] = POOL.submit(timed, name, command, time.monotonic())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules whose tests read background commands run after the others (each module's tests together and in
+    their order): their commands run on the core the other modules leave idle, instead of the tests waiting."""
+    waiting = {item.module for item in items if item.get_closest_marker("background")}
+    items.sort(key=lambda item: item.module in waiting)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -254,11 +271,17 @@ def background(name: str, commands: dict[str, Command | tuple[Command, ...]]) ->
     return BACKGROUND[name].result()
 
 
-def finished(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> str:
-    """The output of the background command `name`, which must have exited 0."""
+def outputs(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> list[str]:
+    """The output (stdout and stderr) of each command of the background entry `name`, in turn; each must have
+    exited 0."""
     done = background(name, commands)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return done.stdout + done.stderr
+    return done.outputs
+
+
+def finished(name: str, commands: dict[str, Command | tuple[Command, ...]]) -> str:
+    """The output of the background command `name` (of its last, for several), which must have exited 0."""
+    return outputs(name, commands)[-1]
 
 
 def interpreted_commands(script: str, cases: list[str]) -> dict[str, Command]:

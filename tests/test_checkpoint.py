@@ -86,6 +86,7 @@ FIRST = {
     "checkpoint-unused-win": ("--model.nsa_branch", "win", "--checkpoint.interval", "2", "--training.steps", "4"),
     "checkpoint-unused-sel": ("--model.nsa_branch", "sel", "--checkpoint.interval", "2", "--training.steps", "4"),
     "checkpoint-keep": ("--training.steps", "12", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"),
+    "checkpoint-hsdp": ("--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2"),
 }
 BACKGROUND = {**{name: run_command(background_folder(name), *(a for arg in args for a in (
     arg if isinstance(arg, list) else [arg]))) for name, args in FIRST.items()}, **SAVED}
@@ -302,12 +303,12 @@ def test_export_command_and_warm_start_from_the_file(saved_run, tmp_path):
 
 
 def test_hsdp_checkpoint_loads_under_fsdp_and_on_one_rank(tmp_path):
-    ok(run(tmp_path, "--training.steps", "4", "--parallelism.data_parallel_replicate_degree", "2"))
-    ckpt = tmp_path / "checkpoint" / "step-4"
+    dump, _ = first("checkpoint-hsdp")
+    ckpt = dump / "checkpoint" / "step-4"
     model, optim = load_tensors(ckpt, "model"), load_tensors(ckpt, "optimizer")
     for nproc, extra in ((2, []), (1, ["--checkpoint.restart_data_on_reshard", "true"])):
         loaded = launch_ranks([{"name": "l", "args": [*CK, "--training.steps", "4", *extra,
-                                                      "--checkpoint.folder", str(tmp_path / "checkpoint")],
+                                                      "--checkpoint.folder", str(dump / "checkpoint")],
                                 "save_params": True, "save_optimizer": True}], tmp_path / f"load{nproc}",
                               nproc=nproc)["l"]
         assert loaded["step"] == 4

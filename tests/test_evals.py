@@ -5,11 +5,8 @@ files; and a run with them trains exactly as one without."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,8 @@ from nsa_titan.config import ConfigError, Model, load_config
 from nsa_titan.observe.lm_harness import score
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, TINY, Command, background_folder, finished, tb_losses, torchrun
-from jobs import job_command, run_job
+from conftest import ROOT, TINY, Command, background, background_folder, finished, outputs, tb_losses
+from jobs import job_command
 from lm_tasks import local_tasks
 
 STEPS = 10
@@ -47,34 +44,18 @@ def scalars(folder: Path, prefix: str, step: int) -> dict[str, float]:
             for tag in events.Tags()["scalars"] if tag.startswith(prefix)}
 
 
-def evaluate(*args: str, nproc: int = 1) -> str:
-    """`python -m nsa_titan.evaluate ARGS` (under torchrun with nproc > 1): its output."""
-    if nproc > 1:
-        proc = torchrun(["-m", "nsa_titan.evaluate", *args], nproc=nproc)
-    else:
-        proc = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", *args], capture_output=True, text=True,
-                              timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def same(logged: float, printed: str, scale: float = 1.0) -> bool:
     """A TensorBoard value (float32) x `scale` equals a value printed to its last digit."""
     decimals = len(printed.partition(".")[2])
     return abs(logged * scale - float(printed)) <= 0.5 * 10 ** -decimals + 1e-7 * abs(float(printed))
 
 
-def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int, out: str) -> None:
-    """Step 10's evaluations in TensorBoard against `evaluate` on checkpoint step-10, value by printed value; the
-    lm-eval requests shared out among the 2 / cp data-parallel ranks (`out`: the run's output), each scoring its
-    half (the harness pads the shorter share to equal counts)."""
-    got, ckpt = scalars(tb, "eval/", STEPS), str(dump / "checkpoint" / f"step-{STEPS}")
-    with ThreadPoolExecutor(2) as pool:  # two one-process evaluations at once, then the two-rank one
-        recall, harness = pool.map(lambda args: evaluate(ckpt, *args), (
-            ["--task", "recall", "--distances", "16", "40", "--batches", "3"],
-            ["--task", "lm_eval", "--tasks", "nsa_titan_mc", "nsa_titan_ppl", "--include_path", str(tasks)]))
-    by_position = evaluate(ckpt, "--by_position", "--bucket", "32", "--batches", "2", "--context_parallel", str(cp),
-                           nproc=2)
+def assert_equals_evaluate(name: str, cp: int) -> None:
+    """Step 10's evaluations of the run `name` in TensorBoard against `evaluate` on checkpoint step-10 (the
+    commands after the run), value by printed value; the lm-eval requests shared out among the 2 / cp data-parallel
+    ranks (in the run's output), each scoring its half (the harness pads the shorter share to equal counts)."""
+    out, recall, harness, by_position = outputs(name, BACKGROUND)
+    got = scalars(RUNS[name] / "tb", "eval/", STEPS)
     rows = re.findall(r"^\| (\d+)-(\d+) \| (\S+) \| [\d,]+ \|$", by_position.replace(",", ""), re.M)
     assert len(rows) >= 2, by_position
     for first, end, loss in rows:
@@ -85,8 +66,8 @@ def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int, out: str)
     printed = dict(re.findall(r"^(nsa_titan_\w+/\w+): (\S+)$", harness, re.M))
     assert set(printed) == {"nsa_titan_mc/acc", "nsa_titan_ppl/word_perplexity", "nsa_titan_ppl/byte_perplexity",
                             "nsa_titan_ppl/bits_per_byte"}
-    for name, value in printed.items():
-        assert same(got[f"lm_eval/{name}"], value), (name, value, got)
+    for task, value in printed.items():
+        assert same(got[f"lm_eval/{task}"], value), (task, value, got)
     total, ranks = int(re.search(r"^lm_eval requests: (\d+)$", harness, re.M).group(1)), 2 // cp
     shares = re.findall(rf"eval at step {STEPS}: .* \| lm_eval requests a rank ([\d /]+) \|", out)
     counts = [int(n) for n in shares[-1].split(" / ")] if shares else []
@@ -97,19 +78,63 @@ def assert_equals_evaluate(dump: Path, tb: Path, tasks: Path, cp: int, out: str)
 
 
 TASKS = local_tasks(background_folder("evals-tasks"))
+CANNOT_RUN = background_folder("evals-cannot-run") / "out"
+SHORT_DOCUMENTS = background_folder("evals-short-documents")
+
+
+def short_documents() -> Path:
+    """A corpus of held-out documents of ~40 tokens (4 train and 4 validation shards), written at collection."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (corpus := SHORT_DOCUMENTS / "short").mkdir(parents=True)
+    for split in ("train", "validation"):
+        for k in range(4):
+            docs = [f"{split} {k}/{i}: " + "ab" * (15 + i % 5) for i in range(200)]
+            pq.write_table(pa.table({"text": docs}), corpus / f"{split}-{k:05d}-of-00004.parquet")
+    return corpus
+
+
 RUNS = {name: background_folder(name) / "out" for name in ("evals-fsdp", "evals-plain", "evals-cp")}
+
+
+def evaluations(run: Path, cp: int) -> tuple[Command, ...]:
+    """`evaluate` on step-10 of `run`: the recall probe and lm-eval's local tasks (one process each), then the
+    loss by position at 2 ranks splitting each sequence into `cp` parts."""
+    ckpt = str(run / "checkpoint" / f"step-{STEPS}")
+    evaluate = [sys.executable, "-m", "nsa_titan.evaluate", ckpt]
+    return (Command([*evaluate, "--task", "recall", "--distances", "16", "40", "--batches", "3"]),
+            Command([*evaluate, "--task", "lm_eval", "--tasks", "nsa_titan_mc", "nsa_titan_ppl", "--include_path",
+                     str(TASKS)]),
+            Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                     *evaluate[1:], "--by_position", "--bucket", "32", "--batches", "2", "--context_parallel", str(cp)],
+                    {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, sessions=True))
+
+
 BACKGROUND = {
-    "evals-fsdp": job_command(RUNS["evals-fsdp"], "--training.steps", str(STEPS), "--checkpoint.interval", "5", *EVAL,
-                              "--eval.lm_eval_include_path", str(TASKS), nproc=2),
+    "evals-fsdp": (job_command(RUNS["evals-fsdp"], "--training.steps", str(STEPS), "--checkpoint.interval", "5",
+                               *EVAL, "--eval.lm_eval_include_path", str(TASKS), nproc=2),
+                   *evaluations(RUNS["evals-fsdp"], 1)),
     "evals-plain": job_command(RUNS["evals-plain"], "--training.steps", str(STEPS), "--checkpoint.interval", "5",
                                nproc=2),
-    "evals-cp": Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-                         "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(TASKS), "--job.dump_folder",
-                         str(RUNS["evals-cp"])], {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                        sessions=True),
+    "evals-cannot-run": Command([str(ROOT / "run_train.sh"), "--config", "train_configs/m7c.toml", "--data.path",
+                                 "data/python_docs", "--data.name=", "--data.tokenizer", "sentencepiece",
+                                 "--data.tokenizer_path", "data/python_docs/tokenizer.model", "--training.seq_len",
+                                 "8192", "--training.local_batch_size", "1", "--job.dump_folder", str(CANNOT_RUN)],
+                                {"NGPU": "1"}, sessions=True),
+    "evals-short-documents": job_command(SHORT_DOCUMENTS / "out", "--data.path", str(short_documents()),
+                                         "--data.tokenizer", "byte", "--training.steps", "10", "--eval.enable", "true",
+                                         "--eval.freq", "5", "--eval.bucket", "32", "--eval.position_batches", "2",
+                                         nproc=2),
+    "evals-cp": (Command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+                          "nsa_titan.train", *CP, *EVAL, "--eval.lm_eval_include_path", str(TASKS), "--job.dump_folder",
+                          str(RUNS["evals-cp"])], {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                         sessions=True),
+                 *evaluations(RUNS["evals-cp"], 2)),
 }
 """The runs, as run_train.sh and torchrun start them: with evaluations at 2 FSDP ranks, the same without, and
-with evaluations at context parallelism 2."""
+with evaluations at context parallelism 2 (after each run with evaluations, `evaluate`'s on its step 10); M7C at
+seq 8,192, which its held-out text cannot feed; 2 ranks on held-out documents shorter than the buckets."""
 
 
 @pytest.mark.multiprocess
@@ -119,13 +144,13 @@ def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unc
     10, each line on the console; step 10's equal `evaluate`'s on step-10 (one process), each rank having scored
     about half the lm-eval requests; the training losses equal those of the same run without evaluations (the
     evaluations change no random state, model or data position)."""
-    out, dump = finished("evals-fsdp", BACKGROUND), RUNS["evals-fsdp"]
+    out, dump = outputs("evals-fsdp", BACKGROUND)[0], RUNS["evals-fsdp"]
     lines = re.findall(r"eval at step (\d+): loss_by_position/0-32 [\d.]+ .* \| recall/16 [\d.]+ .* \| "
                        r"lm_eval/nsa_titan_mc/acc [\d.]+ .* \| [\d.]+ s \(evaluations [\d.]+% of the run so far\)", out)
     assert lines == ["5", "10"], out[-3000:]
     finished("evals-plain", BACKGROUND)
     assert tb_losses(dump / "tb") == tb_losses(RUNS["evals-plain"] / "tb")
-    assert_equals_evaluate(dump, dump / "tb", TASKS, cp=1, out=out)
+    assert_equals_evaluate("evals-fsdp", cp=1)
 
 
 @pytest.mark.multiprocess
@@ -133,8 +158,7 @@ def test_at_two_fsdp_ranks_the_evaluations_equal_evaluate_and_leave_training_unc
 def test_with_context_parallelism_2_the_evaluations_equal_evaluate():
     """2 ranks splitting each sequence (cp = 2, loader workers, async saves): step 10's evaluations equal
     `evaluate`'s on step-10, the loss by position with the sequence split the same way."""
-    out, dump = finished("evals-cp", BACKGROUND), RUNS["evals-cp"]
-    assert_equals_evaluate(dump, dump / "tb", TASKS, cp=2, out=out)
+    assert_equals_evaluate("evals-cp", cp=2)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -179,45 +203,33 @@ def test_unknown_and_generation_tasks_are_refused_with_the_fix(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_an_evaluation_that_cannot_run_stops_the_run_before_step_1(tmp_path):
+@pytest.mark.background
+def test_an_evaluation_that_cannot_run_stops_the_run_before_step_1():
     """`m7c.toml` at seq 8,192 on the embedded corpus (its validation and loss by position on): the held-out text
     gives no batch of 8,192 tokens, found before step 1: one line with the fix, exit 2, nothing trained or saved."""
-    proc = subprocess.run([str(ROOT / "run_train.sh"), "--config", "train_configs/m7c.toml", "--data.path",
-                           "data/python_docs", "--data.name=", "--data.tokenizer", "sentencepiece", "--data.tokenizer_path",
-                           "data/python_docs/tokenizer.model", "--training.seq_len", "8192", "--training.local_batch_size",
-                           "1", "--job.dump_folder", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "NGPU": "1"})
+    proc = background("evals-cannot-run", BACKGROUND)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert re.search(r"^nsa_titan: data error: \[data\] holdout = 0.001 of .* gave no batch of seq_len 8192 on some "
                      r"rank: hold out more", out, re.M), out[-3000:]
-    assert "step 1/" not in out and not list((tmp_path / "out").glob("checkpoint/step-*"))
+    assert "step 1/" not in out and not list(CANNOT_RUN.glob("checkpoint/step-*"))
 
 
 @pytest.mark.multiprocess
-def test_empty_position_buckets_are_not_logged_and_warned_once(tmp_path):
+@pytest.mark.background
+def test_empty_position_buckets_are_not_logged_and_warned_once():
     """Held-out documents of ~40 tokens under document masking (2 ranks, loader workers, async saves): buckets
     past them hold no token. Their loss is neither logged nor shown (a 0 would read as perfect), every bucket's
     token count is logged, and one warning line names them."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from conftest import tb_run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (corpus := tmp_path / "short").mkdir()
-    for split in ("train", "validation"):
-        for k in range(4):
-            docs = [f"{split} {k}/{i}: " + "ab" * (15 + i % 5) for i in range(200)]
-            pq.write_table(pa.table({"text": docs}), corpus / f"{split}-{k:05d}-of-00004.parquet")
-    out = run_job(tmp_path / "out", "--data.path", str(corpus), "--data.tokenizer", "byte", "--training.steps", "10",
-                  "--eval.enable", "true", "--eval.freq", "5", "--eval.bucket", "32", "--eval.position_batches", "2",
-                  nproc=2)
+    out = finished("evals-short-documents", BACKGROUND)
     lines = re.findall(r"eval at step \d+: (.*)", out)
     assert len(lines) == 2 and all("0-32" in line and "32-64" in line and "64-96" not in line for line in lines), out
     assert len(re.findall(r"WARNING eval: the held-out text of the loss by position has no token at positions "
                           r"64-96, 96-128", out)) == 1, out[-3000:]
-    events = EventAccumulator(tb_run(tmp_path / "out" / "tb"), size_guidance={"scalars": 0})
+    events = EventAccumulator(tb_run(SHORT_DOCUMENTS / "out" / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"eval/loss_by_position/0-32", "eval/loss_by_position/32-64"} <= tags

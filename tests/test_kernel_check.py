@@ -27,8 +27,8 @@ from nsa_titan.models.decode import Decoder  # noqa: E402
 from nsa_titan.models.transformer import Transformer, nsa_spec  # noqa: E402
 from nsa_titan.runtime import kernel_check, verdicts  # noqa: E402
 from nsa_titan.runtime.fault_injection import kernel_fault  # noqa: E402
-from conftest import interpreted, interpreted_commands  # noqa: E402
-from jobs import Job  # noqa: E402
+from conftest import background_folder, in_session, interpreted, interpreted_commands  # noqa: E402
+from jobs import job_command, job_in_background  # noqa: E402
 
 CPU = torch.device("cpu")
 DEBUG = Model(dim=128, n_heads=4, n_kv_groups=2, head_dim=32, cmp_block_size=16, cmp_stride=8, sel_block_size=16,
@@ -292,34 +292,49 @@ def test_a_wrong_fault_kernel_is_bad_input():
         run_config("--debug.fault_kernel", "cpp:nope")
 
 
+FAULTS = {
+    "cpp:sel": (["--model.kernels", "cpp"],
+                r"config error: \[model\] kernels = 'cpp' failed its check: the cpp family is wrong on cpu in "
+                r"float32: its gradient d[kv]_sel is off the reference by 0\.5"),
+    "torch:dk_win": (["--model.kernels", "torch"],
+                     r"config error: \[model\] kernels = 'torch' failed its check: the torch family is wrong on cpu "
+                     r"in float32: its gradient dk_win is off the reference by 0\.5"),
+    "decode:cpp": (["--model.decode_kernels", "cpp"],
+                   r"config error: \[model\] decode_kernels = 'cpp' failed its check: the cpp decoding step is wrong "
+                   r"on cpu in float32: its logits are off the forward's at 512 of 512 row-steps"),
+    "cpp:win": (["--training.steps", "3"], None),  # `auto`: the next family
+}
+"""Each injected fault: the arguments of its run, and the line naming the kernel (None: the run trains)."""
+
+
+def fault_run(fault: str) -> str:
+    """The background name of the run with `fault`."""
+    return "kernel-fault-" + fault.replace(":", "-")
+
+
+FAULT_RUNS = {name: job_command(background_folder(name) / "run", "--debug.fault_kernel", fault, *args, nproc=2,
+                                env={"NSA_TITAN_CACHE": str(background_folder(name) / "cache")})
+              for fault, (args, _) in FAULTS.items() for name in [fault_run(fault)]} if in_session() else {}
+"""2 ranks, loader workers, checkpoints as shipped, each with a fresh verdicts cache (none in the `spawn` children
+and interpreted cases that import this module)."""
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fault,named,line", [
-    ("cpp:sel", ["--model.kernels", "cpp"],
-     r"config error: \[model\] kernels = 'cpp' failed its check: the cpp family is wrong on cpu in float32: its "
-     r"gradient d[kv]_sel is off the reference by 0\.5"),
-    ("torch:dk_win", ["--model.kernels", "torch"],
-     r"config error: \[model\] kernels = 'torch' failed its check: the torch family is wrong on cpu in float32: its "
-     r"gradient dk_win is off the reference by 0\.5"),
-    ("decode:cpp", ["--model.decode_kernels", "cpp"],
-     r"config error: \[model\] decode_kernels = 'cpp' failed its check: the cpp decoding step is wrong on cpu in "
-     r"float32: its logits are off the forward's at 512 of 512 row-steps"),
-])
-def test_an_injected_fault_stops_the_run_before_step_1(tmp_path, fault, named, line):
-    """2 ranks, loader workers, checkpoints as shipped: exit 2 before any step, one line naming the kernel."""
-    job = Job(tmp_path / "run", "--debug.fault_kernel", fault, *named, nproc=2,
-              env={"NSA_TITAN_CACHE": str(tmp_path / "cache")})
-    rc, out = job.finish()
+@pytest.mark.background
+@pytest.mark.parametrize("fault", [fault for fault, (_, line) in FAULTS.items() if line])
+def test_an_injected_fault_stops_the_run_before_step_1(fault):
+    """Exit 2 before any step, one line naming the kernel."""
+    run, rc, out = job_in_background(fault_run(fault), FAULT_RUNS)
     assert rc == 2, out[-3000:]
     assert len([x for x in out.splitlines() if x.startswith("nsa_titan: config error")]) == 1, out[-3000:]
-    assert re.search(line, out), out[-3000:]
-    assert " step 1/" not in out and not list((tmp_path / "run").glob("checkpoint/step-*"))
+    assert re.search(FAULTS[fault][1], out), out[-3000:]
+    assert " step 1/" not in out and not list(run.glob("checkpoint/step-*"))
 
 
 @pytest.mark.multiprocess
-def test_auto_with_a_fault_in_its_first_choice_trains_on_the_next(tmp_path):
-    job = Job(tmp_path / "run", "--debug.fault_kernel", "cpp:win", "--training.steps", "3", nproc=2,
-              env={"NSA_TITAN_CACHE": str(tmp_path / "cache")})
-    rc, out = job.finish()
+@pytest.mark.background
+def test_auto_with_a_fault_in_its_first_choice_trains_on_the_next():
+    _, rc, out = job_in_background(fault_run("cpp:win"), FAULT_RUNS)
     assert rc == 0, out[-3000:]
     assert "kernels = 'auto' takes the torch family, which passed" in out
     assert "model: NSA attention, torch family" in out and " step 3/3 " in out
@@ -340,7 +355,8 @@ def interpreted_check() -> dict[str, float | str | None]:
             "decode_line": kernel_check.decode_line(decoding, "triton", CPU, torch.float32)}
 
 
-BACKGROUND = interpreted_commands(__file__, ["check"])
+INTERPRETED = interpreted_commands(__file__, ["check"])
+BACKGROUND = {**INTERPRETED, **FAULT_RUNS}
 
 
 @pytest.mark.multiprocess
@@ -348,7 +364,7 @@ BACKGROUND = interpreted_commands(__file__, ["check"])
 def test_the_triton_family_and_decoding_step_pass_interpreted_in_fp32():
     """fp32 only: the Triton 3.9 interpreter's bf16 `tl.dot` is wrong (a 16 x 16 product off by 1e10), so the bf16
     checks run on GPUs alone."""
-    found = interpreted(BACKGROUND)["check"]
+    found = interpreted(INTERPRETED)["check"]
     assert found["family_line"] is None and found["decode_line"] is None, found
     assert found["family"] < 1e-5 and found["decode"] < 1e-4, found
 

@@ -394,14 +394,40 @@ def prepare_command(config: str) -> Command:
                     str(PREPARED[config]), *extra])
 
 
+HELD_OUT = ["--config", str(THREE_TOML), "--data.holdout", "0.05"]
+VALIDATED = {kind: SHARED / f"validated-{kind}" for kind in ("streamed", "prepared")}
+BY_POSITION = SHARED / "by-position"
+
+
+def validated_commands(kind: str) -> tuple[Command, ...]:
+    """2 ranks, validation at steps 5 and 10 of the three-source mixture with `[data] holdout` (the prepared kind
+    after its own `prepare` with the held-out parts)."""
+    args = [*HELD_OUT, "--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "1000",
+            "--training.steps", "10"]
+    if kind == "streamed":
+        return (job_command(VALIDATED[kind] / "out", *args, nproc=2),)
+    prepared = VALIDATED[kind] / "p"
+    return (Command([sys.executable, "-m", "nsa_titan.data.prepare", *HELD_OUT, "--output", str(prepared),
+                     "--processes", "2", "--docs_per_part", "256"]),
+            job_command(VALIDATED[kind] / "out", *args, "--data.prepared", str(prepared), nproc=2))
+
+
 BACKGROUND = {
     **{f"mixtures-{name}": ((prepare_command(name.split("-")[0]),) if name.endswith("prepared") else ()) +
        (job_command(WHOLE[name], *run_args(*name.split("-")), nproc=2),) for name in WHOLE},
     "mixtures-earlier": job_command(SHARED / "earlier" / "out", "--config", str(THREE_TOML), "--training.steps", "4",
                                     "--checkpoint.interval", "2"),
+    **{f"mixtures-validated-{kind}": validated_commands(kind) for kind in VALIDATED},
+    "mixtures-by-position": (
+        job_command(BY_POSITION / "out", *HELD_OUT, "--data.path", str(BY_POSITION / "nowhere"), "--eval.enable",
+                    "true", "--eval.freq", "4", "--eval.bucket", "32", "--eval.position_batches", "2",
+                    "--training.steps", "4", "--checkpoint.interval", "4"),
+        Command([sys.executable, "-m", "nsa_titan.evaluate", str(BY_POSITION / "out" / "checkpoint" / "step-4"),
+                 "--by_position", "--bucket", "32", "--batches", "2", "--data.path", str(BY_POSITION / "nowhere")])),
 }
-"""The uninterrupted 2-rank runs of each mixture (the prepared ones after their `prepare`), and an earlier run of
-the three-source mixture (checkpoints of steps 2 and 4, its config, TensorBoard)."""
+"""The uninterrupted 2-rank runs of each mixture (the prepared ones after their `prepare`); an earlier run of
+the three-source mixture (checkpoints of steps 2 and 4, its config, TensorBoard); the validated runs; a run with
+the loss by position and then `evaluate --by_position` on its checkpoint."""
 
 
 def whole(config: str, kind: str) -> tuple[Path, str]:
@@ -444,26 +470,21 @@ def test_sigkill_and_resume_with_a_mixture_is_bit_equal(tmp_path, kind):
     assert_bit_equal(dump, uninterrupted)
 
 
+@pytest.mark.background
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["streamed", "prepared"])
-def test_validation_loss_per_source_in_the_console_and_tensorboard(tmp_path, three, kind):
+def test_validation_loss_per_source_in_the_console_and_tensorboard(kind):
     """2 ranks, 2 loader workers, `[data] holdout`: each validation reads every held-out window (the ranks hold
     different numbers; each scores the fewest any holds, or the forwards' collectives would hang) and reports
     each source's loss beside the mixture's, which is their mean weighted 5 : 3 : 2; also in TensorBoard."""
-    args = ["--config", str(three), "--data.holdout", "0.05", "--validation.enable", "true", "--validation.freq", "5",
-            "--validation.steps", "1000", "--training.steps", "10"]
-    if kind == "prepared":
-        subprocess.run([sys.executable, "-m", "nsa_titan.data.prepare", *args[:4], "--output", str(tmp_path / "p"),
-                        "--processes", "2", "--docs_per_part", "256"], check=True, cwd=ROOT, capture_output=True)
-        args += ["--data.prepared", str(tmp_path / "p")]
-    out = run_job(tmp_path / "out", *args, nproc=2)
+    out = finished(f"mixtures-validated-{kind}", BACKGROUND)
     lines = re.findall(r"validation at step (\d+): loss ([\d.]+) \| perplexity [\d.]+ \| (\d+) batches \| "
                        r"short ([\d.]+) \| long ([\d.]+) \| all ([\d.]+)", out)
     assert [int(line[0]) for line in lines] == [5, 10], out[-3000:]
     for _, loss, batches, *by_source in lines:
         assert abs(float(loss) - sum(w * float(x) for w, x in zip(WEIGHTS, by_source)) / 10) < 2e-4
         assert int(batches) > 3
-    events = EventAccumulator(tb_run(tmp_path / "out" / "tb"))
+    events = EventAccumulator(tb_run(VALIDATED[kind] / "out" / "tb"))
     events.Reload()
     for label, x in zip(("short", "long", "all"), lines[-1][3:]):
         last = events.Scalars(f"validation/loss/{label}")[-1]
@@ -582,23 +603,18 @@ def test_a_prepared_folder_of_2000_parts_moved_without_its_raw_text_trains_and_e
     assert out.returncode == 0 and f"all {len(manifest['sources']['raw']['parts']) + len(manifest['sources']['raw']['holdout']):,} parts match" in out.stdout
 
 
+@pytest.mark.background
 @pytest.mark.multiprocess
-def test_a_mixture_s_loss_by_position_is_on_its_held_out_text(tmp_path, three):
+def test_a_mixture_s_loss_by_position_is_on_its_held_out_text():
     """The in-run loss by position of a mixture reads each source's held-out documents, not `[data] path`
     (here a folder that does not exist), and equals `evaluate --by_position` on the same step's checkpoint."""
-    args = ["--config", str(three), "--data.path", str(tmp_path / "nowhere"), "--data.holdout", "0.05",
-            "--eval.enable", "true", "--eval.freq", "4", "--eval.bucket", "32", "--eval.position_batches", "2",
-            "--training.steps", "4", "--checkpoint.interval", "4"]
-    run_job(tmp_path / "out", *args)
-    events = EventAccumulator(tb_run(tmp_path / "out" / "tb"))
+    out = finished("mixtures-by-position", BACKGROUND)
+    events = EventAccumulator(tb_run(BY_POSITION / "out" / "tb"))
     events.Reload()
     logged = {tag.rsplit("/", 1)[1]: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]
               if tag.startswith("eval/loss_by_position/")}
-    out = subprocess.run([sys.executable, "-m", "nsa_titan.evaluate", str(tmp_path / "out" / "checkpoint" / "step-4"),
-                          "--by_position", "--bucket", "32", "--batches", "2", "--data.path", str(tmp_path / "nowhere")],
-                         cwd=ROOT, capture_output=True, text=True)
-    rows = re.findall(r"^\| (\d+)-(\d+) \| (\S+) \| [\d,]+ \|$", out.stdout.replace(",", ""), re.M)
-    assert len(rows) == len(logged) >= 4, out.stdout + out.stderr[-2000:]
+    rows = re.findall(r"^\| (\d+)-(\d+) \| (\S+) \| [\d,]+ \|$", out.replace(",", ""), re.M)
+    assert len(rows) == len(logged) >= 4, out
     for first, end, loss in rows:
         assert abs(logged[f"{first}-{end}"] - float(loss)) < 1e-4, (first, end, loss, logged)
 

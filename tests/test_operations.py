@@ -21,8 +21,8 @@ import pytest
 
 from nsa_titan.checkpoint import inspect_folder
 
-from conftest import tree_digest, uninterrupted_commands
-from jobs import STEPS, Job, assert_bit_equal, run_job
+from conftest import background_folder, tree_digest, uninterrupted_commands
+from jobs import STEPS, Job, assert_bit_equal, job_command, job_in_background, run_job
 from wandb_files import OFFLINE, assert_one_history_as_printed, runs
 
 pytestmark = pytest.mark.multiprocess
@@ -34,7 +34,13 @@ CASES = [
     ("SIGTERM", 1, "async", 1), ("SIGTERM", 2, "disabled", 1), ("SIGTERM", 2, "async", 2),
     ("SIGUSR1", 2, "async", 2), ("SIGINT", 1, "async", 2),
 ]
-BACKGROUND = uninterrupted_commands(sorted({(w, n) for _, w, _, n in CASES}))  # (1, 2) and (2, 2) among them
+COMMITS = {f"commit-{failing}-{mode}": job_command(
+    background_folder(f"commit-{failing}-{mode}") / "out", "--training.steps", "20", "--checkpoint.interval", "5",
+    "--checkpoint.keep_latest_k", "0", "--checkpoint.async_mode", mode, "--data.num_workers", "2",
+    "--debug.fault_fail_commit_step", str(failing), nproc=2) for failing in (10, 20) for mode in ("disabled", "async")}
+"""2-rank runs whose commit of step 10 or 20 fails (its folder vanishes once written), sync and async saves."""
+BACKGROUND = {**uninterrupted_commands(sorted({(w, n) for _, w, _, n in CASES})),  # (1, 2) and (2, 2) among them
+              **COMMITS}
 
 
 @pytest.mark.background
@@ -196,15 +202,13 @@ def test_disk_full_at_the_last_save_exits_4_keeps_the_previous_checkpoint_and_th
     assert inspect_folder(dump / "checkpoint" / "step-20") is None
 
 
+@pytest.mark.background
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 @pytest.mark.parametrize("failing", [10, 20], ids=["intermediate", "last"])
-def test_a_failed_commit_is_one_error_line_and_only_a_failed_last_save_fails_the_run(tmp_path, mode, failing):
+def test_a_failed_commit_is_one_error_line_and_only_a_failed_last_save_fails_the_run(mode, failing):
     """The issue's own case: a commit that cannot complete (here its folder vanishes once written, as when
     another process removes it). In an async save it used to fail in a background callback, unseen."""
-    dump = tmp_path / "out"
-    rc, out = Job(dump, "--training.steps", "20", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
-                  "--checkpoint.async_mode", mode, "--data.num_workers", "2", "--debug.fault_fail_commit_step",
-                  str(failing), nproc=2).finish()
+    dump, rc, out = job_in_background(f"commit-{failing}-{mode}", COMMITS)
     errors = [x for x in out.splitlines() if "save failed:" in x]
     assert len(errors) == 1 and re.search(rf"ERROR save failed: the checkpoint of step {failing} could not be committed "
                                           rf"in {dump / 'checkpoint'}: FileNotFoundError", errors[0]), out[-4000:]
