@@ -388,13 +388,15 @@ def run_args(config: str, kind: str) -> list[str]:
     return [*args, *(["--data.prepared", str(PREPARED[config])] if kind == "prepared" else [])]
 
 
-def prepare_command(config: str) -> Command:
+def prepare_command(config: str, output: Path | None = None, *args: str) -> Command:
+    """`prepare` of `config` ('three', 'two') with `args` added, into `output` (default: its shared folder)."""
     extra = ["--processes", "2", "--docs_per_part", "256"] if config == "three" else ["--docs_per_part", "64"]
-    return Command([sys.executable, "-m", "nsa_titan.data.prepare", *run_args(config, "streamed"), "--output",
-                    str(PREPARED[config]), *extra])
+    return Command([sys.executable, "-m", "nsa_titan.data.prepare", *run_args(config, "streamed"), *args, "--output",
+                    str(output or PREPARED[config]), *extra])
 
 
-HELD_OUT = ["--config", str(THREE_TOML), "--data.holdout", "0.05"]
+HOLDOUT = ["--data.holdout", "0.05"]
+HELD_OUT = ["--config", str(THREE_TOML), *HOLDOUT]
 VALIDATED = {kind: SHARED / f"validated-{kind}" for kind in ("streamed", "prepared")}
 BY_POSITION = SHARED / "by-position"
 
@@ -407,8 +409,7 @@ def validated_commands(kind: str) -> tuple[Command, ...]:
     if kind == "streamed":
         return (job_command(VALIDATED[kind] / "out", *args, nproc=2),)
     prepared = VALIDATED[kind] / "p"
-    return (Command([sys.executable, "-m", "nsa_titan.data.prepare", *HELD_OUT, "--output", str(prepared),
-                     "--processes", "2", "--docs_per_part", "256"]),
+    return (prepare_command("three", prepared, *HOLDOUT),
             job_command(VALIDATED[kind] / "out", *args, "--data.prepared", str(prepared), nproc=2))
 
 
