@@ -47,13 +47,11 @@ from tqdm import tqdm
 from .checkpoint.inference import load_model
 from .config import ConfigError, JobConfig, cp_multiple
 from .data import DataError, HeldOutSets, Tokenizer
-from .data.sources import open_text_stream
 from .distributed.parallel import apply_cp
 from .models.loss import IGNORE_INDEX, lm_loss
 from .models.transformer import NSAAttention, Transformer
 from .observe.evals import eval_layout, evaluate_recall, position_sums, recall_batch
 from .observe.lm_harness import Harness, rolling_windows, score
-from .observe.plots import line_chart
 from .system.cli import ArgumentParser, leave, run_command
 
 
@@ -129,6 +127,7 @@ def evaluate_documents(checkpoint: str, path: str = "", split: str = "validation
     'bits_per_byte'}, as lm-evaluation-harness defines the last three; windows of `seq_len` (0: the training length)."""
     model, tokenizer, cfg = load_at(checkpoint, config, overrides, seq_len)
     column = cfg.data.text_column
+    from .data.sources import open_text_stream  # `datasets` under it: imported only for documents
     stream = open_text_stream(path or cfg.validation.path or cfg.data.path, cfg.data.name, split, column)
     prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
     eos = tokenizer.eos_id if cfg.training.document_masking else None  # as the model was trained, and the export runs
@@ -302,6 +301,7 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.ablate:
             print("\nexact recall by distance with one branch switched off:\n" + recall_table(runs))
         if args.plot:
+            from .observe.plots import line_chart  # matplotlib: imported only for a plot
             m = cfg.model
             marks = {"w": m.window_size, "layers x w": m.n_layers * m.window_size} if m.attention == "nsa" else {}
             line_chart({args.checkpoint: {d: c / max(n, 1) for d, (c, n) in results.items()}}, args.plot,

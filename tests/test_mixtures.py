@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nsa_titan.config import ConfigError, Data, Source, Validation, load_config
 from nsa_titan.data import DataError, HeldOutSets, SourceEnded, build_dataloader, build_tokenizer, shutdown_workers
-from nsa_titan.data.loader import is_held_out
+from nsa_titan.data.sources import is_held_out
 from nsa_titan.data.prepare import prepare
 from nsa_titan.data.prepared import Mixture, part_hash
 from nsa_titan.data.tokenizer import ByteTokenizer

@@ -9,18 +9,13 @@ import signal
 import warnings
 
 import torch
-import xxhash
-from datasets import IterableDataset as HFIterableDataset
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data._utils import signal_handling
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import Data, Recall, data_sources
 from ..system.signals import die_with_parent, ignore_stop_signals
-from .packing import PackedTextDataset
 from .prepared import PreparedLoader, PreparedWindows, open_prepared
 from .recall import RecallTokens, recall_layout
-from .sources import open_text_stream
 from .synthetic import SyntheticTokens
 from .tokenizer import Tokenizer
 
@@ -53,10 +48,9 @@ def build_dataloader(data: Data, tokenizer: Tokenizer, seq_len: int, vocab_size:
         # handing it over from a loader worker (~1 ms), so `num_workers` serves streamed text only.
         return PreparedLoader(dataset, batch_size=local_batch, generator=own_generator(data.seed, dp_rank))
     else:
-        streams = [split_dataset_by_node(held_out(open_text_stream(s.path, s.name, s.split, s.text_column,
-                                                                   data.read_retries, data.retry_wait_seconds),
-                                                  data, s.text_column, keep=False), rank=dp_rank, world_size=dp_size)
-                   for s in data.sources]
+        from .packing import PackedTextDataset  # `datasets` under these: imported only for text sources
+        from .sources import node_stream
+        streams = [node_stream(s, data, dp_rank, dp_size, held=False) for s in data.sources]
         dataset = PackedTextDataset(streams, data.sources, tokenizer, seq_len, data.shuffle_buffer, data.seed, dp_rank,
                                     (data.read_retries, data.retry_wait_seconds), data.bad_documents)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=data.num_workers,
@@ -70,25 +64,6 @@ def start_worker(worker_id: int, rank: int) -> None:
     on, each blocked at its exit on a result queue that its sibling holds open, and keep the job's output open."""
     ignore_stop_signals(worker_id)
     die_with_parent(rank)
-
-
-def is_held_out(text: str, share: float) -> bool:
-    """Whether `[data] holdout = share` holds the document `text` out: its text's hash below `share` of the range."""
-    return xxhash.xxh3_64_intdigest(text.encode()) < share * 2**64
-
-
-def _select(example: dict, column: str, share: float, keep: bool) -> bool:
-    """Whether `example` stays: a held-out document if `keep`, else one that is not (as is one that holds no
-    text, for training to name: `sources.document_text`)."""
-    text = example[column]
-    return (isinstance(text, str) and is_held_out(text, share)) == keep
-
-
-def held_out(stream: HFIterableDataset, data: Data, column: str, keep: bool) -> HFIterableDataset:
-    """`stream` with only (keep) or without the documents `[data] holdout` holds out; as it is if none."""
-    if not data.holdout:
-        return stream
-    return stream.filter(functools.partial(_select, column=column, share=data.holdout, keep=keep))
 
 
 def own_generator(seed: int, dp_rank: int) -> torch.Generator:

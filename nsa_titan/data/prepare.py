@@ -34,9 +34,8 @@ from tqdm import tqdm
 from ..config import ConfigError, Data, JobConfig, Source, data_sources, load_config, to_toml
 from ..system.cli import ArgumentParser, report, run_command
 from .errors import DataError
-from .loader import is_held_out
 from .prepared import FORMAT, MANIFEST, PREPARED_AS, fingerprint, origin, part_hash, token_dtype, verify
-from .sources import document_text, open_text_stream
+from .sources import document_text, is_held_out, open_text_stream
 from .tokenizer import Tokenizer, build_tokenizer, document_tokens
 
 SETTINGS = "prepare.json"

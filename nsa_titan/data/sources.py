@@ -10,6 +10,7 @@ source retries transient errors (`retry.py`); so does reading it (`packing.py`).
 from __future__ import annotations
 
 import copy
+import functools
 import glob
 import logging
 import math
@@ -21,12 +22,14 @@ from urllib.parse import urlparse
 import datasets
 import fsspec
 import pyarrow as pa
+import xxhash
 from datasets import IterableDataset, load_dataset
 from datasets.data_files import DataFilesList
+from datasets.distributed import split_dataset_by_node
 from datasets.utils.sharding import _split_gen_kwargs
 from torch.utils.data import get_worker_info
 
-from ..config import HUB_ID, URL, Source, is_remote
+from ..config import HUB_ID, URL, Data, Source, is_remote
 from ..system.env import own_streaming_retries
 from .errors import DataError
 from .retry import Retrier, transient
@@ -110,6 +113,28 @@ def open_text_stream(path: str, name: str, split: str, text_column: str, read_re
             raise
         except Exception as e:  # noqa: BLE001 - the retrier re-raises what is not transient
             retrier.failed(e)
+
+
+def node_stream(src: Source, data: Data, dp_rank: int, dp_size: int, held: bool) -> IterableDataset:
+    """`src`'s documents that dp rank `dp_rank` of `dp_size` reads: those `[data] holdout` holds out (`held`) or
+    those it does not, shared out among the ranks."""
+    stream = open_text_stream(src.path, src.name, src.split, src.text_column, data.read_retries,
+                              data.retry_wait_seconds)
+    if data.holdout:
+        stream = stream.filter(functools.partial(_select, column=src.text_column, share=data.holdout, keep=held))
+    return split_dataset_by_node(stream, rank=dp_rank, world_size=dp_size)
+
+
+def is_held_out(text: str, share: float) -> bool:
+    """Whether `[data] holdout = share` holds the document `text` out: its text's hash below `share` of the range."""
+    return xxhash.xxh3_64_intdigest(text.encode()) < share * 2**64
+
+
+def _select(example: dict, column: str, share: float, keep: bool) -> bool:
+    """Whether `example` stays: a held-out document if `keep`, else one that is not (as is one that holds no
+    text, for training to name: `document_text`)."""
+    text = example[column]
+    return (isinstance(text, str) and is_held_out(text, share)) == keep
 
 
 def _open(path: str, name: str, split: str, text_column: str) -> IterableDataset:

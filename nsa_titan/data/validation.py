@@ -9,15 +9,12 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..config import Data, Source, Validation, validation_sets
 from .batch import Sample, eos_documents
-from .loader import held_out, own_generator
-from .packing import PackedTextDataset
+from .loader import own_generator
 from .prepared import PreparedSource, open_prepared
-from .sources import open_text_stream
 from .tokenizer import Tokenizer
 
 
@@ -37,10 +34,9 @@ def streamed_batches(data: Data, held: Source, tokenizer: Tokenizer, seq_len: in
                      dp_size: int) -> StatefulDataLoader:
     """One pass over a set's documents (its `[data] holdout` share, or its whole split), in order, packed as
     training packs them, shared out among the dp ranks."""
-    stream = open_text_stream(held.path, held.name, held.split, held.text_column, data.read_retries,
-                              data.retry_wait_seconds)
-    stream = split_dataset_by_node(held_out(stream, data, held.text_column, keep=True), rank=dp_rank,
-                                   world_size=dp_size)
+    from .packing import PackedTextDataset  # `datasets` under these: imported only for streamed sets
+    from .sources import node_stream
+    stream = node_stream(held, data, dp_rank, dp_size, held=True)
     dataset = PackedTextDataset([stream], [held], tokenizer, seq_len, 0, data.seed, dp_rank,
                                 (data.read_retries, data.retry_wait_seconds), data.bad_documents, epochs=1)
     return StatefulDataLoader(dataset, batch_size=local_batch, num_workers=0, generator=own_generator(data.seed, dp_rank))
