@@ -112,7 +112,8 @@ class Trainer:
                     agreed_batches(sets, self.device, what)
 
             # Model: its kernels checked here ([model] verify_kernels); built on meta, wrapped, materialised, initialised.
-            family = checked_kernels(cfg, self.device, *kernel_fault(cfg.debug)) if m.attention == "nsa" else None
+            family, self.speed = checked_kernels(cfg, self.device, *kernel_fault(cfg.debug)) \
+                if m.attention == "nsa" else (None, None)
             cp = cfg.parallelism.context_parallel_degree
             multiple = cp_multiple(m, cp)
             with torch.device("meta"):  # under cp the sequence is padded to a multiple of 2 x cp chunks
@@ -158,6 +159,8 @@ class Trainer:
                 logger.info("%s", restart)
             self.metrics = MetricsLogger(cfg.metrics, self.paths.tensorboard, self.rank, t.steps, self.paths.root,
                                          dataclasses.asdict(cfg), self.state.step)
+            if self.speed is not None:  # `auto`'s measurement at the run's first step (0 unless resumed)
+                self.metrics.log_scalars(self.state.step, {"attention/nsa_vs_dense": self.speed.ratio})
             if self.rank == 0:
                 self.paths.config.write_text(self.checkpointer.config_toml)
             logger.info("training %d steps%s: global batch %d = %d data-parallel ranks x %d local x %d accumulation, "

@@ -25,9 +25,10 @@ from nsa_titan.config import ConfigError, Debug, Model, load_config  # noqa: E40
 from nsa_titan.models.attention import FAMILIES, choose_family  # noqa: E402
 from nsa_titan.models.decode import Decoder  # noqa: E402
 from nsa_titan.models.transformer import Transformer, nsa_spec  # noqa: E402
-from nsa_titan.runtime import kernel_check, verdicts  # noqa: E402
+from nsa_titan.runtime import kernel_check, kernel_timing, verdicts  # noqa: E402
 from nsa_titan.runtime.fault_injection import kernel_fault  # noqa: E402
-from conftest import background_folder, in_session, interpreted, interpreted_commands  # noqa: E402
+from conftest import (background_folder, finished, in_session, interpreted, interpreted_commands,  # noqa: E402
+                      tb_losses, uninterrupted_commands)
 from jobs import job_command, job_in_background  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -134,18 +135,20 @@ def test_auto_takes_the_next_family_that_passes_and_a_named_one_refuses(cache, c
     cfg = run_config("--debug.fault_kernel", "cpp:sel")
     wrap, _ = kernel_fault(cfg.debug)
     with caplog.at_level(logging.INFO, logger="nsa_titan"):
-        chosen = kernel_check.verified_family(cfg, CPU, wrap)
-    assert chosen.name == "torch"
+        chosen, speed = kernel_check.verified_family(cfg, CPU, wrap)
+    assert chosen.name == "torch" and list(speed.families) == ["torch"]  # the one that passed, timed
     assert "the cpp family is wrong on cpu in float32" in caplog.text
-    assert "kernels = 'auto' takes the torch family, which passed" in caplog.text
+    assert "kernels = 'auto' leaves it out" in caplog.text and "kernels = 'auto' takes the torch family" in caplog.text
     named = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kernels="cpp"))
     with pytest.raises(ConfigError, match=r"\[model\] kernels = 'cpp' failed its check: the cpp family is wrong on "
                                           r"cpu in float32: its gradient d[kv]_sel .*Train with --model.kernels torch"):
         kernel_check.verified_family(named, CPU, wrap)
     off = dataclasses.replace(named, model=dataclasses.replace(named.model, verify_kernels="off"))
-    assert kernel_check.verified_family(off, CPU, wrap).name == "cpp"  # not checked: taken as it is
+    assert kernel_check.verified_family(off, CPU, wrap)[0].name == "cpp"  # not checked: taken as it is
     kept = json.loads((cache / verdicts.FILE).read_text()).values()
-    assert [e["key"]["name"] for e in kept] == ["torch"] and all(e["passed"] for e in kept)  # no failure kept
+    checks = [e for e in kept if "timed_seq_len" not in e["key"]]
+    assert [e["key"]["name"] for e in checks] == ["torch"] and all(e["passed"] for e in kept)  # no failure kept
+    assert sorted(e["key"].get("name", "dense") for e in kept if "timed_seq_len" in e["key"]) == ["dense", "torch"]
 
 
 def test_a_failure_is_not_kept_and_the_next_start_takes_the_family_again(cache, monkeypatch, caplog):
@@ -160,10 +163,10 @@ def test_a_failure_is_not_kept_and_the_next_start_takes_the_family_again(cache, 
 
     monkeypatch.setattr(kernel_check, "family_line", failing_once)
     caplog.set_level(logging.INFO, logger="nsa_titan")
-    assert kernel_check.verified_family(cfg, CPU).name == "torch"
+    assert kernel_check.verified_family(cfg, CPU)[0].name == "torch"
     assert "FAILED in" in caplog.text and "not kept: checked again at the next start" in caplog.text
     caplog.clear()
-    assert kernel_check.verified_family(cfg, CPU).name == "cpp"  # checked again: passes
+    assert kernel_check.verified_family(cfg, CPU)[0].name == "cpp"  # checked again: passes, and is the faster
     assert calls == ["cpp", "torch", "cpp"] and "the cpp family passed in" in caplog.text
     a_failure = {"passed": False, "line": "kept by an earlier release", "seconds": 1.0}
     verdicts.put(verdicts.family_key("cpp", CPU, torch.float32, cfg.model, True, False), a_failure)
@@ -242,7 +245,9 @@ def test_a_machine_checks_once_and_again_when_a_kernel_changes(cache, tmp_path, 
     caplog.clear()
     kernel_check.verified_family(cfg, CPU)
     assert "the cpp family passed its check here before" in caplog.text and " passed in " not in caplog.text
-    assert len(json.loads((cache / verdicts.FILE).read_text())) == 1
+    kept = json.loads((cache / verdicts.FILE).read_text()).values()
+    assert sorted(e["key"]["name"] for e in kept if e["key"]["check"] == "family" and "timed_seq_len" not in e["key"]
+                  ) == ["cpp", "torch"]  # `auto` checks every family that runs here
     caplog.clear()
     always = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, verify_kernels="always"))
     kernel_check.verified_family(always, CPU)
@@ -260,6 +265,72 @@ def test_a_machine_checks_once_and_again_when_a_kernel_changes(cache, tmp_path, 
     caplog.clear()
     kernel_check.verified_family(cfg, CPU)
     assert "the cpp family passed in" in caplog.text
+
+
+SPEED_LINE = (r"NSA attention here: ([\d.]+)x dense at seq {seq} \((?:(?:cpp|torch) [\d.]+ m?s(?:, )?){{2}}; dense "
+              r"[\d.]+ m?s; forward and backward of one layer over one sequence{kept}\): kernels = 'auto' takes the "
+              r"{taken} family")
+
+
+def timings_spy(monkeypatch) -> list[list[str]]:
+    """What `auto` times, call by call (the names of each `kernel_timing.timed_ms` call)."""
+    calls, plain = [], kernel_timing.timed_ms
+    monkeypatch.setattr(kernel_timing, "timed_ms", lambda runs, device: calls.append(sorted(runs)) or plain(runs, device))
+    return calls
+
+
+def test_auto_times_the_families_that_pass_and_takes_the_fastest(cache, tmp_path, monkeypatch, caplog):
+    """On a CPU, cpp and torch are checked, then timed beside dense attention on the run's shapes; cpp, the faster,
+    is taken and the log says each time and the ratio. A second start reads the kept timings (nothing timed, the line
+    says so); a changed source of the C++ family times it again, and only it."""
+    cfg = run_config()
+    timed = timings_spy(monkeypatch)
+    caplog.set_level(logging.INFO, logger="nsa_titan")
+    family, speed = kernel_check.verified_family(cfg, CPU)
+    assert family.name == speed.taken == "cpp" and not speed.kept and timed == [["cpp", "dense", "torch"]]
+    assert speed.families["cpp"] < speed.families["torch"] and speed.dense > 0
+    line = re.search(SPEED_LINE.format(seq=256, kept="", taken="cpp"), caplog.text)
+    assert line and float(line[1]) == pytest.approx(speed.ratio, rel=0.01), caplog.text
+    assert speed.ratio == pytest.approx(speed.dense / speed.families["cpp"])
+
+    caplog.clear()
+    family, again = kernel_check.verified_family(cfg, CPU)
+    assert family.name == "cpp" and again.kept and timed == [["cpp", "dense", "torch"]]  # nothing timed
+    assert again.families == pytest.approx(speed.families, rel=1e-4) and again.dense == pytest.approx(speed.dense)
+    assert re.search(SPEED_LINE.format(seq=256, kept=", kept from an earlier run", taken="cpp"), caplog.text)
+
+    copy = tmp_path / "attention"
+    shutil.copytree(verdicts.ATTENTION, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(verdicts, "ATTENTION", copy)
+    kernel = copy / "families" / "cpp" / "csrc" / "cpu_attention.cpp"
+    kernel.write_text(kernel.read_text() + "\n// changed\n")
+    family, third = kernel_check.verified_family(cfg, CPU)
+    assert family.name == "cpp" and not third.kept and timed[-1] == ["cpp"]  # torch's and dense's timings kept
+
+
+def test_auto_takes_torch_when_the_cpp_family_is_slowed(cache, caplog):
+    """`[debug] fault_kernel = 'cpp:slow'` (each call 0.25 s late, right): the check passes, the timing finds it
+    slower, torch is taken and said."""
+    cfg = run_config("--debug.fault_kernel", "cpp:slow", "--training.seq_len", "128")
+    wrap, _ = kernel_fault(cfg.debug)
+    caplog.set_level(logging.INFO, logger="nsa_titan")
+    family, speed = kernel_check.verified_family(cfg, CPU, wrap)
+    assert family.name == speed.taken == "torch" and sorted(speed.families) == ["cpp", "torch"]
+    assert speed.families["cpp"] >= 250 and "the cpp family passed in" in caplog.text
+    assert re.search(SPEED_LINE.format(seq=128, kept="", taken="torch"), caplog.text), caplog.text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.background
+def test_a_run_logs_nsa_against_dense_and_its_ratio_at_step_0():
+    """The shipped config at 2 ranks with loader workers (`kernels = auto`): the startup line, and the ratio as a
+    TensorBoard scalar at step 0, the same as the line's."""
+    [(name, command)] = SHIPPED_RUN.items()
+    out = finished(name, SHIPPED_RUN)
+    line = re.search(SPEED_LINE.format(seq=128, kept="(?:, kept from an earlier run)?", taken="cpp"), out)
+    assert line, out[-3000:]
+    ratio = tb_losses(Path(command.cwd) / "out" / "tb", "attention/nsa_vs_dense")
+    assert list(ratio) == [0] and ratio[0] == pytest.approx(float(line[1]), rel=0.01)
 
 
 def test_a_verdicts_file_that_cannot_be_read_is_checked_again(cache, caplog):
@@ -336,7 +407,8 @@ def test_an_injected_fault_stops_the_run_before_step_1(fault):
 def test_auto_with_a_fault_in_its_first_choice_trains_on_the_next():
     _, rc, out = job_in_background(fault_run("cpp:win"), FAULT_RUNS)
     assert rc == 0, out[-3000:]
-    assert "kernels = 'auto' takes the torch family, which passed" in out
+    assert "the cpp family is wrong on cpu in float32" in out and "kernels = 'auto' leaves it out" in out
+    assert "kernels = 'auto' takes the torch family" in out
     assert "model: NSA attention, torch family" in out and " step 3/3 " in out
 
 
@@ -356,7 +428,9 @@ def interpreted_check() -> dict[str, float | str | None]:
 
 
 INTERPRETED = interpreted_commands(__file__, ["check"])
-BACKGROUND = {**INTERPRETED, **FAULT_RUNS}
+SHIPPED_RUN = uninterrupted_commands([(2, 2)]) if in_session() else {}
+"""The run of the shipped config that others are compared with (2 ranks, loader workers)."""
+BACKGROUND = {**INTERPRETED, **FAULT_RUNS, **SHIPPED_RUN}
 
 
 @pytest.mark.multiprocess

@@ -56,7 +56,7 @@ def main() -> None:
             cfg, _ = load_config(["--config", str(ROOT / config), "--training.mixed_precision_param", args.dtype,
                                   "--model.verify_kernels", "always"])
             m, dtype = cfg.model, DTYPES[args.dtype]
-            family = kernel_check.verified_family(cfg, device)  # warm: the C++ kernels loaded, the family chosen
+            family, _ = kernel_check.verified_family(cfg, device)  # warm: the C++ kernels loaded, the family chosen
             docs, parts = cfg.training.document_masking, cfg.parallelism.context_parallel_degree > 1
             fam_s, found = timed(lambda: kernel_check.family_errors(family, m, device, dtype, docs, parts), args.repeats)
             kernel = kernel_check.verified_decode(m, device, dtype, family)

@@ -51,9 +51,10 @@ class Model:
     kernels: Literal["auto", "torch", "triton", "flash", "cpp"] = "auto"
     """The kernel family of the fast path (docs/kernels.md), chosen once at startup: `torch`, PyTorch; `triton`,
     Triton kernels (CUDA); `flash`, PyTorch with the win branch through flash-attn (CUDA); `cpp`, NSA's C++
-    kernels (CPUs, built at install or first use); `auto`, the first of triton, cpp, flash, torch that can run
-    (the device, the dtype, installed or built). One named that cannot run stops the run with the reason; the
-    startup log names the family."""
+    kernels (CPUs, built at install or first use); `auto`, the fastest of those that can run here (the device, the
+    dtype, installed or built) and pass their check, timed at startup on the run's shapes beside dense attention
+    (kept in $NSA_TITAN_CACHE: a machine times once). One named that cannot run stops the run with the reason; the
+    startup log names the family and, with `auto`, NSA's speed against dense."""
     decode_kernels: Literal["auto", "triton", "cpp", "torch"] = "auto"
     """The kernel of a decoding step (generate, the Hugging Face model): `triton`, the Triton decode step (CUDA);
     `cpp`, NSA's C++ step (CPUs); `torch`, PyTorch's ops; `auto`, the first of triton, cpp that can run and passes
@@ -62,7 +63,8 @@ class Model:
     """Before step 1, check the family this run takes and the decoding step's kernel against the reference on the
     run's device and dtype (docs/kernels.md): `once`, each once a machine (the verdict kept in $NSA_TITAN_CACHE,
     default ~/.cache/nsa_titan, by device, driver, torch and Triton versions and the kernels' sources); `always`;
-    `off`. One that fails stops the run with the reason (`auto` takes the next that passes)."""
+    `off` (`auto` then takes the first of triton, cpp, flash, torch that can run, untimed). One that fails stops the
+    run with the reason (`auto` leaves it out)."""
     dim: int = 256
     """Model width (M7C: 768)."""
     n_layers: int = 4
@@ -419,7 +421,8 @@ class Debug:
     fault_kernel: str = ""
     """Fault injection for tests: a wrong kernel for the startup check to catch. `FAMILY:PART`, that family's (torch,
     flash, cpp, triton) branch output scaled by 1.5 (PART: cmp, sel, win) or one of its gradients (dq, dk_cmp,
-    dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates); `decode:KERNEL`, that decoding step's output (cpp, triton)."""
+    dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates), or (PART `slow`) each of its calls 0.25 s late, right but slow
+    for `auto`'s measurement; `decode:KERNEL`, that decoding step's output (cpp, triton)."""
 
 
 @dataclass

@@ -23,7 +23,8 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
 
   fault_kernel                                          a wrong kernel for the startup check (`kernel_fault`):
                                                         a family's branch or gradient, or a decoding step,
-                                                        scaled by 1.5
+                                                        scaled by 1.5; or a slow family for `auto`'s
+                                                        measurement (`kernel_timing`): each call 0.25 s late
 
 A loader worker killed as the out-of-memory killer does needs no hook: `kill -9` its pid.
 """
@@ -56,6 +57,8 @@ from .watchdog import Heartbeat
 
 KERNEL_FAULT_SCALE = 1.5
 """What `[debug] fault_kernel` multiplies: a branch's output, a gradient, a decoding step's output."""
+KERNEL_FAULT_DELAY_S = 0.25
+"""How late `[debug] fault_kernel = 'FAMILY:slow'` makes each of the family's calls."""
 
 
 def _hang_forever(where: str, rank: int, step: int) -> None:
@@ -221,7 +224,8 @@ class _ScaledGrad(torch.autograd.Function):
 
 
 class _FaultyFamily(Family):
-    """`inner` with one branch's output (`part`: cmp, sel, win) or one gradient (d + an input's name) scaled."""
+    """`inner` with one branch's output (`part`: cmp, sel, win) or one gradient (d + an input's name) scaled, or (`part`
+    slow) each call late."""
 
     def __init__(self, inner: Family, part: str):
         self.inner, self.part = inner, part
@@ -233,6 +237,9 @@ class _FaultyFamily(Family):
                docs: Documents | None, q0: int, branches: tuple[bool, bool, bool]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         inputs = [q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates]
+        if self.part == "slow":
+            time.sleep(KERNEL_FAULT_DELAY_S)
+            return self.inner.attend(*inputs, spec, docs, q0, branches)
         if self.part in BRANCHES:
             o, idx, valid = self.inner.attend(*inputs, spec, docs, q0, branches)
             alone = tuple(b == self.part for b in BRANCHES)
@@ -253,7 +260,8 @@ class _FamilyFault:
     def __call__(self, family: Family) -> Family:
         if family.name != self.family:
             return family
-        _say(f"the {self.family} family's {self.part} is scaled by {KERNEL_FAULT_SCALE}")
+        _say(f"the {self.family} family's calls are {KERNEL_FAULT_DELAY_S} s late" if self.part == "slow" else
+             f"the {self.family} family's {self.part} is scaled by {KERNEL_FAULT_SCALE}")
         return _FaultyFamily(family, self.part)
 
 

@@ -35,6 +35,7 @@ from ..models.attention.families.triton import triton_decode
 from ..models.decode import DECODE_KERNELS, Decoder, kernel_problem
 from ..models.transformer import Transformer, nsa_spec
 from . import verdicts
+from .kernel_timing import Speed, fastest
 
 logger = logging.getLogger(__name__)
 
@@ -196,36 +197,43 @@ def family_line(found: dict[str, float], name: str, device: torch.device, dtype:
             f"(relative; tolerance {tolerance:g})")
 
 
-def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None) -> Family:
+def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None) -> tuple[Family, Speed | None]:
     """The NSA kernel family of the run (`[model] kernels`), checked on `device` in the compute dtype before use
-    (`[model] verify_kernels`): one named that fails is a ConfigError naming the tensor and the fix; `auto` takes the
-    next family that passes, and says so."""
+    (`[model] verify_kernels`), and with `auto` what its measurement found (`kernel_timing`; None for a family named or
+    taken unchecked): one named that fails is a ConfigError naming the tensor and the fix; `auto` checks every family
+    that runs here and takes the fastest that passed (`verify_kernels = off`: the first that runs, untimed)."""
     m, dtype = cfg.model, DTYPES[cfg.training.mixed_precision_param]
     spec, r = nsa_spec(m), m.n_heads // m.n_kv_groups
     if m.attn_impl == "reference":
-        return FAMILIES["reference"]()
+        return FAMILIES["reference"](), None
     names = [m.kernels] if m.kernels != "auto" else \
         [n for n in AUTO_ORDER if FAMILIES[n].problem(device, dtype, spec, r, m.head_dim) is None]
     documents, parts = cfg.training.document_masking, cfg.parallelism.context_parallel_degree > 1
-    failed = []
+    passed, keys, failed = {}, {}, []
     for name in names:
         family = choose_family(name, device, dtype, spec, r, m.head_dim)
         family = wrap(family) if wrap is not None else family
         if m.verify_kernels == "off":
-            return family
-        key = verdicts.family_key(name, device, dtype, m, documents, parts, getattr(wrap, "label", ""))
-        line = _checked("family", name, key, m.verify_kernels, lambda: family_line(
+            return family, None
+        keys[name] = verdicts.family_key(name, device, dtype, m, documents, parts, getattr(wrap, "label", ""))
+        line = _checked("family", name, keys[name], m.verify_kernels, lambda: family_line(
             family_errors(family, m, device, dtype, documents, parts), name, device, dtype))
         if line is None:
-            if failed:
-                logger.warning("kernel check: %s; kernels = 'auto' takes the %s family, which passed", failed[-1], name)
-            return family
+            if m.kernels != "auto":
+                return family, None
+            passed[name] = family
+            continue
         if m.kernels != "auto":
             raise ConfigError(f"[model] kernels = '{name}' failed its check: {line}. Train with --model.kernels "
                               "torch (or 'auto': the fastest family that passes)")
+        logger.warning("kernel check: %s; kernels = 'auto' leaves it out", line)
         failed.append(line)
-    raise ConfigError(f"[model] kernels = 'auto': every family that runs here failed its check ({'; '.join(failed)})"
-                      "; report it with the startup log")
+    speed = fastest(passed, list(AUTO_ORDER), m, cfg.training.seq_len, device, dtype, documents, keys)
+    if speed is None:
+        raise ConfigError("[model] kernels = 'auto': no family that runs here passed its check on every rank ("
+                          f"{'; '.join(failed) or 'each failed on another rank'}); report it with the startup log")
+    logger.info("%s", speed.line())
+    return passed[speed.taken], speed
 
 
 def verified_decode(m: Model, device: torch.device, dtype: torch.dtype, family: Family | None = None,
@@ -264,11 +272,11 @@ def verified_decode(m: Model, device: torch.device, dtype: torch.dtype, family: 
 
 
 def checked_kernels(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None,
-                    decoder_wrap: DecoderWrap | None = None) -> Family:
+                    decoder_wrap: DecoderWrap | None = None) -> tuple[Family, Speed | None]:
     """A run's NSA family, and the decoding step its model will take, each checked here before step 1
-    (`verified_family`, `verified_decode`): the family. The process's generators are left as they were: a run that
-    checks draws the numbers of one that reads the verdicts (its saved RNG state too)."""
+    (`verified_family`, `verified_decode`): the family and `auto`'s measurement. The process's generators are left as
+    they were: a run that checks draws the numbers of one that reads the verdicts (its saved RNG state too)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        family = verified_family(cfg, device, wrap)
+        family, speed = verified_family(cfg, device, wrap)
         verified_decode(cfg.model, device, DTYPES[cfg.training.mixed_precision_param], family, decoder_wrap)
-    return family
+    return family, speed

@@ -1,5 +1,6 @@
 """The kernel checks' verdicts (`kernel_check`), kept so that a machine checks each kernel once: a JSON file in the
-cache folder (`system.env.cache_dir`), an entry a key. The key names the machine (the device's name and compute
+cache folder (`system.env.cache_dir`), an entry a key; `auto`'s timings (`kernel_timing`) beside them, a verdict's key
+and the length timed. The key names the machine (the device's name and compute
 capability, the NVIDIA driver's build, the CPU's instruction sets, the C++ compiler, torch's, Triton's and
 flash-attn's versions) and the problem (every source the check runs, the check's own, the model's settings the
 kernels see, the dtype, a fault injected): any change of them checks again. Only passes are kept: a failure (a
@@ -115,6 +116,13 @@ def family_key(name: str, device: torch.device, dtype: torch.dtype, m: Model, do
             "sources": source_hash(FAMILY_SOURCES.get(name, ()), (MODELS / "transformer.py",))}
 
 
+def dense_key(device: torch.device, dtype: torch.dtype, m: Model, documents: bool) -> dict[str, Any]:
+    """Dense attention's timing (`kernel_timing`): the machine, the dtype, the heads and documents, the attention
+    rules' sources (dense.py among them)."""
+    return {"check": "dense", **machine(device), "dtype": str(dtype), "n_heads": m.n_heads,
+            "n_kv_groups": m.n_kv_groups, "head_dim": m.head_dim, "documents": documents, "sources": source_hash(())}
+
+
 def decode_key(name: str, device: torch.device, dtype: torch.dtype, m: Model, fault: str = "") -> dict[str, Any]:
     """The decode check runs the model's layer, forward and decoding step: every file of models/ is in its key."""
     return {"check": "decode", "name": name, **machine(device), "compiler": _compiler(name), "dtype": str(dtype),
@@ -135,8 +143,8 @@ def _read() -> dict[str, Any]:
 
 
 def get(key: dict[str, Any]) -> dict[str, Any] | None:
-    """The passing verdict kept for `key` ({"passed", "line", "seconds"}), or None (a failure kept by an earlier
-    release is not taken either)."""
+    """The passing verdict kept for `key` ({"passed", "line", "seconds"}; a timing's {"passed", "ms"}), or None (a
+    failure kept by an earlier release is not taken either)."""
     entry = _read().get(_id(key))
     return entry if entry is not None and entry.get("passed") else None
 

@@ -6,8 +6,9 @@
   cpp        NSA's C++ kernels (CPUs, fp32 compute)
   triton     Triton kernels (CUDA; on the CPU under TRITON_INTERPRET=1, for checks)
 
-`[model] kernels = auto` takes the first of triton, cpp, flash, torch that runs here; naming one that
-cannot run is a ConfigError that says why, at startup.
+A run's `[model] kernels = auto` takes the fastest family that passes its check, timed at startup
+(`runtime.kernel_timing`); a model built without a run (inference) takes the first of `AUTO_ORDER` that runs here.
+Naming one that cannot run is a ConfigError that says why, at startup.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .triton.family import Triton
 
 FAMILIES: dict[str, type[Family]] = {f.name: f for f in (Reference, PyTorch, Flash, Cpp, Triton)}
 AUTO_ORDER = ("triton", "cpp", "flash", "torch")
-"""What `auto` tries, fastest first; torch runs everywhere."""
+"""The families `auto` considers, the likely fastest first (what it takes untimed); torch runs everywhere."""
 
 
 def choose_family(choice: str, device: torch.device, dtype: torch.dtype, spec: NSASpec, heads_per_group: int,

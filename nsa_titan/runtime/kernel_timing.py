@@ -1,0 +1,160 @@
+"""`[model] kernels = auto` by measurement: every family that passed its check (`kernel_check`) is timed, forward
+and backward, on the run's shapes (one sequence of the run's length, the model's heads, group and head dim, the
+compute dtype, documents where the run masks them), beside the dense attention a dense model would run on the same
+shapes (`dense.dense_causal`: SDPA, FlexAttention with documents on a GPU); the fastest family is taken, and the
+startup log says how fast NSA attention is against dense here.
+
+A timing is kept beside the verdicts (`verdicts`: the family's key and the length timed), so a machine times each
+shape once, and again when a family's source changes. Every rank of a job times (or reads) and the slowest rank's
+time of each family decides, so that all ranks take the same family; one that failed its check on any rank is out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..config import Model
+from ..models.attention import Documents, Family, dense_causal
+from ..models.attention.dense import with_block_masks
+from ..models.transformer import nsa_spec
+from . import verdicts
+
+logger = logging.getLogger(__name__)
+
+DENSE = "dense"
+
+ROUNDS, MIN_S, LONG_S = 5, 0.05, 1.0
+"""Timings: a warm-up call of each, then up to ROUNDS rounds of one call of each in turn (the machine's load shared
+alike), stopping once every one has had MIN_S; each the fastest of its calls. On a CPU, a warm-up that took LONG_S or
+more is that one's timing (nothing is compiled there; its one-off costs are small against it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """What `auto`'s measurement found: each timed family's and dense attention's milliseconds (forward and backward
+    of one layer over one sequence of `seq_len`), whether they were measured now or kept, and the family taken."""
+
+    seq_len: int
+    families: dict[str, float]
+    dense: float
+    taken: str
+    kept: bool
+
+    @property
+    def ratio(self) -> float:
+        """Dense attention's time over the taken family's: above 1, NSA is faster."""
+        return self.dense / self.families[self.taken]
+
+    def line(self) -> str:
+        """The startup log's line."""
+        times = ", ".join(f"{name} {_ms(ms)}" for name, ms in sorted(self.families.items(), key=lambda kv: kv[1]))
+        return (f"NSA attention here: {self.ratio:.3g}x dense at seq {self.seq_len} ({times}; dense {_ms(self.dense)}; "
+                f"forward and backward of one layer over one sequence{', kept from an earlier run' if self.kept else ''}"
+                f"): kernels = 'auto' takes the {self.taken} family")
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.3g} ms" if ms < 1000 else f"{ms / 1000:.3g} s"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(runs: dict[str, Callable[[], None]], device: torch.device) -> dict[str, float]:
+    """Milliseconds of each of `runs`, timed in turn (`ROUNDS`), the device synchronised after each call."""
+    def once(run: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        return time.perf_counter() - start
+
+    best = {name: once(run) for name, run in runs.items()}  # the warm-ups
+    going = {name: run for name, run in runs.items() if device.type != "cpu" or best[name] < LONG_S}
+    spent = {name: 0.0 for name in going}
+    best.update({name: math.inf for name in going})
+    for _ in range(ROUNDS):
+        for name, run in going.items():
+            took = once(run)
+            best[name], spent[name] = min(best[name], took), spent[name] + took
+        if all(t >= MIN_S for t in spent.values()):
+            break
+    return {name: t * 1e3 for name, t in best.items()}
+
+
+def run_inputs(m: Model, seq_len: int, device: torch.device, dtype: torch.dtype, documents: bool
+               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One sequence of the run's shapes, as the attention op gets it: q (1, T, H, D), the compressed keys and values
+    (a slot per stride with documents), sel and win keys and values (1, T, G, D) in `dtype`, fp32 gates (1, T, H, 3);
+    and with `documents`, document ids (documents of a quarter of the sequence on average), else None."""
+    spec, gen = nsa_spec(m), torch.Generator().manual_seed(0)
+    T, H, G, D = seq_len, m.n_heads, m.n_kv_groups, m.head_dim
+    slots = T // spec.d if documents else spec.num_cmp_blocks(T)
+    shapes = [(1, T, H, D), (1, slots, G, D), (1, slots, G, D), *[(1, T, G, D)] * 4]
+    tensors = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    gates = torch.rand(1, T, H, 3, generator=gen).to(device)
+    ids = torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1) if documents else None
+    return [*tensors, gates], ids
+
+
+def _backward(out: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
+def family_run(family: Family, m: Model, seq_len: int, device: torch.device, dtype: torch.dtype,
+               documents: bool) -> Callable[[], None]:
+    """`family`'s forward and backward over one sequence of the run's shapes."""
+    spec = nsa_spec(m)
+    args, ids = run_inputs(m, seq_len, device, dtype, documents)
+    leaves = [a.requires_grad_(True) for a in args]
+    varlen = [(0, 0, seq_len)] if family.win_flash else []
+    docs = Documents.of(ids, spec, varlen).to(device) if ids is not None else None
+    score = {"score_grad": m.sel_score_grad} if m.sel_score_grad else {}
+    return lambda: _backward(family(*leaves, spec, docs=docs, **score), leaves)
+
+
+def dense_run(m: Model, seq_len: int, device: torch.device, dtype: torch.dtype, documents: bool
+              ) -> Callable[[], None]:
+    """Dense causal attention's forward and backward over the same sequence (a dense model's path on this device,
+    its document masks built before, as a run builds them once a batch)."""
+    args, ids = run_inputs(m, seq_len, device, dtype, documents)
+    q, k, v = (args[i].requires_grad_(True) for i in (0, 5, 6))
+    docs = with_block_masks(Documents.of(ids).to(device), [(0, seq_len)]) if ids is not None else None
+    return lambda: _backward(dense_causal(q, k, v, docs), [q, k, v])
+
+
+def fastest(passed: dict[str, Family], everyone: list[str], m: Model, seq_len: int, device: torch.device,
+            dtype: torch.dtype, documents: bool, keys: dict[str, dict]) -> Speed | None:
+    """Time each family of `passed` (its verdict's key in `keys`) and dense attention, or read their kept timings;
+    across the ranks of a job, each family's slowest time (`everyone`: the families any rank may have passed, in
+    one order; one not passed here counts as infinitely slow), and the fastest taken (None: none passed on every
+    rank). Every rank calls it: its timings meet in one collective."""
+    timing_keys = {name: {**keys[name], "timed_seq_len": seq_len} for name in passed}
+    timing_keys[DENSE] = {**verdicts.dense_key(device, dtype, m, documents), "timed_seq_len": seq_len}
+    kept = {name: verdicts.get(key) for name, key in timing_keys.items()}
+    found = {name: float(entry["ms"]) for name, entry in kept.items() if entry is not None and "ms" in entry}
+    runs = {name: family_run(passed[name], m, seq_len, device, dtype, documents) for name in passed if name not in found}
+    if DENSE not in found:
+        runs[DENSE] = dense_run(m, seq_len, device, dtype, documents)
+    measured = timed_ms(runs, device) if runs else {}
+    for name, ms in measured.items():
+        verdicts.put(timing_keys[name], {"passed": True, "ms": round(ms, 4)})
+    found.update(measured)
+    times = torch.tensor([found.get(name, math.inf) for name in [*everyone, DENSE]], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        on = times.to(device) if dist.get_backend() == "nccl" else times
+        dist.all_reduce(on, op=dist.ReduceOp.MAX)
+        times = on.cpu()
+    families = {name: float(t) for name, t in zip(everyone, times[:-1].tolist()) if math.isfinite(t)}
+    if not families:
+        return None
+    taken = min(families, key=families.__getitem__)
+    return Speed(seq_len, families, float(times[-1]), taken, not measured)
