@@ -16,13 +16,13 @@ import torch
 from nsa_titan.checkpoint import inspect_folder, load_tensors
 from nsa_titan.launch import child_pids
 
-from conftest import ROOT, Command, background
+from conftest import PINNED, ROOT, Command, background
 
 STEPS = 40
 SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.head_dim", "16",
          "--training.seq_len", "128", "--training.local_batch_size", "4", "--training.steps", str(STEPS),
          "--metrics.log_freq", "1", "--validation.enable", "false", "--eval.enable", "false", "--checkpoint.interval", "1000",
-         "--data.shuffle_buffer", "64"]
+         "--data.shuffle_buffer", "64", *PINNED]
 
 
 def job_command(dump: Path, *args: str, nproc: int = 1, env: dict | None = None, launcher: Sequence[str] = (),

@@ -244,7 +244,7 @@ def test_the_attention_package_keeps_what_families_share_and_a_folder_per_family
                                                               "reference.py", "routing.py", "spec.py"]
     families = attention / "families"
     assert sorted(p.name for p in families.iterdir() if p.is_dir() and (p / "__init__.py").is_file()) == [
-        "cpp", "pytorch", "triton"]
+        "cpp", "flex", "pytorch", "triton"]
     assert (families / "cpp" / "csrc" / "cpu_attention.cpp").is_file()
     graph = import_graph(PACKAGE)
     pytorch = {m: t for m, t in graph.items() if m.startswith("nsa_titan.models.attention.families.pytorch")}

@@ -48,12 +48,12 @@ class Model:
     attn_impl: Literal["fast", "reference"] = "fast"
     """NSA implementation: `fast`, sparse (cost grows with the keys attended, memory linear in
     T); `reference`, the exact definition with dense per-branch masks (O(T^2) memory), the yardstick."""
-    kernels: Literal["auto", "torch", "triton", "flash", "cpp"] = "auto"
+    kernels: Literal["auto", "torch", "triton", "flash", "cpp", "flex"] = "auto"
     """The kernel family of the fast path (docs/kernels.md), chosen once at startup: `torch`, PyTorch; `triton`,
-    Triton kernels (CUDA); `flash`, PyTorch with the win branch through flash-attn (CUDA); `cpp`, NSA's C++
-    kernels (CPUs, built at install or first use); `auto`, the fastest of those that can run here (the device, the
-    dtype, installed or built) and pass their check, timed at startup on the run's shapes beside dense attention
-    (kept in $NSA_TITAN_CACHE: a machine times once). One named that cannot run stops the run with the reason; the
+    Triton kernels (CUDA); `flash`, PyTorch with the win branch through flash-attn (CUDA); `flex`, cmp and win
+    through FlexAttention (CUDA); `cpp`, NSA's C++ kernels (CPUs, built at install or first use); `auto`, the
+    fastest of those that can run here (the device, the dtype, installed or built) and pass their check, timed at
+    startup on the run's shapes beside dense attention (kept in $NSA_TITAN_CACHE: a machine times once). One named that cannot run stops the run with the reason; the
     startup log names the family and, with `auto`, NSA's speed against dense."""
     decode_kernels: Literal["auto", "triton", "cpp", "torch"] = "auto"
     """The kernel of a decoding step (generate, the Hugging Face model): `triton`, the Triton decode step (CUDA);

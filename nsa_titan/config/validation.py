@@ -33,7 +33,7 @@ def is_remote(path: str) -> bool:
     return bool(URL.match(path)) or (bool(HUB_ID.match(path)) and not Path(resolve_path(path)).expanduser().exists())
 
 
-KERNEL_FAULTS = {f"{family}:{part}" for family in ("torch", "flash", "cpp", "triton")
+KERNEL_FAULTS = {f"{family}:{part}" for family in ("torch", "flash", "cpp", "triton", "flex")
                  for part in ("cmp", "sel", "win", "dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win",
                               "dgates", "slow")} | {"decode:cpp", "decode:triton"}
 """`[debug] fault_kernel`'s values (`runtime/fault_injection.py`)."""
@@ -162,7 +162,7 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     _require(d.fault_raise_where != "write" or d.fault_raise_step <= 0 or f.heartbeat,
              "[debug] fault_raise_where = 'write' fails the heartbeat's write: it needs [fault] heartbeat = true")
     _require(not d.fault_kernel or d.fault_kernel in KERNEL_FAULTS, f"[debug] fault_kernel = '{d.fault_kernel}': "
-             "expected FAMILY:PART (FAMILY torch, flash, cpp or triton; PART cmp, sel, win, a gradient: dq, "
+             "expected FAMILY:PART (FAMILY torch, flash, cpp, triton or flex; PART cmp, sel, win, a gradient: dq, "
              "dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, or slow) or decode:cpp, decode:triton")
     ac = cfg.activation_checkpoint
     last = last_ac_layer(m, ac.last_layer)

@@ -358,7 +358,9 @@ class Transformer(nn.Module):
         if nsa and self.family is not None and self.family.win_flash:
             varlen = [(max(0, a - attention.spec.w + 1), a, b) for a, b in parts]
         docs = Documents.of(document_ids, attention.spec if nsa else None, varlen).to(self.rope.device)
-        return docs if nsa else with_block_masks(docs, parts)  # dense on a GPU: FlexAttention's masks
+        if not nsa:
+            return with_block_masks(docs, parts)  # dense on a GPU: FlexAttention's masks
+        return self.family.prepare(docs, attention.spec, parts) if self.family is not None else docs
 
     def positions(self, document_ids: torch.Tensor | None) -> tuple[Documents | None, torch.Tensor]:
         """The document geometry (None without ids) and the RoPE rows the blocks take: the table from

@@ -33,7 +33,8 @@ from ..system.hostcpu import cpu_flags
 FILE = "kernel_checks.json"
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ATTENTION = MODELS / "attention"
-FAMILY_SOURCES = {"torch": ("pytorch",), "flash": ("pytorch",), "cpp": ("cpp", "pytorch"), "triton": ("triton",)}
+FAMILY_SOURCES = {"torch": ("pytorch",), "flash": ("pytorch",), "cpp": ("cpp", "pytorch"), "triton": ("triton",),
+                  "flex": ("flex", "pytorch")}
 """The folders of `families/` each family runs (cpp goes through the branch-by-branch path of pytorch/)."""
 DECODE_SOURCES = {"cpp": ("cpp",), "triton": ("triton",)}
 DRIVER_FILE = Path("/proc/driver/nvidia/version")

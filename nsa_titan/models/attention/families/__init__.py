@@ -5,6 +5,7 @@
                 family, and flash (its window through flash-attn)
   cpp/          NSA's C++ kernels for CPUs (`cpu_attention`, `csrc/`), through the branch-by-branch path
   triton/       the whole attention as one op of Triton kernels (CUDA; TRITON_INTERPRET=1 on a CPU)
+  flex/         cmp and win through FlexAttention, sel through pytorch/'s op (CUDA; forward on a CPU)
 
 This file imports nothing, so that a family's kernels can be imported without the others.
 """

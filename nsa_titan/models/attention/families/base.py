@@ -9,6 +9,7 @@ off-paper block-score gradient (`routing.with_score_grad`) wraps the output the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -37,6 +38,11 @@ class Family:
                 ) -> str | None:
         """Why this family cannot run on `device` in `dtype` at this shape, or None."""
         return None
+
+    def prepare(self, docs: Documents, spec: NSASpec, parts: Sequence[tuple[int, int]]) -> Documents:
+        """What the family needs of a batch's documents, built once for every layer (the query `parts` (q0, q1)
+        attention takes): `docs` as they are, unless a family keeps more in them."""
+        return docs
 
     def attend(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
                v_win: Tensor, gates: Tensor, spec: NSASpec, docs: Documents | None, q0: int,

@@ -5,6 +5,7 @@
   flash      torch, with the win branch through flash-attn (CUDA, fp16 / bf16)
   cpp        NSA's C++ kernels (CPUs, fp32 compute)
   triton     Triton kernels (CUDA; on the CPU under TRITON_INTERPRET=1, for checks)
+  flex       FlexAttention for cmp and win, sel by the torch family's op (CUDA; forward on a CPU, for checks)
 
 A run's `[model] kernels = auto` takes the fastest family that passes its check, timed at startup
 (`runtime.kernel_timing`); a model built without a run (inference) takes the first of `AUTO_ORDER` that runs here.
@@ -19,12 +20,13 @@ from ....config import ConfigError, Model
 from ..spec import NSASpec
 from .base import Family, Tensor
 from .cpp.family import Cpp
+from .flex.family import Flex
 from .pytorch.family import Flash, PyTorch
 from .reference import Reference
 from .triton.family import Triton
 
-FAMILIES: dict[str, type[Family]] = {f.name: f for f in (Reference, PyTorch, Flash, Cpp, Triton)}
-AUTO_ORDER = ("triton", "cpp", "flash", "torch")
+FAMILIES: dict[str, type[Family]] = {f.name: f for f in (Reference, PyTorch, Flash, Cpp, Triton, Flex)}
+AUTO_ORDER = ("triton", "flex", "cpp", "flash", "torch")
 """The families `auto` considers, the likely fastest first (what it takes untimed); torch runs everywhere."""
 
 
