@@ -11,7 +11,7 @@ import torch
 from nsa_titan.config import load_config
 from nsa_titan.models.transformer import Transformer
 
-from conftest import TINY, launch_ranks, single_process_run
+from conftest import TINY, UNPINNED, launch_ranks, single_process_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,7 +30,7 @@ def fsdp_runs(tmp_path_factory):
         {"name": "hsdp", "args": [*common, "--parallelism.data_parallel_replicate_degree", "2",
                                    "--parallelism.data_parallel_shard_degree", "1"], "save_params": True},
         {"name": "tied", "args": [*common, "--model.tie_embeddings", "true"], "save_params": True},
-        {"name": "reference", "args": [*common, "--model.attn_impl", "reference"], "save_params": True},
+        {"name": "reference", "args": [*common, "--model.attn_impl", "reference", *UNPINNED], "save_params": True},
         {"name": "unmasked", "args": [*common, "--training.document_masking", "false"]},
     ]
     return launch_ranks(specs, tmp_path_factory.mktemp("fsdp")), common
@@ -125,7 +125,7 @@ def matrix_runs(tmp_path_factory):
              for combo in COMBOS]
     # The matrix runs the default fast attention; the reference, eager without AC, is the yardstick.
     plain = ("ac_none", "eager", "fp32")
-    specs.append({"name": "reference", "args": [*matrix_args(plain), "--model.attn_impl", "reference"],
+    specs.append({"name": "reference", "args": [*matrix_args(plain), "--model.attn_impl", "reference", *UNPINNED],
                   "grad_check": True})
     return launch_ranks(specs, tmp_path_factory.mktemp("matrix"))
 

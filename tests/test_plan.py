@@ -11,7 +11,7 @@ import pytest
 from nsa_titan.config import load_config
 from nsa_titan.models.transformer import Transformer
 
-from conftest import ROOT, TINY, launch_ranks
+from conftest import ROOT, TINY, UNPINNED, launch_ranks
 
 # m7c.toml with the embedded corpus's tokenizer (4,096 pieces), offline: its own is fetched from the hub.
 M7C_OFFLINE = ["--config", str(ROOT / "train_configs" / "m7c.toml"), "--data.tokenizer", "sentencepiece",
@@ -95,7 +95,7 @@ def test_activation_estimate_matches_the_memory_a_whole_model_keeps_for_backward
     from nsa_titan.plan import activation_bytes
 
     args = [*TINY, "--model.n_layers", "4", "--training.seq_len", "512", "--training.local_batch_size", "2",
-            "--model.attn_impl", impl]
+            "--model.attn_impl", impl, *(UNPINNED if impl == "reference" else [])]
     cfg, _ = load_config(args, world_size=1)
     model = Transformer(cfg.model, 512)
     model.init_weights(0)
