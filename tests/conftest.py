@@ -57,7 +57,7 @@ PINNED = ["--model.kernels", "cpp"]
 (`runtime/kernel_timing.py`), and two processes that both time on a busy machine may take different ones. `auto`'s
 choice is tested on its own (`test_kernel_check.py`)."""
 UNPINNED = ["--model.kernels", "auto"]
-"""What a run with `attn_impl = "reference"` adds: a family named beside the reference is a config error."""
+"""What a run with `attn_impl = "reference"` or `attention = "dense"` adds: a family named there is a config error."""
 
 # A tiny NSA model whose sequence holds several blocks of every kind: 15 cmp blocks,
 # 8 selection blocks of which 4 are chosen, a window shorter than the sequence.

@@ -26,7 +26,7 @@ AC_COMPILE = ["--activation_checkpoint.mode", "full", "--compile.enable", "true"
 
 # The dense run also mixes in each token's predecessor (`smear`): a rank's first token reads the
 # last token of the other rank's part.
-MODELS = {"nsa": [], "dense": ["--model.attention", "dense", "--model.smear", "true"]}
+MODELS = {"nsa": [], "dense": ["--model.attention", "dense", "--model.smear", "true", *UNPINNED]}
 
 
 @pytest.fixture(scope="module")
