@@ -19,6 +19,7 @@ import torch
 
 from ...common import choose_blocks, mix_branches
 from ...documents import Documents
+from ...routing import _visible
 from ...spec import NSASpec
 from ..base import Family, Tensor
 from ..pytorch import ops
@@ -92,11 +93,7 @@ def chosen_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, spec: NSASpec, docs: Do
             qg = q[:, c0:c1].float().reshape(B, c1 - c0, G, r, D).transpose(1, 2)  # (B, G, C, r, D)
             s = (qg.reshape(B, G, -1, D) @ kc.transpose(2, 3)).view(B, G, c1 - c0, r, Nc) * D**-0.5
             chunk_lse = lse[:, :, c0:c1].reshape(B, G, r, c1 - c0).transpose(2, 3)  # (B, G, C, r)
-            if docs is not None:
-                visible = docs.cmp_visible(spec, q0 + c0, q0 + c1, Nc)[:, None, :, None]
-            else:
-                t, i = torch.arange(q0 + c0, q0 + c1, device=q.device), torch.arange(Nc, device=q.device)
-                visible = ((i * spec.d + spec.l - 1)[None, :] <= t[:, None])[:, None, :]
+            visible = _visible(spec, docs, q0 + c0, q0 + c1, Nc, q.device)
             p = torch.where(visible, torch.exp(s - chunk_lse[..., None]), 0.0)
             found.append(choose_blocks(p.sum(3), spec, q0 + c0, T, docs))
     return torch.cat([f[0] for f in found], 2), torch.cat([f[1] for f in found], 2)
