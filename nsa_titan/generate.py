@@ -156,7 +156,12 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     model, tokenizer, cfg = load_model(args.checkpoint, args.config, overrides,
                                        context=("the prompt and --max_new_tokens", context))
     weight = model.output.weight  # the decoding step's kernel, checked here ([model] decode_kernels, verify_kernels)
-    kernel = verified_decode(cfg.model, weight.device, weight.dtype)
+    wrap = None
+    if cfg.debug.fault_kernel:  # (tests: a wrong or slow step)
+        from .runtime.fault_injection import kernel_fault
+
+        wrap = kernel_fault(cfg.debug)[1]
+    kernel = verified_decode(cfg.model, weight.device, weight.dtype, wrap=wrap, context=context(tokenizer))
     sampling = (args.temperature, args.top_k, args.top_p, args.seed, cfg.training.document_masking)
     if len(prompts) > 1:
         rows = generate_batch(model, tokenizer, prompts, args.max_new_tokens, *sampling, batch_size=args.batch_size,

@@ -6,7 +6,9 @@ A command is a line of a ```bash block (continuation lines joined), or an inline
 that starts with `python`, `./run_train.sh` or `make`. For each one:
   - `make T`: T is a target of the Makefile;
   - `./run_train.sh ARGS` and `python -m nsa_titan.train ARGS`: ARGS parse as the trainer's config does
-    (every `--section.key` is in the schema, with a valid value; `--config FILE` exists);
+    (every `--section.key` is in the schema, with a valid value; `--config FILE` exists) and pass its validation
+    at the command's world size (`NGPU` x `NNODES` before `run_train.sh`, torchrun's `--nproc_per_node` x
+    `--nnodes`; 1 if none);
   - `python -m MODULE ARGS`, `python SCRIPT ARGS`, `torchrun ... -m MODULE ARGS`: the module or script
     exists, every `--flag` is in its `--help`, and overrides after a bare `--` parse as the trainer's;
   - any argument that names a path in the repository (data/, train_configs/, scripts/, benchmarks/,
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nsa_titan.config import ConfigError, parse_args  # noqa: E402
+from nsa_titan.config.validation import validate  # noqa: E402
 
 SKIP = re.compile(r"needs (a GPU|GPUs|the network|several nodes)")
 REPO_PATH = re.compile(r"^(\./)?(data|train_configs|scripts|benchmarks|tests|docs)/")
@@ -97,12 +100,26 @@ def _help_of(program: list[str]) -> str | None:
     return out.getvalue()
 
 
-def trainer_problems(args: list[str]) -> list[str]:
+def trainer_problems(args: list[str], world_size: int | None = None) -> list[str]:
+    """The trainer's config of `args` parsed, and with `world_size` validated as a run of that many ranks."""
     try:
-        parse_args([a for a in args if a != "--print_config"])
+        cfg, _ = parse_args([a for a in args if a != "--print_config"])
     except ConfigError as e:
         return [f"the trainer's config does not parse: {e}"]
+    try:
+        if world_size is not None:
+            validate(cfg, world_size)
+    except ConfigError as e:
+        return [f"the trainer refuses the config at {world_size} rank(s): {e}"]
     return []
+
+
+def _ranks(env: dict[str, str], args: list[str]) -> int:
+    """The world size a launch asks for: `NGPU` x `NNODES`, or torchrun's `--nproc_per_node` x `--nnodes`."""
+    flag = lambda name: next((args[i + 1] for i, a in enumerate(args[:-1]) if a == name), None)  # noqa: E731
+    per_node = flag("--nproc_per_node") or env.get("NGPU", "1")
+    nodes = flag("--nnodes") or env.get("NNODES", "1")
+    return int(per_node) * int(nodes) if per_node.isdigit() and nodes.isdigit() else 1
 
 
 def program_problems(program: tuple[str, ...], args: list[str], helps: Helps) -> list[str]:
@@ -123,9 +140,10 @@ def program_problems(program: tuple[str, ...], args: list[str], helps: Helps) ->
 
 def problems_of(command: str, helps: Helps) -> list[str]:
     """What is wrong with one command (empty: nothing); `helps` gives a program's --help output."""
-    words = shlex.split(command, comments=True)
+    words, env = shlex.split(command, comments=True), {}
     while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):  # NGPU=2 ...
-        words.pop(0)
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
     if not words:
         return []
     program, args = words[0], words[1:]
@@ -135,7 +153,7 @@ def problems_of(command: str, helps: Helps) -> list[str]:
         targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
         return problems + [f"make has no target {t}" for t in args if t not in targets]
     if name == "run_train.sh":
-        return problems + trainer_problems(args)
+        return problems + trainer_problems(args, _ranks(env, args))
     if name in ("python", "python3", "torchrun"):
         if "-m" not in args:
             if name == "torchrun" or not args:
@@ -151,7 +169,7 @@ def problems_of(command: str, helps: Helps) -> list[str]:
         if importlib.util.find_spec(module) is None:
             return problems + [f"module {module} does not exist"]
         if module == "nsa_titan.train":
-            return problems + trainer_problems(rest)
+            return problems + trainer_problems(rest, _ranks(env, args[:i]))
         sub = (rest[0],) if rest and not rest[0].startswith("-") and module == "nsa_titan.checkpoint" else ()
         return problems + program_problems(("-m", module, *sub), rest[len(sub):], helps)
     if name in PASS_THROUGH:

@@ -113,6 +113,10 @@ def test_every_command_in_the_docs_checks_out():
     ("python benchmarks/kernels/attention_speed.py --nope 1", "--nope is not an option of benchmarks/kernels/attention_speed.py"),
     ("python -m nsa_titan.export CKPT --data.path data/nowhere", "data/nowhere does not exist"),
     ("make tests", "make has no target tests"),
+    ("./run_train.sh --config train_configs/recall.toml --training.seq_len 256",  # parses; the trainer refuses it
+     "the trainer refuses the config at 1 rank(s): [eval] recall_distances = [64, 512, 960]"),
+    ("NGPU=3 ./run_train.sh --parallelism.data_parallel_replicate_degree 2",
+     "the trainer refuses the config at 3 rank(s): [parallelism] data_parallel_replicate_degree = 2"),
 ])
 def test_a_planted_bad_command_fails_the_check(tmp_path, command, problem):
     md = tmp_path / "page.md"

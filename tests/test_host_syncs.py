@@ -166,6 +166,23 @@ def test_triton_family_launches_a_handful_of_kernels_at_any_t(docs):
 
 
 @needs_triton
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_the_flex_familys_sel_launches_a_handful_of_kernels_at_any_t_without_a_host_sync(docs):
+    """The flex family's sel by the Triton kernels (given Flex's cmp log-sum-exp; recorded), counted as the Triton
+    family's: the same at T = 512 and at 65,536, at most 12 launches, no host sync."""
+    with host_syncs() as seen:
+        counts = {T: triton_work.launches(T, docs, sel_only=True) for T in (512, 65536)}
+    assert not seen, report(seen)
+    (small, small_ops), (large, large_ops) = counts[512], counts[65536]
+    assert small == large and small_ops == large_ops
+    assert sum(small.values()) + len(small_ops) <= LAUNCHES, (small, small_ops)
+    assert dict(small) == {"_fwd_cmp": 1, "_fwd_win": 1, "_fwd_sel": 1, "_fwd_mix": 1, "_bwd_q": 1, "_bwd_sel_kv": 1}
+    # the inverse index's fill and cumulative sum, the branch outputs' and logsumexps' fills (cmp's and win's
+    # parts unwritten), the key gradients' buffer (a fill, a cast to bf16)
+    assert sorted(small_ops) == ["_to_copy", "cumsum", "zeros", "zeros", "zeros", "zeros"]
+
+
+@needs_triton
 @pytest.mark.slow
 def test_decoding_by_the_triton_kernel_never_syncs_and_launches_at_most_3_kernels_a_layer_and_step():
     """16 decoding steps of two M7C layers (bf16) through the Triton decode step (recorded), from 8,192 and from

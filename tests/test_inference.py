@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -408,14 +409,21 @@ def test_evaluate_reports_the_trainers_validation_loss(trained):
 
 
 @pytest.mark.multiprocess
-def test_generate_is_reproducible_with_a_seed(trained, capsys):
+def test_generate_is_reproducible_with_a_seed(trained, capsys, caplog, monkeypatch, tmp_path):
+    """The same seed, the same text; the CLI's decoding step chosen by timing on the request's context (the prompt and
+    25 new tokens: position 1,024), once (a machine with nothing kept): the later requests read the kept timings."""
     ckpt = str(trained / "checkpoint" / "step-6")
     runs = []
+    monkeypatch.setenv("NSA_TITAN_CACHE", str(tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger="nsa_titan")
     for seed in (3, 3, 4):
         assert generate_cli.main([ckpt, "--prompt", "def ", "--max_new_tokens", "25", "--seed", str(seed)]) == 0
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] and runs[0].startswith("def ")
     assert runs[0] != runs[2]
+    lines = re.findall(r"NSA decoding here: .* a step \(one layer and row at position 1024(.*)\): decode_kernels = "
+                       r"'auto' takes the (cpp|torch) step", caplog.text)
+    assert [kept for kept, _ in lines] == ["", ", kept from an earlier run", ", kept from an earlier run"], caplog.text
     model, tokenizer, _ = load_model(ckpt)
     greedy = [list(generate_cli.generate(model, tokenizer, "import", 10, temperature=0)) for _ in range(2)]
     assert greedy[0] == greedy[1]

@@ -331,6 +331,40 @@ def test_auto_takes_torch_when_the_cpp_family_is_slowed(cache, caplog, one_threa
     assert re.search(SPEED_LINE.format(seq=128, kept="", taken="torch"), caplog.text), caplog.text
 
 
+DECODE_LINE = (r"NSA decoding here: (?:(?:cpp|torch) ([\d.]+) m?s(?:, )?){{2}} a step \(one layer and row at position "
+               r"{at}{kept}\): decode_kernels = 'auto' takes the {taken} step")
+
+
+def test_decode_auto_times_the_steps_that_pass_on_the_requests_context(cache, caplog, monkeypatch, one_thread):
+    """`decode_kernels = auto` for a request (its context given): the C++ step, checked, and PyTorch's are timed on
+    one layer's caches at the request's context rounded up to a power of two; the faster, cpp, is taken and said. A
+    request of the same rounded context reads the kept timings; a longer one times again; without a context (the
+    trainer's startup check) nothing is timed."""
+    timed = timings_spy(monkeypatch)
+    caplog.set_level(logging.INFO, logger="nsa_titan")
+    assert kernel_check.verified_decode(DEBUG, CPU, torch.float32, context=300) == "cpp"
+    assert timed == [["cpp", "torch"]] and "the cpp decoding step passed in" in caplog.text
+    assert re.search(DECODE_LINE.format(at=1024, kept="", taken="cpp"), caplog.text), caplog.text
+    caplog.clear()
+    assert kernel_check.verified_decode(DEBUG, CPU, torch.float32, context=1000) == "cpp" and len(timed) == 1
+    assert re.search(DECODE_LINE.format(at=1024, kept=", kept from an earlier run", taken="cpp"), caplog.text)
+    assert kernel_check.verified_decode(DEBUG, CPU, torch.float32, context=1500) == "cpp"
+    assert timed == [["cpp", "torch"]] * 2 and "position 2048)" in caplog.text
+    assert kernel_check.verified_decode(DEBUG, CPU, torch.float32) == "cpp" and len(timed) == 2
+
+
+def test_decode_auto_takes_torch_when_the_cpp_step_is_slowed(cache, caplog, one_thread):
+    """`[debug] fault_kernel = 'decode:cpp:slow'` (each step 0.25 s late, right): the check passes, the timing finds
+    it slower, PyTorch's step is taken and said."""
+    _, wrap = kernel_fault(Debug(fault_kernel="decode:cpp:slow"))
+    caplog.set_level(logging.INFO, logger="nsa_titan")
+    assert kernel_check.verified_decode(DEBUG, CPU, torch.float32, wrap=wrap, context=300) == "torch"
+    assert "the cpp decoding step passed in" in caplog.text
+    line = re.search(r"NSA decoding here: torch [\d.]+ ms, cpp ([\d.]+) ms a step", caplog.text)
+    assert line and float(line[1]) >= 250, caplog.text
+    assert re.search(DECODE_LINE.format(at=1024, kept="", taken="torch"), caplog.text)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.background
 def test_a_run_logs_nsa_against_dense_and_its_ratio_at_step_0():

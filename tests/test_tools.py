@@ -104,15 +104,24 @@ def test_gpu_prediction_calibrates_then_predicts_every_kernel_fitted_and_pessimi
     assert missed <= {"_sel_bwd_dkv", "_bwd_dkv (cmp + win)"}, missed
     assert "Left out, two cannot be fitted: _sel_bwd_dkv is the only kernel bound by its longest program" in out
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| 8,192 | ")]
-    kernels = {r[1]: r for r in rows if len(r) == 10}
+    kernels = {r[1]: r for r in rows if len(r) == 10 and not r[1][0].isdigit()}
     assert set(kernels) == {"_fwd_cmp", "_fwd_win", "_fwd_sel", "_fwd_mix", "_bwd_q", "_bwd_q: sel's dQ rows",
                             "_bwd_sel_kv", "_bwd_kv (cmp)", "_bwd_kv (win)", "fills, cumsum, casts"}
     assert all(float(r[9]) >= float(r[8]) > 0 for r in kernels.values())  # pessimistic >= fitted, each kernel
     assert float(kernels["_bwd_sel_kv"][7].replace(",", "")) > 0  # its key gradients' atomic adds
     (total,) = [r for r in rows if len(r) == 8]
     assert float(total[2]) >= float(total[1]) > 0 and total[7] in ("yes / yes", "yes / no", "no / yes", "no / no")
-    training = [r for r in rows if len(r) == 7]
+    training = [r for r in rows if len(r) == 7 and "x /" in r[4]]
     assert [r[1] for r in training] == ["1,024", "4,096"]  # against Flex with documents of both mean lengths
+    # the flex family: Flex's block costs fitted on the H100's Flex runs (each predicted back within 10%), then its
+    # cmp, win, top-n pass, sel and gated sum, its total fitted / pessimistic beside the Triton family's
+    flex_fit = [r for r in rows if len(r) == 7 and "x /" not in r[4]]
+    assert [r[1] for r in flex_fit] == ["1,024", "4,096"] and all(0.9 <= float(r[6]) <= 1.1 for r in flex_fit)
+    (flex,) = [r for r in rows if len(r) == 10 and r[1][0].isdigit()]
+    assert all(float(x) > 0 for x in flex[1:6])
+    flex_fitted, flex_pessimistic = (float(x) for x in flex[6].split("/"))
+    assert flex_pessimistic >= flex_fitted == pytest.approx(sum(float(x) for x in flex[1:6]), rel=0.1)
+    assert flex[7] == f"{float(total[1]):.2f} / {float(total[2]):.2f}"  # the Triton family's, beside it
 
 def test_line_chart_draws_each_series_its_band_and_marks(tmp_path):
     """matplotlib's chart of two series (one with a band) and a mark: an 820 x 500 PNG holding both lines'

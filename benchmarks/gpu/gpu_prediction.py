@@ -65,9 +65,16 @@ TRAINED_8K = 52_350, 6.475, 1.828
 """The profile's M7C training run (bf16, compile, AC full, documents; seq 8k, batch 2, the branch-wise kernels):
 NSA's tokens/s, and its attention's fwd + bwd and fwd ms (a layer, a sequence, documents of mean length 1,024):
 what the step spends outside the attention follows."""
-FLEX = {8192: {1024: (0.245, 0.585), 4096: (0.646, 1.734)}, 32768: {1024: (1.228, 2.634), 4096: (2.174, 5.689)}}
-"""Dense attention on FlexAttention's document mask, measured on that H100: {T: {mean document: (fwd, fwd + bwd)
-ms}}."""
+FLEX = {8192: {1024: (0.245, 0.585), 4096: (0.646, 1.734)}, 32768: {1024: (1.228, 2.634), 4096: (2.174, 5.689)},
+        65536: {1024: (2.326, 5.428), 4096: (3.948, 9.950)}}
+"""Dense attention on FlexAttention's document mask (12 heads, head dim 64, bf16, the documents of
+`document_masking.document_ids`), measured on that H100: {T: {mean document: (fwd, fwd + bwd) ms}}."""
+FLEX_TILE = 128
+"""Queries and keys of a FlexAttention block (its BlockMask's default)."""
+MIXING_BYTES = 26
+"""HBM bytes per element of the output (T x H x D) that the flex family's gated sum of its branches moves,
+forward and backward, fused under torch.compile (m7c.toml compiles): o_cmp, o_win, sel's gated output and the
+gates read and the sum written (bf16), then dO and both outputs read and their gradients and the gates' written."""
 
 
 @dataclass(frozen=True)
@@ -165,14 +172,18 @@ class Work:
     extra: dict = field(default_factory=dict)
 
 
-def selection(T: int) -> Work:
-    """The H100 run's inputs at T: the blocks the C++ family chooses (fp32), and the top-n's streaming over
-    them, tile by tile (`_streaming`)."""
+def chosen(T: int) -> tuple[Work, list[torch.Tensor]]:
+    """The H100 run's inputs at T and the blocks the C++ family chooses on them (fp32)."""
     inputs, _ = build_core("fast", T, torch.device("cpu"))
     params = [p.detach() for p in inputs]
     with torch.no_grad():
         _, idx, valid = FAMILIES["cpp"]()(*params, SPEC, return_selection=True)
-    work = Work(T, idx[0], valid[0])
+    return Work(T, idx[0], valid[0]), params
+
+
+def selection(T: int) -> Work:
+    """`chosen`, and the top-n's streaming over its blocks, tile by tile (`_streaming`)."""
+    work, params = chosen(T)
     _streaming(work, params[0][0], params[1][0])
     return work
 
@@ -354,6 +365,120 @@ def new_kernels(work: Work, x: Design) -> dict[str, Kernel]:
     return kernels
 
 
+# ------------------------------------------------------------------------------------- the flex family's kernels
+
+
+def flex_pairs(T: int, kind: str, ids: torch.Tensor | None = None) -> tuple[int, int]:
+    """(full, partial) FlexAttention blocks (FLEX_TILE queries x FLEX_TILE keys) of one head under a mask: `docs`
+    (causal within the documents `ids` (T,)), `cmp` (query t sees compressed slot i once its block ends, i d + l - 1
+    <= t; Nc slots) or `win` (keys t - w < s <= t). A full block runs without the mask; a partial one evaluates it;
+    a block past the keys' end is partial."""
+    nq = _cdiv(T, FLEX_TILE)
+    S = SPEC.num_cmp_blocks(T) if kind == "cmp" else T
+    a = torch.arange(nq)[:, None] * FLEX_TILE  # a query block's first row, its last a + 127
+    c = torch.arange(_cdiv(S, FLEX_TILE))[None, :] * FLEX_TILE  # a key block's first key
+    inside = c + FLEX_TILE <= S
+    if kind == "docs":
+        pad = torch.nn.functional.pad(ids, (0, nq * FLEX_TILE - T), value=-1).view(nq, FLEX_TILE)
+        lo, hi = pad.masked_fill(pad < 0, 1 << 30).min(1).values, pad.max(1).values
+        same = (lo == hi)[:, None] & (lo == hi)[None, :] & (lo[:, None] == lo[None, :])
+        before = c < a
+        full = before & same & inside
+        any_seen = (c == a) | (before & (lo[None, :] <= hi[:, None]) & (hi[None, :] >= lo[:, None]))
+    elif kind == "cmp":
+        full = ((c + FLEX_TILE - 1) * SPEC.d + SPEC.l - 1 <= a) & inside
+        any_seen = c * SPEC.d + SPEC.l - 1 <= a + FLEX_TILE - 1
+    else:
+        full = (c + FLEX_TILE - 1 <= a) & (c > a + FLEX_TILE - 1 - SPEC.w) & inside
+        any_seen = (c <= a + FLEX_TILE - 1) & (c + FLEX_TILE - 1 > a - SPEC.w)
+    return int(full.sum()), int((any_seen & ~full).sum())
+
+
+@dataclass(frozen=True)
+class FlexCosts:
+    """ms of FlexAttention's forward + backward for a full and for a partial block of one head (fitted on FLEX),
+    and the worst in-sample ratio of measured to fitted (the pessimistic factor)."""
+    full: float
+    partial: float
+    worst: float
+
+    def ms(self, pairs: tuple[int, int], heads: int = G * R, worse: bool = False) -> float:
+        return heads * (pairs[0] * self.full + pairs[1] * self.partial) * (self.worst if worse else 1.0)
+
+
+def flex_fit(verbose: bool = True) -> FlexCosts:
+    """A full and a partial block's cost from the six FLEX measurements (fwd + bwd), least squares of the
+    relative errors; printed with each measurement predicted back."""
+    from benchmarks.kernels.document_masking import document_ids
+
+    rows = [(T, doc, flex_pairs(T, "docs", document_ids(T, doc)[0]), both) for T, docs in FLEX.items()
+            for doc, (_, both) in docs.items()]
+    a = torch.tensor([[f / y, p / y] for _, _, (f, p), y in rows], dtype=torch.float64) * G * R
+    full, partial = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution.flatten().tolist()
+    fitted = FlexCosts(full, partial, 1.0)
+    ratios = [y / fitted.ms(pairs) for _, _, pairs, y in rows]
+    if verbose:
+        print(f"FlexAttention on the H100 (2026-11-28, dense with documents, fwd + bwd): {full * 1e6:.1f} ns a full "
+              f"block of {FLEX_TILE} x {FLEX_TILE} and one head, {partial * 1e6:.1f} ns a partial one (fitted on 6)")
+        print(table([[f"{T:,}", f"{doc:,}", f"{f:,}", f"{p:,}", f"{y:.3f}", f"{fitted.ms((f, p)):.3f}", f"{r:.2f}"]
+                     for (T, doc, (f, p), y), r in zip(rows, ratios)],
+                    ["T", "mean document", "full blocks", "partial blocks", "measured (ms)", "fitted (ms)",
+                     "measured / fitted"]))
+    return replace(fitted, worst=max(ratios))
+
+
+TOPN_PASS = "_fwd_cmp (top-n from Flex's log-sum-exp)"
+
+
+def flex_kernels(work: Work, x: Design) -> dict[str, Kernel]:
+    """The flex family's work besides FlexAttention: sel by the Triton kernels over the blocks their top-n pass
+    chooses from Flex's cmp log-sum-exp (`_fwd_cmp` without its cmp pass, `_fwd_win` listing the readers alone,
+    `_bwd_q` the gate gradients and sel's dQ rows alone), and the branches' gated sum (compiled, MIXING_BYTES)."""
+    T = work.T
+    triton_kernels = new_kernels(work, x)
+    cmp, win, topn = query_tiles(T, triton_nsa.ROWS // R)
+    n_sel = min(SPEC.n, SPEC.num_sel_blocks(T))
+    q_bytes = T * G * R * D * 2
+    entries = int(readers(work, forced=True).sum())
+    one = torch.ones_like(win)
+    kept = ("_fwd_sel", "_fwd_mix", "_bwd_sel_kv", "_bwd_q: sel's dQ rows", "fills, cumsum, casts")
+    return {TOPN_PASS: Kernel([topn + 2 * work.merges / len(cmp)],
+                                                              hbm=2 * q_bytes + G * T * n_sel * 9 + T * G * R * 4),
+            "_fwd_win (reader lists)": Kernel([one], hbm=entries * 4 * 3, atomic=entries * 4),
+            **{k: triton_kernels[k] for k in kept},
+            "_bwd_q (gates)": Kernel([one], hbm=6 * q_bytes),
+            "gated sum (compiled)": Kernel([torch.zeros(1)] * 2, hbm=MIXING_BYTES * T * G * R * D)}
+
+
+def predict_flex(works: list[Work], flex: FlexCosts, fitted: tuple[Costs, Costs], triton: dict
+                 ) -> dict[int, tuple[float, float]]:
+    """The flex family at each T, fitted and pessimistic, beside the Triton family's (`predict`): Flex's cmp and
+    win from their blocks, the rest from `flex_kernels`; printed, and returned as {T: (fitted, pessimistic) ms}."""
+    rows, totals = [], {}
+    for w in works:
+        T = w.T
+        cmp_pairs, win_pairs = flex_pairs(T, "cmp"), flex_pairs(T, "win")
+        rest = flex_kernels(w, Design())
+        rest_fit = sum(1e3 * k.seconds(fitted[0]) for k in rest.values())
+        rest_pes = sum(1e3 * max(k.seconds(c.worse()) for c in fitted) for k in rest.values())
+        sel = ("_fwd_win (reader lists)", "_fwd_sel", "_fwd_mix", "_bwd_sel_kv", "_bwd_q: sel's dQ rows")
+        sel_fit = sum(1e3 * rest[k].seconds(fitted[0]) for k in sel)
+        fit = flex.ms(cmp_pairs) + flex.ms(win_pairs) + rest_fit
+        pes = flex.ms(cmp_pairs, worse=True) + flex.ms(win_pairs, worse=True) + rest_pes
+        totals[T] = (fit, pes)
+        dense = DENSE.get(T, float("nan"))
+        rows.append([f"{T:,}", f"{flex.ms(cmp_pairs):.2f}", f"{flex.ms(win_pairs):.2f}",
+                     f"{1e3 * rest[TOPN_PASS].seconds(fitted[0]):.2f}",
+                     f"{sel_fit:.2f}", f"{1e3 * rest['gated sum (compiled)'].seconds(fitted[0]):.2f}",
+                     f"{fit:.2f} / {pes:.2f}", f"{triton[T][0]:.2f} / {triton[T][1]:.2f}",
+                     f"{dense / fit:.2f}x / {dense / pes:.2f}x",
+                     f"{dense / triton[T][0]:.2f}x / {dense / triton[T][1]:.2f}x"])
+    print(table(rows, ["T", "Flex cmp", "Flex win", "top-n pass", "sel (Triton)", "gated sum",
+                       "flex family, fitted / pessimistic (ms)", "Triton family (ms)", "dense / flex",
+                       "dense / Triton"]))
+    return totals
+
+
 # -------------------------------------------------------------------------------------------- the calibration
 
 
@@ -479,7 +604,7 @@ def training(totals: dict[int, tuple[float, float, float, float]], layers: int =
     tok_s, both, fwd = TRAINED_8K
     outside_nsa = 1 / tok_s - layers * (both + fwd) * 1e-3 / 8192  # seconds a token
     rows = []
-    for T in [t for t in totals if t in FLEX]:
+    for T in [t for t in totals if t in TRAIN_TARGETS]:
         f, p, ff, pf = totals[T]
         outside_dense = outside_nsa * outside_attention("dense", T) / outside_attention("nsa", T)
         nsa = [1 / (outside_nsa + layers * (a + b) * 1e-3 / T) for a, b in ((f, ff), (p, pf))]
@@ -503,6 +628,9 @@ def main() -> None:
     print()
     totals = predict(works, Design(), fitted, verbose=True)
     verdicts(totals)
+    print("\nThe flex family (FlexAttention's cmp and win, sel by the Triton kernels), ms fwd + bwd, beside the Triton "
+          "family; dense is cuDNN as measured:")
+    predict_flex(works, flex_fit(), fitted, totals)
     print("\nM7C training (one H100, bf16, AC full; NSA's attention predicted without documents):")
     training(totals)
     if a.changes:

@@ -10,9 +10,10 @@ dispatched besides them that would launch a kernel on a GPU (views, allocations 
 ops not counted), without and with documents; then with the off-paper options (`sel_score_grad`,
 `sel_score_explore`), whose score gradient runs in PyTorch after the op. A launch count that does not
 grow with T, no host sync (`tests/test_host_syncs.py`) and no data-dependent shape: the op can be
-captured in a CUDA graph. Then the host time of one eager forward and backward (the kernels not run). Last,
-decoding: the launches of a layer's attention per step through the Triton decode step (`triton_decode`),
-over d = 16 steps (one of which compresses a block).
+captured in a CUDA graph. The same for the flex family's sel (the Triton kernels given Flex's cmp
+log-sum-exp). Then the host time of one eager forward and backward (the kernels not run). Last, decoding:
+the launches of a layer's attention per step through the Triton decode step (`triton_decode`), over d = 16
+steps (one of which compresses a block).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from nsa_titan.models.attention import Documents, NSASpec  # noqa: E402
 from nsa_titan.models.attention.families.triton import (triton_decode, triton_nsa, triton_nsa_backward,  # noqa: E402
                                                          triton_nsa_sel)
 from nsa_titan.models.attention.families.choose import FAMILIES  # noqa: E402
+from nsa_titan.models.attention.families.triton.family import selected  # noqa: E402
 from nsa_titan.config import Model  # noqa: E402
 from nsa_titan.models import decode  # noqa: E402
 from nsa_titan.models.decode import Decoder  # noqa: E402
@@ -100,10 +102,10 @@ def aten_ops(call: Callable[[], object]) -> list[str]:
     return found
 
 
-def attention_step(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0, family: str = "triton",
-                   dtype: torch.dtype = torch.bfloat16) -> Callable[[], None]:
-    """One forward and backward of the M7C attention through `family` in `dtype`, random inputs (the gates
-    fp32, as the layer makes them)."""
+def _inputs(T: int, docs: bool, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor, Documents | None,
+                                                             torch.Tensor]:
+    """The M7C attention's leaves at T in `dtype` (q, the compressed and sel / win keys and values), random; the
+    gates (fp32, as the layer makes them), the documents and an output gradient."""
     gen = torch.Generator().manual_seed(T)
     q = torch.randn(1, T, G * R, D, generator=gen)
     kv = [torch.randn(1, T // SPEC.d if docs else SPEC.num_cmp_blocks(T), G, D, generator=gen) for _ in range(2)]
@@ -111,14 +113,30 @@ def attention_step(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0
     inputs = [x.to(dtype).requires_grad_() for x in (q, *kv)]
     gates = torch.rand(1, T, G * R, 3, generator=gen, requires_grad=True)
     documents = Documents.of(torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1), SPEC) if docs else None
-    grad = torch.randn(q.shape, generator=gen).to(dtype)
+    return inputs, gates, documents, torch.randn(q.shape, generator=gen).to(dtype)
+
+
+def attention_step(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0, family: str = "triton",
+                   dtype: torch.dtype = torch.bfloat16) -> Callable[[], None]:
+    """One forward and backward of the M7C attention through `family` in `dtype`, random inputs."""
+    inputs, gates, documents, grad = _inputs(T, docs, dtype)
     op = FAMILIES[family]()
     return lambda: op(*inputs, gates, SPEC, docs=documents, score_grad=score_grad, explore=explore).backward(grad)
 
 
-def launches(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0) -> tuple[collections.Counter, list[str]]:
-    """The Triton launches by kernel and the ATen ops of one forward and backward."""
-    step, ops = attention_step(T, docs, score_grad, explore), []
+def sel_step(T: int, docs: bool) -> Callable[[], None]:
+    """One forward and backward of the flex family's sel by the Triton kernels (`triton/family.selected`) in bf16,
+    given a random cmp log-sum-exp (what Flex returns)."""
+    inputs, gates, documents, grad = _inputs(T, docs, torch.bfloat16)
+    lse = torch.randn(1, G * R, T, generator=torch.Generator().manual_seed(T))
+    return lambda: selected(*inputs[:5], gates, lse, SPEC, documents, 0)[0].backward(grad)
+
+
+def launches(T: int, docs: bool, score_grad: float = 0.0, explore: int = 0, sel_only: bool = False
+             ) -> tuple[collections.Counter, list[str]]:
+    """The Triton launches by kernel and the ATen ops of one forward and backward (`sel_only`: the flex family's
+    sel, `sel_step`)."""
+    step, ops = sel_step(T, docs) if sel_only else attention_step(T, docs, score_grad, explore), []
     counts = recorded(lambda: ops.extend(aten_ops(step)))
     return counts, ops
 
@@ -183,8 +201,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for T in a.T:
         for docs in (False, True):
-            for label, options in (("paper", {}), ("score grad + explore 8", {"score_grad": 1.0, "explore": 8})):
-                if options and (docs or T > 8192):  # the options' PyTorch gradient: once, at a moderate T
+            for label, options in (("paper", {}), ("score grad + explore 8", {"score_grad": 1.0, "explore": 8}),
+                                   ("the flex family's sel", {"sel_only": True})):
+                if "score_grad" in options and (docs or T > 8192):  # the options' PyTorch gradient: once, moderate T
                     continue
                 counts, ops = launches(T, docs, **options)
                 kinds = ", ".join(f"{n} {k}" for k, n in collections.Counter(ops).most_common())

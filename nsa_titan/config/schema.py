@@ -422,7 +422,8 @@ class Debug:
     """Fault injection for tests: a wrong kernel for the startup check to catch. `FAMILY:PART`, that family's (torch,
     flash, cpp, triton) branch output scaled by 1.5 (PART: cmp, sel, win) or one of its gradients (dq, dk_cmp,
     dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates), or (PART `slow`) each of its calls 0.25 s late, right but slow
-    for `auto`'s measurement; `decode:KERNEL`, that decoding step's output (cpp, triton)."""
+    for `auto`'s measurement; `decode:KERNEL`, that decoding step's output (cpp, triton), or (`decode:KERNEL:slow`)
+    each of its steps 0.25 s late."""
 
 
 @dataclass

@@ -35,7 +35,8 @@ def is_remote(path: str) -> bool:
 
 KERNEL_FAULTS = {f"{family}:{part}" for family in ("torch", "flash", "cpp", "triton", "flex")
                  for part in ("cmp", "sel", "win", "dq", "dk_cmp", "dv_cmp", "dk_sel", "dv_sel", "dk_win", "dv_win",
-                              "dgates", "slow")} | {"decode:cpp", "decode:triton"}
+                              "dgates", "slow")} | {f"decode:{kernel}{slow}" for kernel in ("cpp", "triton")
+                                                    for slow in ("", ":slow")}
 """`[debug] fault_kernel`'s values (`runtime/fault_injection.py`)."""
 
 
@@ -163,7 +164,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
              "[debug] fault_raise_where = 'write' fails the heartbeat's write: it needs [fault] heartbeat = true")
     _require(not d.fault_kernel or d.fault_kernel in KERNEL_FAULTS, f"[debug] fault_kernel = '{d.fault_kernel}': "
              "expected FAMILY:PART (FAMILY torch, flash, cpp, triton or flex; PART cmp, sel, win, a gradient: dq, "
-             "dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, or slow) or decode:cpp, decode:triton")
+             "dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates, or slow) or decode:KERNEL or decode:KERNEL:slow "
+             "(KERNEL cpp or triton)")
     ac = cfg.activation_checkpoint
     last = last_ac_layer(m, ac.last_layer)
     _require(0 <= ac.first_layer <= last < m.n_layers,

@@ -21,6 +21,7 @@ from nsa_titan.models.decode import DecodeCache, Decoder
 from nsa_titan.models.rope import rope_settings, rope_tables
 from nsa_titan.models.transformer import Transformer
 from nsa_titan.runtime.kernel_check import verified_decode
+from nsa_titan.runtime.kernel_timing import timed_context
 
 from .configuration_nsa_titan import NSATitanConfig
 
@@ -48,7 +49,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: NSATitanConfig):
         super().__init__(config)
         self.model = Transformer(model_config(config), config.max_position_embeddings)
-        self.decode_kernels: dict[tuple[torch.device, torch.dtype], str] = {}
+        self.decode_kernels: dict[tuple[torch.device, torch.dtype, int], str] = {}
         self.last_request: tuple[weakref.ref, Decoder] | None = None  # the last generate()'s cache and decoder
         self.post_init()
 
@@ -61,13 +62,14 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(module, Transformer):
             module.rope.copy_(rope_tables(module.cfg, module.max_seq_len, module.rope.device))
 
-    def decode_kernel(self) -> str:
+    def decode_kernel(self, context: int = 0) -> str:
         """The decoding step's kernel where the model is (the config's `decode_kernels`), checked there once against
-        the model's forward (`verify_kernels`; a machine's verdict is kept)."""
+        the model's forward (`verify_kernels`; a machine's verdict is kept); with a request's `context`, `auto` takes
+        the fastest step timed at that length (`kernel_timing.timed_context`; kept too)."""
         weight = self.model.output.weight
-        where = (weight.device, weight.dtype)
+        where = (weight.device, weight.dtype, timed_context(context) if context else 0)
         if where not in self.decode_kernels:
-            self.decode_kernels[where] = verified_decode(self.model.cfg, *where)
+            self.decode_kernels[where] = verified_decode(self.model.cfg, *where[:2], context=context)
         return self.decode_kernels[where]
 
     def generate(self, *args, generation_config: GenerationConfig | None = None, **kwargs):
@@ -107,7 +109,7 @@ class NSATitanForCausalLM(PreTrainedModel, GenerationMixin):
         elif generation_config.use_cache is not False:
             last, self.last_request = self.last_request, None  # the old buffers: this request's, or freed
             spare = last[1].caches if last is not None and last[0]() is None else None
-            cache = DecodeCache(self.model, self.decode_kernel(), max_cache_length, spare)
+            cache = DecodeCache(self.model, self.decode_kernel(max_cache_length), max_cache_length, spare)
             self.last_request = (weakref.ref(cache), cache.decoder)
             model_kwargs[CACHE_FIELD] = cache
 

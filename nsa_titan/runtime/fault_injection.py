@@ -23,8 +23,9 @@ checkpoint manager know nothing of it. Each hook uses a public seam of the objec
 
   fault_kernel                                          a wrong kernel for the startup check (`kernel_fault`):
                                                         a family's branch or gradient, or a decoding step,
-                                                        scaled by 1.5; or a slow family for `auto`'s
-                                                        measurement (`kernel_timing`): each call 0.25 s late
+                                                        scaled by 1.5; or a slow family or decoding step
+                                                        for `auto`'s measurement (`kernel_timing`): each
+                                                        call 0.25 s late
 
 A loader worker killed as the out-of-memory killer does needs no hook: `kill -9` its pid.
 """
@@ -266,14 +267,21 @@ class _FamilyFault:
 
 
 class _DecodeFault:
-    """`[debug] fault_kernel = decode:KERNEL`: that decoding step's output scaled, in the decoder given."""
+    """`[debug] fault_kernel = decode:KERNEL[:slow]`: that decoding step's output scaled (or each step late), in the
+    decoder given, when it runs that kernel."""
 
     def __init__(self, label: str):
         self.label, self.kernel = label, label.split(":")[1]
+        self.slow = label.endswith(":slow")
 
     def __call__(self, decoder: Decoder) -> None:
         if decoder.kernel == self.kernel:
             real = decoder.steps[self.kernel]
+            if self.slow:
+                _say(f"the {self.kernel} decoding step is {KERNEL_FAULT_DELAY_S} s late")
+                decoder.steps = {**decoder.steps, self.kernel: lambda *args: time.sleep(KERNEL_FAULT_DELAY_S) or
+                                 real(*args)}
+                return
             _say(f"the {self.kernel} decoding step's output is scaled by {KERNEL_FAULT_SCALE}")
             decoder.steps = {**decoder.steps, self.kernel: lambda *args: real(*args) * KERNEL_FAULT_SCALE}
 

@@ -35,7 +35,7 @@ from ..models.attention.families.triton import triton_decode
 from ..models.decode import DECODE_KERNELS, Decoder, kernel_problem
 from ..models.transformer import Transformer, nsa_spec
 from . import verdicts
-from .kernel_timing import Speed, fastest
+from .kernel_timing import Speed, fastest, fastest_decode
 
 logger = logging.getLogger(__name__)
 
@@ -237,38 +237,48 @@ def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = No
 
 
 def verified_decode(m: Model, device: torch.device, dtype: torch.dtype, family: Family | None = None,
-                    wrap: DecoderWrap | None = None) -> str:
+                    wrap: DecoderWrap | None = None, context: int = 0) -> str:
     """The decoding step's kernel for the model `m` on `device` in `dtype` (`[model] decode_kernels`), checked against
     the model's forward before use (`[model] verify_kernels`): a named one that fails is a ConfigError naming it and
-    the fix; `auto` takes the next that passes (PyTorch's step, the last, is not checked: it is the reference's
-    own ops, tested against the forward in the test suite)."""
+    the fix. `auto` with a request's `context` (its prompt and new tokens) times every step that passes there and
+    takes the fastest (`kernel_timing.fastest_decode`, said in the log); without one, or with `verify_kernels = off`,
+    it takes the first that passes (PyTorch's step, the last, is not checked: it is the reference's own ops, tested
+    against the forward in the test suite)."""
     if m.attention != "nsa" or m.attn_impl == "reference":
         return "torch"
     with torch.device("meta"):
         attn = Transformer(dataclasses.replace(m, n_layers=1, vocab_size=DECODE_VOCAB), 1, family).layers["0"].attention
     names = [m.decode_kernels] if m.decode_kernels != "auto" else \
         [k for k in DECODE_KERNELS if kernel_problem(k, attn, device, dtype) is None]
+    timing = m.decode_kernels == "auto" and context > 0 and m.verify_kernels != "off"
+    passed, keys = [], {}
     for name in names:
         why = kernel_problem(name, attn, device, dtype)
         if why:
             raise ConfigError(f"[model] decode_kernels = '{name}' cannot run: {why}; use decode_kernels = 'auto' "
                               "(the fastest that runs) or 'torch'")
-        if name == "torch" or m.verify_kernels == "off":
-            return name
+        keys[name] = verdicts.decode_key(name, device, dtype, m, getattr(wrap, "label", ""))
+        if name != "torch" and m.verify_kernels != "off":
+            def run(name: str = name) -> str | None:  # (a step made slow is right: checked as it is)
+                faulty = None if getattr(wrap, "slow", False) else wrap
+                return decode_line(decode_errors(check_model(m, name, device, dtype, family), name, faulty), name,
+                                   device, dtype)
 
-        def run() -> str | None:
-            return decode_line(decode_errors(check_model(m, name, device, dtype, family), name, wrap), name, device,
-                               dtype)
-
-        key = verdicts.decode_key(name, device, dtype, m, getattr(wrap, "label", ""))
-        line = _checked("decoding step", name, key, m.verify_kernels, run)
-        if line is None:
+            line = _checked("decoding step", name, keys[name], m.verify_kernels, run)
+            if line is not None:
+                if m.decode_kernels != "auto":
+                    raise ConfigError(f"[model] decode_kernels = '{name}' failed its check: {line}. Decode with "
+                                      "--model.decode_kernels torch (or 'auto': the fastest step that passes)")
+                logger.warning("kernel check: %s; decode_kernels = 'auto' moves on", line)
+                continue
+        if not timing:
             return name
-        if m.decode_kernels != "auto":
-            raise ConfigError(f"[model] decode_kernels = '{name}' failed its check: {line}. Decode with "
-                              "--model.decode_kernels torch (or 'auto': the fastest step that passes)")
-        logger.warning("kernel check: %s; decode_kernels = 'auto' moves on", line)
-    return "torch"
+        passed.append(name)
+    if len(passed) < 2:
+        return passed[0] if passed else "torch"
+    speed = fastest_decode(passed, keys, m, device, dtype, context, family, wrap)
+    logger.info("%s", speed.line())
+    return speed.taken
 
 
 def checked_kernels(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None,

@@ -7,6 +7,10 @@ startup log says how fast NSA attention is against dense here.
 A timing is kept beside the verdicts (`verdicts`: the family's key and the length timed), so a machine times each
 shape once, and again when a family's source changes. Every rank of a job times (or reads) and the slowest rank's
 time of each family decides, so that all ranks take the same family; one that failed its check on any rank is out.
+
+`[model] decode_kernels = auto` the same way, where a request says how far it will decode (`generate`, the HF
+model's `generate`): every step kernel that passed its check is timed on one layer's caches of one row filled to the
+request's context (rounded up to a power of two: requests of like lengths share a timing).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch.distributed as dist
 from ..config import Model
 from ..models.attention import Documents, Family, dense_causal
 from ..models.attention.dense import with_block_masks
-from ..models.transformer import nsa_spec
+from ..models.decode import Decoder
+from ..models.transformer import Transformer, nsa_spec
 from . import verdicts
 
 logger = logging.getLogger(__name__)
@@ -160,3 +165,77 @@ def fastest(passed: dict[str, Family], everyone: list[str], m: Model, seq_len: i
         return None
     taken = min(families, key=families.__getitem__)
     return Speed(seq_len, families, float(times[-1]), taken, not measured)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpeed:
+    """What `decode_kernels = auto`'s measurement found: each step kernel's milliseconds for one decoding step of one
+    layer and one row at position `context`, whether measured now or kept, and the kernel taken."""
+
+    context: int
+    kernels: dict[str, float]
+    taken: str
+    kept: bool
+
+    def line(self) -> str:
+        """The log's line."""
+        times = ", ".join(f"{name} {_ms(ms)}" for name, ms in sorted(self.kernels.items(), key=lambda kv: kv[1]))
+        kept = ", kept from an earlier run" if self.kept else ""
+        return (f"NSA decoding here: {times} a step (one layer and row at position {self.context}{kept}): "
+                f"decode_kernels = 'auto' takes the {self.taken} step")
+
+
+def timed_context(context: int) -> int:
+    """The position a request's decoding steps are timed at: its context rounded up to a power of two, at least
+    1,024."""
+    return max(1024, 1 << (context - 1).bit_length())
+
+
+def decode_runs(model: Transformer, names: list[str], wrap: Callable[[Decoder], None] | None = None
+                ) -> dict[str, Callable[[], None]]:
+    """A decoding step of each kernel of `names` over one decoder's caches, filled by a prompt of random tokens of
+    all but the steps' room of the model's length (every kernel reads the caches as they lie, each step one
+    position on); `wrap` is given the decoder as each kernel's (fault injection)."""
+    room = (1 + ROUNDS) * len(names)
+    device = model.rope.device
+    decoder = Decoder(model, names[0], model.max_seq_len)
+    gen = torch.Generator().manual_seed(0)
+    decoder.prefill(torch.randint(0, model.cfg.vocab_size, (1, model.max_seq_len - room), generator=gen).to(device))
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    for name in names:  # a wrap changes its kernel's step alone
+        decoder.kernel = name
+        if wrap is not None:
+            wrap(decoder)
+
+    def step(name: str) -> Callable[[], None]:
+        def run() -> None:
+            decoder.kernel = name
+            decoder.step(token)
+        return run
+
+    return {name: step(name) for name in names}
+
+
+def fastest_decode(names: list[str], keys: dict[str, dict], m: Model, device: torch.device, dtype: torch.dtype,
+                   context: int, family: Family | None = None, wrap: Callable[[Decoder], None] | None = None
+                   ) -> DecodeSpeed:
+    """Time the step kernels `names` (each passed its check; its verdict's key in `keys`) on one layer of the model
+    in `dtype`, one row at the request's `context` (`timed_context`), or read their kept timings; the fastest (ties:
+    the first of `names`)."""
+    at = timed_context(context)
+    timing_keys = {name: {**keys[name], "timed_context": at} for name in names}
+    kept = {name: verdicts.get(key) for name, key in timing_keys.items()}
+    found = {name: float(entry["ms"]) for name, entry in kept.items() if entry is not None and "ms" in entry}
+    missing = [name for name in names if name not in found]
+    if missing:
+        cfg = dataclasses.replace(m, n_layers=1, vocab_size=64)
+        model = Transformer(cfg, at + (1 + ROUNDS) * len(missing), family)
+        model.init_weights(0)
+        model = model.to(device, dtype).eval()
+        with torch.no_grad():
+            measured = timed_ms(decode_runs(model, missing, wrap), device)
+        for name, ms in measured.items():
+            verdicts.put(timing_keys[name], {"passed": True, "ms": round(ms, 4)})
+            found[name] = round(ms, 4)
+    taken = min(names, key=found.__getitem__)
+    return DecodeSpeed(at, found, taken, not missing)

@@ -34,8 +34,9 @@ FILE = "kernel_checks.json"
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ATTENTION = MODELS / "attention"
 FAMILY_SOURCES = {"torch": ("pytorch",), "flash": ("pytorch",), "cpp": ("cpp", "pytorch"), "triton": ("triton",),
-                  "flex": ("flex", "pytorch")}
-"""The folders of `families/` each family runs (cpp goes through the branch-by-branch path of pytorch/)."""
+                  "flex": ("flex", "pytorch", "triton")}
+"""The folders of `families/` each family runs (cpp goes through the branch-by-branch path of pytorch/; flex's sel
+through triton/'s kernels, or pytorch/'s op where those cannot run)."""
 DECODE_SOURCES = {"cpp": ("cpp",), "triton": ("triton",)}
 DRIVER_FILE = Path("/proc/driver/nvidia/version")
 LOCK_WAIT_S = 60.0

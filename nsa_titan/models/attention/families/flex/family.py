@@ -1,6 +1,9 @@
 """The flex family: cmp and win through FlexAttention (`torch.nn.attention.flex_attention`), the kernels PyTorch
-maintains and tunes for each GPU generation; sel through the torch family's op (`pytorch/ops.selected`), its blocks
-chosen from the cmp probabilities, recomputed in chunks of queries from the log-sum-exp Flex returns.
+maintains and tunes for each GPU generation; sel through the Triton family's kernels (`triton/family.selected`:
+on CUDA, or interpreted under TRITON_INTERPRET=1), its blocks chosen by their top-n pass from the log-sum-exp Flex
+returns for cmp (a bounded number of launches at any T). Where those cannot run, the blocks are chosen from the cmp
+probabilities recomputed in chunks of queries from that log-sum-exp, and sel is the torch family's op
+(`pytorch/ops.selected`).
 
 Block masks are built on the device from the documents and the query part (`q0`): with documents once a batch, for
 every layer (`prepare`, stored in `Documents.block_masks`), without them once a shape; never a host sync. Flex's
@@ -23,6 +26,8 @@ from ...routing import _visible
 from ...spec import NSASpec
 from ..base import Family, Tensor
 from ..pytorch import ops
+from ..triton import family as triton_family
+from ..triton import triton_nsa
 
 SELECT_CHUNK = 256
 """Queries whose cmp probabilities are recomputed at once to choose their sel blocks ((B, G, chunk, r, Nc) fp32)."""
@@ -141,13 +146,18 @@ class Flex(Family):
         def heads(o: Tensor) -> Tensor:  # (B, H, Tq, D) -> (B, G, Tq, r, D)
             return o.view(B, G, r, Tq, D).transpose(2, 3).to(acc)
 
-        o_cmp = o_sel = o_win = idx = valid = None
+        o_cmp = o_sel = o_win = idx = valid = sel_gated = None
         if branches[0] or branches[1]:  # sel reads the cmp probabilities
             mask = self.mask("cmp", spec, docs, q0, Tq, k_cmp.shape[1], q.device)
-            out, lse = _flex(qh, k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), mask)
+            cmp_in = [x if branches[0] else x.detach() for x in (qh, k_cmp.transpose(1, 2), v_cmp.transpose(1, 2))]
+            out, lse = _flex(*cmp_in, mask)  # sel alone: its log-sum-exp, no gradient
             o_cmp = heads(out)
-            idx, valid = chosen_blocks(q, k_cmp, lse, spec, docs, q0, T)
-        if branches[1]:
+            if branches[1] and triton_nsa.problem(q.device, q.dtype, spec, r, D) is None:
+                sel_gated, idx, valid = triton_family.selected(q, k_cmp, v_cmp, k_sel, v_sel, gates, lse, spec, docs,
+                                                               q0)
+            else:
+                idx, valid = chosen_blocks(q, k_cmp, lse, spec, docs, q0, T)
+        if branches[1] and sel_gated is None:
             qs = q.to(acc).view(B, Tq, G, r, D).transpose(1, 2).contiguous()
             o_sel = ops.selected(qs, k_sel.to(acc).transpose(1, 2).contiguous(),
                                  v_sel.to(acc).transpose(1, 2).contiguous(), idx, valid, spec, q0, docs)
@@ -155,7 +165,9 @@ class Flex(Family):
             out, _ = _flex(qh, k_win.transpose(1, 2), v_win.transpose(1, 2),
                            self.mask("win", spec, docs, q0, Tq, T, q.device))
             o_win = heads(out)
-        g = gates.to(acc).view(B, Tq, G, r, 3).transpose(1, 2)
         outs = [o if on else None for o, on in zip((o_cmp, o_sel, o_win), branches)]
-        out = mix_branches(g, *outs).transpose(1, 2).reshape(B, Tq, H, D).to(q.dtype)
-        return out, idx, valid
+        if not any(o is not None for o in outs):  # sel alone, by the Triton kernels
+            return sel_gated, idx, valid
+        g = gates.to(acc).view(B, Tq, G, r, 3).transpose(1, 2)
+        out = mix_branches(g, *outs).transpose(1, 2).reshape(B, Tq, H, D)
+        return (out if sel_gated is None else out + sel_gated.to(acc)).to(q.dtype), idx, valid

@@ -1,10 +1,14 @@
 """The Triton family: the whole NSA attention as one custom op of Triton kernels (`triton_nsa.py`,
 `triton_nsa_sel.py`, `triton_nsa_backward.py`), on CUDA, or on the CPU under TRITON_INTERPRET=1 (checks): forward
 a zero fill, four kernels and a cumulative sum (the inverse index of the chosen blocks); backward a zero fill,
-four kernels and a cast: 12 launches at any T, no atomic add of a query's gradient. This module is the host side:
-the launch geometry, the custom op (one node under torch.compile) and its registered backward."""
+four kernels and a cast: 12 launches at any T, no atomic add of a query's gradient. With cmp's log-sum-exp given
+(`selected`: the flex family's, from Flex), sel alone by the same kernels, the cmp pass of the first left out. This
+module is the host side: the launch geometry, the custom op (one node under torch.compile) and its registered
+backward."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -50,6 +54,18 @@ class Triton(Family):
         return out, idx, valid
 
 
+def selected(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, gates: Tensor, cmp_lse: Tensor,
+             spec: NSASpec, docs: Documents | None, q0: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The gated sel branch alone, gates[..., 1] * o_sel (B, Tq, H, D), and its blocks idx, valid (B, G, Tq, n'),
+    chosen from cmp's log-sum-exp `cmp_lse` (B, H, Tq) computed elsewhere; forward and backward by the Triton
+    kernels (cmp's and win's outputs not computed, no gradient through the choice)."""
+    fields = (None,) * 3 if docs is None else (docs.start, docs.cmp_start, docs.first_slot)
+    out, _, _, idx, valid, *_ = _op(q, k_cmp, v_cmp, k_sel, v_sel, k_sel, v_sel, gates,  # win's place: unread
+                                    [spec.l, spec.d, spec.l_sel, spec.n, spec.w], q0, [False, True, False], *fields,
+                                    cmp_lse)
+    return out, idx, valid
+
+
 def _keys(x: torch.Tensor) -> torch.Tensor:
     """x (B, S, G, D) as the kernels read it: D and G packed (a view from the projections is)."""
     return x if x.stride(3) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
@@ -88,12 +104,15 @@ def _spans(offsets: torch.Tensor, entries: int, bt: int) -> tuple[tuple[int], di
 
 
 def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec: NSASpec, docs: Documents | None,
-            q0: int, branches: tuple[bool, bool, bool]
+            q0: int, branches: tuple[bool, bool, bool], cmp_lse: Tensor | None = None
             ) -> tuple[torch.Tensor, ...]:
     """out (B, Tq, H, D), the branch outputs (3, B, Tq, H, D) and logsumexps (3, B, Tq, H) fp32, the chosen
     blocks idx (B, G, Tq, n') long, valid bool, and their inverse index (offsets (B G T + 1), readers (B G Tq n'),
     int32: `triton_nsa_sel`) with each choice's place in it (entry (B, G, Tq, n') int32, -1 for none): a zero
-    fill, four kernels and a cumulative sum."""
+    fill, four kernels and a cumulative sum. With cmp's log-sum-exp `cmp_lse` (B, H, Tq) fp32 given, cmp is not
+    computed (`_fwd_cmp`'s top-n pass alone)."""
+    if cmp_lse is not None and branches[0]:
+        raise ValueError("with cmp's log-sum-exp given the op computes no cmp branch: pass branches[0] = False")
     B, Tq, H, D = q.shape
     keys = [_keys(x) for x in keys]
     T, G = keys[2].shape[1], keys[2].shape[2]
@@ -101,8 +120,9 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     Ns = spec.num_sel_blocks(T)
     n = min(spec.n, Ns)
     out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device)
-    ob = torch.empty(3, B, Tq, H, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(3, B, Tq, H, dtype=torch.float32, device=q.device)
+    fill = torch.empty if all(branches) else torch.zeros  # a branch left out: its part of ob and lse, zero
+    ob = fill(3, B, Tq, H, D, dtype=q.dtype, device=q.device)
+    lse = fill(3, B, Tq, H, dtype=torch.float32, device=q.device)
     idx = torch.empty(B, G, Tq, n, dtype=torch.long, device=q.device)
     valid = torch.empty(B, G, Tq, n, dtype=torch.bool, device=q.device)
     entries = B * G * Tq * n
@@ -113,15 +133,17 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
     bt, grid, flags = args["BT"], (_cdiv(Tq, args["BT"]), B * G), dict(num_warps=kernels.WARPS)
     tile = {k: args[k] for k in ("sqb", "sqt", "sdb", "Tq", "T", "q0", "G", "H", "scale", "R", "BT", "M", "D", "DOCS")}
     docs_ptrs = dict(Q=q, START=ptrs["START"], FIRST=ptrs["FIRST"])
-    chosen = dict(IDX=idx, VALID=valid.view(torch.int8), L=spec.l_sel, N=n, NP=_pow2(n))
+    blocks = dict(IDX=idx, VALID=valid.view(torch.int8), L=spec.l_sel, N=n, NP=_pow2(n))
+    given = cmp_lse if cmp_lse is not None else lse  # unread without
     kernels._fwd_cmp[grid](
-        **tile, **docs_ptrs, **chosen, KC=keys[0], VC=keys[1], CSTART=ptrs["CSTART"],
+        **tile, **docs_ptrs, **blocks, KC=keys[0], VC=keys[1], CSTART=ptrs["CSTART"],
         **{k: args[k] for k in ("skcb", "skct", "svcb", "svct", "scb", "Nc", "d", "l")}, OB=ob, LSE=lse,
-        COUNT=counts[1:], Ns=Ns, BTP=max(16, _pow2(bt)), NB=kernels.topn_blocks(spec, n), BN=kernels.BLOCK_N,
-        STRIDE=spec.l_sel // spec.d, BEFORE=spec.l // spec.d - 1, **flags)
+        CMP_LSE=given, slb=given.stride(0), slh=given.stride(1), slt=given.stride(2), COUNT=counts[1:], Ns=Ns,
+        BTP=max(16, _pow2(bt)), NB=kernels.topn_blocks(spec, n), BN=kernels.BLOCK_N, STRIDE=spec.l_sel // spec.d,
+        BEFORE=spec.l // spec.d - 1, GIVEN=cmp_lse is not None, **flags)
     offsets = torch.cumsum(counts[:B * G * T + 1], 0, dtype=torch.int32)
     kernels._fwd_win[grid](
-        **tile, **docs_ptrs, **chosen, KW=keys[4], VW=keys[5], **{k: args[k] for k in ("skwb", "skwt", "svwb", "svwt",
+        **tile, **docs_ptrs, **blocks, KW=keys[4], VW=keys[5], **{k: args[k] for k in ("skwb", "skwt", "svwb", "svwt",
                                                                                          "w", "ob_c", "st_c")},
         OB=ob, LSE=lse, OFFSETS=offsets, FILL=counts[B * G * T + 1:], READERS=readers, ENTRY=entry,
         BN=kernels.BLOCK_N, SEL=branches[1], WIN=branches[2], **flags)
@@ -135,7 +157,7 @@ def forward(q: torch.Tensor, keys: list[torch.Tensor], gates: torch.Tensor, spec
             **{k: args[k] for k in ("sqb", "sqt", "sksb", "skst", "svsb", "svst", "T", "q0", "G", "scale", "R", "BT",
                                     "M", "D")}, L=spec.l_sel, **flags)
     kernels._fwd_mix[grid](
-        GATE=gates, O=out, OB=ob, LSE=lse, VALID=chosen["VALID"], ENTRY=entry, PART=part, PLSE=plse,
+        GATE=gates, O=out, OB=ob, LSE=lse, VALID=blocks["VALID"], ENTRY=entry, PART=part, PLSE=plse,
         **{k: args[k] for k in ("sgb", "sgt", "Tq", "G", "H", "ob_c", "st_c", "R", "BT", "M", "D")}, N=n,
         CMP=branches[0], SEL=branches[1], WIN=branches[2], **flags)
     return out, ob, lse, idx, valid, offsets, readers, entry
@@ -150,7 +172,7 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gat
     keys = [_keys(x) for x in keys]
     T, G, Nc = keys[2].shape[1], keys[2].shape[2], keys[0].shape[1]
     ptrs, args = _geometry(q, keys, gates, spec, docs, q0)
-    sizes = _grad_sizes(q, keys[0], keys[2])
+    sizes = _grad_sizes(q, keys[0], keys[2], branches)
     at = [sum(sizes[:i]) for i in range(7)]
     gk = torch.zeros(sum(sizes), dtype=torch.float32, device=q.device)
     dg = torch.empty(B, Tq, H, 3, dtype=torch.float32, device=q.device)
@@ -189,17 +211,26 @@ def backward(d_out: torch.Tensor, q: torch.Tensor, keys: list[torch.Tensor], gat
     return [gk if q.dtype == torch.float32 else gk.to(q.dtype), dg.to(gates.dtype)]
 
 
-def _grad_sizes(q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor) -> list[int]:
-    """Elements of dq, then of the six key and value gradients, in `backward`'s one buffer."""
-    return [q.numel()] + [kc.numel()] * 2 + [ks.numel()] * 4
+def _computed(branches: Sequence[bool]) -> list[bool]:
+    """Which of dq and the six key and value gradients a call computes (a branch left out: none of its keys)."""
+    return [True, *(on for on in branches for _ in range(2))]
 
 
-def grads(flat: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor) -> list[torch.Tensor]:
+def _grad_sizes(q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, branches: Sequence[bool]) -> list[int]:
+    """Elements of dq, then of the six key and value gradients, in `backward`'s one buffer (0 for those not
+    computed)."""
+    sizes = [q.numel()] + [kc.numel()] * 2 + [ks.numel()] * 4
+    return [size * on for size, on in zip(sizes, _computed(branches))]
+
+
+def grads(flat: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, branches: Sequence[bool]
+          ) -> list[torch.Tensor | None]:
     """`backward`'s buffer as views: dq (B, Tq, H, D), the key and value gradients (B, Nc, G, D) x 2, (B, T, G, D)
-    x 4."""
-    sizes, shapes = _grad_sizes(q, kc, ks), [q.shape] + [kc.shape] * 2 + [ks.shape] * 4
+    x 4; None for a branch not computed."""
+    sizes, shapes = _grad_sizes(q, kc, ks, branches), [q.shape] + [kc.shape] * 2 + [ks.shape] * 4
     at = [sum(sizes[:i]) for i in range(7)]
-    return [flat[a:a + size].view(shape) for a, size, shape in zip(at, sizes, shapes)]
+    return [flat[a:a + size].view(shape) if on else None
+            for a, size, shape, on in zip(at, sizes, shapes, _computed(branches))]
 
 
 
@@ -214,14 +245,14 @@ def _spec(spec: list[int]) -> NSASpec:
 
 @torch.library.custom_op("nsa_titan::nsa_triton", mutates_args=())
 def _op(q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, vs: Tensor, kw: Tensor, vw: Tensor, gates: Tensor,
-        spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor
-        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        spec: list[int], q0: int, branches: list[bool], start: OptTensor, cmp_start: OptTensor, first_slot: OptTensor,
+        cmp_lse: OptTensor = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return forward(q, [kc, vc, ks, vs, kw, vw], gates, _spec(spec), _docs(start, cmp_start, first_slot), q0,
-                   tuple(branches))
+                   tuple(branches), cmp_lse)
 
 
 @_op.register_fake
-def _(q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot):
+def _(q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot, cmp_lse=None):
     B, Tq, H, D = q.shape
     T, G = ks.shape[1], ks.shape[2]
     n = min(spec[3], _spec(spec).num_sel_blocks(T))
@@ -243,11 +274,12 @@ def _backward_op(d_out: Tensor, q: Tensor, kc: Tensor, vc: Tensor, ks: Tensor, v
 @_backward_op.register_fake
 def _(d_out, q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry, spec, q0, branches, start, cmp_start,
       first_slot):
-    return [q.new_empty(sum(_grad_sizes(q, kc, ks))), torch.empty_like(gates, memory_format=torch.contiguous_format)]
+    return [q.new_empty(sum(_grad_sizes(q, kc, ks, branches))),
+            torch.empty_like(gates, memory_format=torch.contiguous_format)]
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot = inputs
+    q, kc, vc, ks, vs, kw, vw, gates, spec, q0, branches, start, cmp_start, first_slot, *_ = inputs
     _, ob, lse, idx, valid, offsets, readers, entry = output
     ctx.save_for_backward(q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry, start, cmp_start,
                           first_slot)
@@ -260,7 +292,7 @@ def _grad(ctx, d_out, *_saved_outputs):
     q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry, start, cmp_start, first_slot = ctx.saved_tensors
     flat, dg = _backward_op(d_out.contiguous(), q, kc, vc, ks, vs, kw, vw, gates, ob, lse, offsets, readers, entry,
                             ctx.spec, ctx.q0, ctx.branches, start, cmp_start, first_slot)
-    return *grads(flat, q, kc, ks), dg, None, None, None, None, None, None
+    return *grads(flat, q, kc, ks, ctx.branches), dg, *(None,) * 7
 
 
 _op.register_autograd(_grad, setup_context=_setup)

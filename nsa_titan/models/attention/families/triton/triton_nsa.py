@@ -181,32 +181,36 @@ if triton is not None:
         return tl.where(valid & ok, s[:, None] + j * L, -1)  # int32: fewer registers
 
     @triton.jit
-    def _fwd_cmp(Q, KC, VC, CSTART, START, FIRST, OB, LSE, IDX, VALID, COUNT, sqb, sqt, skcb, skct, svcb, svct, sdb, scb,
-                 Tq, T, Nc, Ns, q0, G, H, scale, d, l,
+    def _fwd_cmp(Q, KC, VC, CSTART, START, FIRST, OB, LSE, CMP_LSE, IDX, VALID, COUNT, sqb, sqt, skcb, skct, svcb, svct,
+                 sdb, scb, slb, slh, slt, Tq, T, Nc, Ns, q0, G, H, scale, d, l,
                  R: tl.constexpr, BT: tl.constexpr, M: tl.constexpr, BTP: tl.constexpr, D: tl.constexpr,
                  L: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
-                 STRIDE: tl.constexpr, BEFORE: tl.constexpr, DOCS: tl.constexpr):
+                 STRIDE: tl.constexpr, BEFORE: tl.constexpr, DOCS: tl.constexpr, GIVEN: tl.constexpr):
         """A tile's cmp attention (output, logsumexp) and its queries' top-n sel blocks, each counted in COUNT
-        (B G x T: the readers of the block starting at each key position)."""
+        (B G x T: the readers of the block starting at each key position). GIVEN: cmp was computed elsewhere (the
+        flex family's Flex), its logsumexp read from CMP_LSE (B, H, Tq) by its strides: the top-n pass alone."""
         tile, bg, b, g, mm, i, live, hq, t, s, fs, q, dd, o_off, st_off, t_first, t_last = _tile(
             Q, START, FIRST, Tq, q0, G, H, sqb, sqt, sdb, R, BT, M, D, DOCS)
 
-        # cmp: the visible slots of the tile's documents
-        n_lo = tl.min(tl.where(live, fs, Nc), 0)
-        n_hi = tl.minimum(Nc, (t_last + 1) // d)
-        m = tl.full([M], float("-inf"), tl.float32)
-        total = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, D], tl.float32)
-        for n0 in range(n_lo, n_hi, BN):
-            j = n0 + tl.arange(0, BN)
-            ok = j < Nc
-            k, v = _kv(KC, VC, b, g, j, ok, skcb, skct, svcb, svct, D)
-            seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
-            sc = tl.where(seen, tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale, float("-inf"))
-            m, total, acc = _online(m, total, acc, sc, v)
-        o_c, lse_c = _finish(m, total, acc)
-        tl.store(OB + o_off, o_c.to(OB.dtype.element_ty), mask=live[:, None])
-        tl.store(LSE + st_off, lse_c, mask=live)
+        if GIVEN:
+            lse_c = tl.load(CMP_LSE + b * slb + hq * slh + i * slt, mask=live, other=0.0)
+        else:  # cmp: the visible slots of the tile's documents
+            n_lo = tl.min(tl.where(live, fs, Nc), 0)
+            n_hi = tl.minimum(Nc, (t_last + 1) // d)
+            m = tl.full([M], float("-inf"), tl.float32)
+            total = tl.zeros([M], tl.float32)
+            acc = tl.zeros([M, D], tl.float32)
+            for n0 in range(n_lo, n_hi, BN):
+                j = n0 + tl.arange(0, BN)
+                ok = j < Nc
+                k, v = _kv(KC, VC, b, g, j, ok, skcb, skct, svcb, svct, D)
+                seen = _cmp_seen(CSTART, b, j, ok, t, s, live, scb, d, l, T, DOCS)
+                sc = tl.where(seen, tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale,
+                              float("-inf"))
+                m, total, acc = _online(m, total, acc, sc, v)
+            o_c, lse_c = _finish(m, total, acc)
+            tl.store(OB + o_off, o_c.to(OB.dtype.element_ty), mask=live[:, None])
+            tl.store(LSE + st_off, lse_c, mask=live)
 
         # top n: the group's block scores from cmp's logsumexp, NB blocks (their NB x STRIDE slots) a step
         qq = tl.arange(0, BTP)
