@@ -59,7 +59,7 @@ class Speed:
 
     def line(self) -> str:
         """The startup log's line."""
-        times = ", ".join(f"{name} {_ms(ms)}" for name, ms in sorted(self.families.items(), key=lambda kv: kv[1]))
+        times = _fastest_first(self.families)
         kept = ", kept from an earlier run" if self.kept else ""
         return (f"NSA attention here: {self.ratio:.3g}x dense at seq {self.seq_len} ({times}; dense {_ms(self.dense)}; "
                 f"forward and backward of one layer over one sequence{kept}): kernels = 'auto' takes the {self.taken} "
@@ -68,6 +68,11 @@ class Speed:
 
 def _ms(ms: float) -> str:
     return f"{ms:.3g} ms" if ms < 1000 else f"{ms / 1000:.3g} s"
+
+
+def _fastest_first(times: dict[str, float]) -> str:
+    """`name time, ...`, the fastest first."""
+    return ", ".join(f"{name} {_ms(ms)}" for name, ms in sorted(times.items(), key=lambda kv: kv[1]))
 
 
 def _sync(device: torch.device) -> None:
@@ -137,6 +142,21 @@ def dense_run(m: Model, seq_len: int, device: torch.device, dtype: torch.dtype, 
     return lambda: _backward(dense_causal(q, k, v, docs), [q, k, v])
 
 
+def kept_or_timed(timing_keys: dict[str, dict], runs_of: Callable[[list[str]], dict[str, Callable[[], None]]],
+                  device: torch.device) -> tuple[dict[str, float], bool]:
+    """Each name's milliseconds, kept beside the verdicts under its key or, for those not kept, timed now (`timed_ms`
+    over `runs_of(missing)`) and kept (a later start reads the same numbers); and whether all were kept."""
+    kept = {name: verdicts.get(key) for name, key in timing_keys.items()}
+    found = {name: float(entry["ms"]) for name, entry in kept.items() if entry is not None and "ms" in entry}
+    missing = [name for name in timing_keys if name not in found]
+    if missing:
+        measured = {name: round(ms, 4) for name, ms in timed_ms(runs_of(missing), device).items()}
+        for name, ms in measured.items():
+            verdicts.put(timing_keys[name], {"passed": True, "ms": ms})
+        found.update(measured)
+    return found, not missing
+
+
 def fastest(passed: dict[str, Family], everyone: list[str], m: Model, seq_len: int, device: torch.device,
             dtype: torch.dtype, documents: bool, keys: dict[str, dict]) -> Speed | None:
     """Time each family of `passed` (its verdict's key in `keys`) and dense attention, or read their kept timings;
@@ -145,16 +165,9 @@ def fastest(passed: dict[str, Family], everyone: list[str], m: Model, seq_len: i
     rank). Every rank calls it: its timings meet in one collective."""
     timing_keys = {name: {**keys[name], "timed_seq_len": seq_len} for name in passed}
     timing_keys[DENSE] = {**verdicts.dense_key(device, dtype, m, documents), "timed_seq_len": seq_len}
-    kept = {name: verdicts.get(key) for name, key in timing_keys.items()}
-    found = {name: float(entry["ms"]) for name, entry in kept.items() if entry is not None and "ms" in entry}
-    runs = {name: family_run(passed[name], m, seq_len, device, dtype, documents)
-            for name in passed if name not in found}
-    if DENSE not in found:
-        runs[DENSE] = dense_run(m, seq_len, device, dtype, documents)
-    measured = {name: round(ms, 4) for name, ms in timed_ms(runs, device).items()} if runs else {}
-    for name, ms in measured.items():  # as kept: a later start reads the same numbers
-        verdicts.put(timing_keys[name], {"passed": True, "ms": ms})
-    found.update(measured)
+    found, kept = kept_or_timed(timing_keys, lambda missing: {
+        name: dense_run(m, seq_len, device, dtype, documents) if name == DENSE else
+        family_run(passed[name], m, seq_len, device, dtype, documents) for name in missing}, device)
     times = torch.tensor([found.get(name, math.inf) for name in [*everyone, DENSE]], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         on = times.to(device) if dist.get_backend() == "nccl" else times
@@ -164,7 +177,7 @@ def fastest(passed: dict[str, Family], everyone: list[str], m: Model, seq_len: i
     if not families:
         return None
     taken = min(families, key=families.__getitem__)
-    return Speed(seq_len, families, float(times[-1]), taken, not measured)
+    return Speed(seq_len, families, float(times[-1]), taken, kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +192,7 @@ class DecodeSpeed:
 
     def line(self) -> str:
         """The log's line."""
-        times = ", ".join(f"{name} {_ms(ms)}" for name, ms in sorted(self.kernels.items(), key=lambda kv: kv[1]))
+        times = _fastest_first(self.kernels)
         kept = ", kept from an earlier run" if self.kept else ""
         return (f"NSA decoding here: {times} a step (one layer and row at position {self.context}{kept}): "
                 f"decode_kernels = 'auto' takes the {self.taken} step")
@@ -223,19 +236,12 @@ def fastest_decode(names: list[str], keys: dict[str, dict], m: Model, device: to
     in `dtype`, one row at the request's `context` (`timed_context`), or read their kept timings; the fastest (ties:
     the first of `names`)."""
     at = timed_context(context)
-    timing_keys = {name: {**keys[name], "timed_context": at} for name in names}
-    kept = {name: verdicts.get(key) for name, key in timing_keys.items()}
-    found = {name: float(entry["ms"]) for name, entry in kept.items() if entry is not None and "ms" in entry}
-    missing = [name for name in names if name not in found]
-    if missing:
-        cfg = dataclasses.replace(m, n_layers=1, vocab_size=64)
-        model = Transformer(cfg, at + (1 + ROUNDS) * len(missing), family)
+
+    def runs_of(missing: list[str]) -> dict[str, Callable[[], None]]:  # one layer (the vocabulary: any)
+        model = Transformer(dataclasses.replace(m, n_layers=1, vocab_size=64), at + (1 + ROUNDS) * len(missing),
+                            family)
         model.init_weights(0)
-        model = model.to(device, dtype).eval()
-        with torch.no_grad():
-            measured = timed_ms(decode_runs(model, missing, wrap), device)
-        for name, ms in measured.items():
-            verdicts.put(timing_keys[name], {"passed": True, "ms": round(ms, 4)})
-            found[name] = round(ms, 4)
-    taken = min(names, key=found.__getitem__)
-    return DecodeSpeed(at, found, taken, not missing)
+        return decode_runs(model.to(device, dtype).eval(), missing, wrap)
+
+    found, kept = kept_or_timed({name: {**keys[name], "timed_context": at} for name in names}, runs_of, device)
+    return DecodeSpeed(at, found, min(names, key=found.__getitem__), kept)

@@ -151,7 +151,7 @@ class Flex(Family):
             mask = self.mask("cmp", spec, docs, q0, Tq, k_cmp.shape[1], q.device)
             cmp_in = [x if branches[0] else x.detach() for x in (qh, k_cmp.transpose(1, 2), v_cmp.transpose(1, 2))]
             out, lse = _flex(*cmp_in, mask)  # sel alone: its log-sum-exp, no gradient
-            o_cmp = heads(out)
+            o_cmp = heads(out) if branches[0] else None
             if branches[1] and triton_nsa.problem(q.device, q.dtype, spec, r, D) is None:
                 sel_gated, idx, valid = triton_family.selected(q, k_cmp, v_cmp, k_sel, v_sel, gates, lse, spec, docs,
                                                                q0)
