@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointManager, TrainState
+from .checkpoint import CheckpointManager, TrainState, folder_check, recorded_kernels
 from .config import JobConfig, ac_layers, cp_multiple, data_sources, derive, grad_accum_steps, load_config, to_toml
 from .config.paths import RunPaths, make_folder
 from .data import (DataUnavailable, HeldOutSets, Sample, SourceEnded, build_dataloader, build_tokenizer, dead_workers,
@@ -111,8 +111,12 @@ class Trainer:
                 if sets is not None:
                     agreed_batches(sets, self.device, what)
 
-            # Model: its kernels checked here ([model] verify_kernels); built on meta, wrapped, materialised, initialised.
-            family, self.speed = checked_kernels(cfg, self.device, *kernel_fault(cfg.debug)) \
+            # Model: its kernels checked here ([model] verify_kernels; a resume keeps its checkpoint's family); built
+            # on meta, wrapped, materialised, initialised.
+            folders = folder_check(cfg.checkpoint, self.paths.checkpoints)
+            resuming = folders.resume_target() if cfg.checkpoint.enable else None
+            family, self.speed = checked_kernels(cfg, self.device, *kernel_fault(cfg.debug),
+                                                 trained=recorded_kernels(resuming)) \
                 if m.attention == "nsa" else (None, None)
             cp = cfg.parallelism.context_parallel_degree
             multiple = cp_multiple(m, cp)
@@ -148,7 +152,8 @@ class Trainer:
                 train_state=self.state, dp_rank=self.dp_rank, dp_world_size=self.dp_world_size,
                 other_owner=lambda: other_holder(self.paths.root, job_key()),
                 records={"shares": self.shares, "guard": self.guard,
-                         **({"spikes": self.guard.spikes} if self.guard.spikes else {})})
+                         **({"spikes": self.guard.spikes} if self.guard.spikes else {})},
+                check=folders, kernels=family.name if family is not None else None)
             install_faults(cfg.debug, model=model, optimizer=self.optimizer, checkpointer=self.checkpointer,
                            dataloader=self.dataloader, heartbeat=self.heartbeat, rank=self.rank,
                            world_size=self.world_size, current_step=lambda: self.state.step,

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from nsa_titan import export
-from nsa_titan.checkpoint import load_tensors
+from nsa_titan.checkpoint import load_tensors, recorded_kernels
 from nsa_titan.checkpoint.integrity import HASH
 from nsa_titan.system.hashing import file_hash
 
@@ -130,10 +130,17 @@ def test_resume_is_bit_exact_with_compile_ac_and_loader_workers(tmp_path):
 @pytest.mark.parametrize("branch", ["win", "sel"])
 def test_a_run_with_unused_parameters_resumes_exactly(tmp_path, branch):
     """`nsa_branch` win leaves cmp's and sel's parameters out of the graph, sel leaves cmp's: they get
-    no gradient, yet their optimizer state is saved, so the checkpoint loads into a fresh optimizer."""
-    a, _ = first(f"checkpoint-unused-{branch}")
-    out = ok(run(from_step(a, 2, tmp_path / "b"), *FIRST[f"checkpoint-unused-{branch}"]))
+    no gradient, yet their optimizer state is saved, so the checkpoint loads into a fresh optimizer. The
+    manifest records the kernel family `auto` took; made the slower here (`FAMILY:slow`), a resume keeps it all
+    the same: another family's numbers differ by rounding, and the states would not be bit-equal."""
+    a, first_out = first(f"checkpoint-unused-{branch}")
+    trained = recorded_kernels(a / "checkpoint" / "step-2")
+    assert trained in ("cpp", "torch") and f"kernels = 'auto' takes the {trained} family" in first_out
+    out = ok(run(from_step(a, 2, tmp_path / "b"), *FIRST[f"checkpoint-unused-{branch}"], "--debug.fault_kernel",
+                 f"{trained}:slow"))
     assert f"resumed from {tmp_path / 'b' / 'checkpoint' / 'step-2'} at step 2" in out
+    assert re.search(f"kernels = 'auto' keeps the {trained} family, the resumed checkpoint's, for an exact resume "
+                     r"\(a fresh run takes the fastest: (cpp|torch)\)", out), out[-3000:]
     la, lb = tb_losses(a / "tb"), tb_losses(tmp_path / "b" / "tb")
     assert sorted(la) == [1, 2, 3, 4] and sorted(lb) == [3, 4] and [la[s] for s in lb] == [lb[s] for s in lb]
     assert_states_equal(a / "checkpoint" / "step-4", tmp_path / "b" / "checkpoint" / "step-4")

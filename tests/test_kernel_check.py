@@ -331,6 +331,31 @@ def test_auto_takes_torch_when_the_cpp_family_is_slowed(cache, caplog, one_threa
     assert re.search(SPEED_LINE.format(seq=128, kept="", taken="torch"), caplog.text), caplog.text
 
 
+def test_a_resume_keeps_the_family_its_checkpoint_trained_with_or_says_why_not(cache, caplog, one_thread):
+    """`trained` (the resumed checkpoint's family, `recorded_kernels`): `auto` keeps it where it passed, though slower
+    here (the line says so and the fastest); one that cannot run here, or named otherwise, is a warning; untimed
+    (`verify_kernels = off`) it is taken first."""
+    cfg = run_config("--debug.fault_kernel", "cpp:slow", "--training.seq_len", "128")
+    wrap, _ = kernel_fault(cfg.debug)
+    caplog.set_level(logging.INFO, logger="nsa_titan")
+    family, speed = kernel_check.verified_family(cfg, CPU, wrap, trained="cpp")
+    assert family.name == speed.taken == "cpp" and speed.fastest == "torch" and speed.families["cpp"] >= 250
+    assert speed.ratio == pytest.approx(speed.dense / speed.families["cpp"])
+    assert ("kernels = 'auto' keeps the cpp family, the resumed checkpoint's, for an exact resume (a fresh run takes "
+            "the fastest: torch)") in caplog.text and "WARNING" not in caplog.text
+    family, speed = kernel_check.verified_family(cfg, CPU, wrap, trained="flash")
+    assert family.name == speed.taken == "torch" and re.search(
+        r"WARNING .*trained with the flash kernel family and this run takes another: it cannot run here \(.+\)\. "
+        r"It goes on, but its numbers differ from an uninterrupted run's by rounding", caplog.text), caplog.text
+    caplog.clear()
+    family, speed = kernel_check.verified_family(run_config("--model.kernels", "torch"), CPU, trained="cpp")
+    assert family.name == "torch" and speed is None
+    assert "this run takes another: [model] kernels = 'torch' names another" in caplog.text
+    family, _ = kernel_check.verified_family(run_config("--model.verify_kernels", "off"), CPU, trained="torch")
+    assert family.name == "torch" and kernel_check.verified_family(run_config("--model.verify_kernels", "off"),
+                                                                   CPU)[0].name == "cpp"
+
+
 DECODE_LINE = (r"NSA decoding here: (?:(?:cpp|torch) ([\d.]+) m?s(?:, )?){{2}} a step \(one layer and row at position "
                r"{at}{kept}\): decode_kernels = 'auto' takes the {taken} step")
 

@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Any
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .folders import inspect_folder, scan
-    from .manager import CheckpointManager
+    from .folders import inspect_folder, recorded_kernels, scan
+    from .manager import CheckpointManager, folder_check
     from .model_file import check_fit, load_tensors, read_model_file, shapes, write_model_file
     from .states import TrainState
 
-_ON_USE = {"inspect_folder": "folders", "scan": "folders", "CheckpointManager": "manager", "check_fit": "model_file",
+_ON_USE = {"inspect_folder": "folders", "recorded_kernels": "folders", "scan": "folders", "CheckpointManager": "manager",
+           "folder_check": "manager", "check_fit": "model_file",
            "load_tensors": "model_file", "read_model_file": "model_file", "shapes": "model_file",
            "write_model_file": "model_file", "TrainState": "states"}
 
-__all__ = ["CheckpointError", "CheckpointManager", "TrainState", "check_fit", "inspect_folder", "load_tensors",
-           "read_model_file", "scan", "shapes", "write_model_file"]
+__all__ = ["CheckpointError", "CheckpointManager", "TrainState", "check_fit", "folder_check", "inspect_folder",
+           "load_tensors", "read_model_file", "recorded_kernels", "scan", "shapes", "write_model_file"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,8 +24,17 @@ class FolderCheck:
     def __init__(self, cfg: CheckpointConfig, folder: Path, rank: int, world_size: int, group: dist.ProcessGroup | None):
         self.cfg, self.folder, self.rank, self.world_size, self.pg = cfg, folder, rank, world_size, group
         self.verified: set[Path] = set()  # the folders whose content verified (checked once)
+        self.target: Path | None = None  # the resume target, once `searched`
+        self.searched = False
 
     def resume_target(self) -> Path | None:
+        """The checkpoint a resume reads (`load_step`'s, else the newest that verifies), or None; found once (the
+        run's kernel choice asks first, the load after: `recorded_kernels`)."""
+        if not self.searched:
+            self.target, self.searched = self._find_target(), True
+        return self.target
+
+    def _find_target(self) -> Path | None:
         found = scan(self.folder)
         for f in found:
             if f.problem and f.path.name != f"step-{f.step}":  # an interrupted save; committed ones: below

@@ -7,8 +7,8 @@
     step-N.damaged-TIME/     a newest checkpoint that failed its check at a resume (a file missing,
                              truncated or altered), set aside so the run resumes from an older one
 
-`.complete` is a JSON manifest of every file, its size and its content hash (`integrity.py`),
-written into the save's folder before its rename to `step-N`, which comes last. Only folders with
+`.complete` is a JSON manifest of every file, its size and its content hash (`integrity.py`), and of
+the NSA kernel family the run trained with (a resume takes it again: `recorded_kernels`), written into the save's folder before its rename to `step-N`, which comes last. Only folders with
 a manifest that matches the files' sizes on disk are resumed from, and their content is checked
 before they are read (`verify`).
 """
@@ -62,6 +62,12 @@ def recorded_hashes(path: Path) -> dict[str, str] | None:
     return json.loads((path / MANIFEST).read_text()).get(HASH)
 
 
+def recorded_kernels(path: Path | None) -> str | None:
+    """The NSA kernel family the run that saved the complete checkpoint `path` trained with (`[model] kernels`, as
+    chosen); None for no checkpoint, a dense model's, or one saved before nsa_titan recorded it."""
+    return json.loads((path / MANIFEST).read_text()).get("kernels") if path is not None else None
+
+
 def verify(path: Path) -> str | None:
     """In one process: None if `path` is a complete checkpoint whose files match its manifest, sizes
     and content (the content only where hashes were recorded), else the problem."""
@@ -91,15 +97,15 @@ def scan(folder: Path) -> list[Found]:
     return sorted(found, key=lambda f: (f.step, f.problem is None))
 
 
-def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str, hashes: dict[str, str] | None
-           ) -> int:
+def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str, hashes: dict[str, str] | None,
+           kernels: str | None = None) -> int:
     """Make the written save `tmp` the complete checkpoint `final`: its config, the manifest (fsynced)
     with the ranks' `hashes` of their files and those of the files they did not hash (`.metadata`,
-    `config.toml`; None: no hashes), then the rename last, so that a process killed at any point leaves
+    `config.toml`; None: no hashes) and the run's kernel family (`kernels`, if any), then the rename last, so that a process killed at any point leaves
     a complete folder under the step's name or none. Returns the bytes of the checkpoint."""
     (tmp / "config.toml").write_text(config_toml)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest_data = {"step": step, "world_size": world_size, "files": files}
+    manifest_data = {"step": step, "world_size": world_size, "files": files, **({"kernels": kernels} if kernels else {})}
     if hashes is not None:
         manifest_data[HASH] = {name: hashes.get(name) or file_hash(tmp / name, HASH) for name in files}
     manifest = tmp / MANIFEST

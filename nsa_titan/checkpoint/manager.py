@@ -55,19 +55,30 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
+def folder_check(cfg: CheckpointConfig, folder: Path) -> FolderCheck:
+    """The checks of a run's checkpoint folder on every rank. Checkpoint traffic (async writes) runs on its own gloo
+    group: the default group may be NCCL, and is busy with training collectives (none when nothing is saved or
+    loaded)."""
+    group = side_group() if cfg.enable or cfg.initial_load_path else None
+    return FolderCheck(cfg, folder, dist.get_rank(), dist.get_world_size(), group)
+
+
 class CheckpointManager:
     """Saves and restores everything a run needs to continue exactly."""
 
     def __init__(self, cfg: CheckpointConfig, *, folder: Path, config_toml: str, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, dataloader: Any, train_state: TrainState,
                  dp_rank: int, dp_world_size: int | None = None, other_owner: Callable[[], str | None] | None = None,
-                 records: dict[str, Any] | None = None):
+                 records: dict[str, Any] | None = None, check: FolderCheck | None = None, kernels: str | None = None):
         """`folder`: where step folders go; `config_toml`: the run's config, saved in each of them;
         `dp_rank` of `dp_world_size` (default: the world size): the data-parallel rank, whose data
         loader position is saved (the context-parallel ranks of a group share one); `other_owner`: who
         holds the output folder if another run does (asked before each commit: nothing is committed then);
-        `records`: the run's records saved with the data position (`RunPart`), restored on resume, not on rollback."""
+        `records`: the run's records saved with the data position (`RunPart`), restored on resume, not on rollback;
+        `check`: the run's `folder_check` (asked for the resume target before the model was built), else made here;
+        `kernels`: the NSA kernel family the run trains with, recorded in each manifest."""
         self.cfg, self.config_toml, self.model, self.optimizer = cfg, config_toml, model, optimizer
+        self.kernels = kernels
         self.folder, self.other_owner = folder, other_owner
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_world_size = dp_world_size or self.world_size
@@ -78,9 +89,8 @@ class CheckpointManager:
             f"dataloader.dp_rank_{dp_rank}": Opaque(RunPart(dataloader, records)),
             f"rng.rank_{self.rank}": Opaque(RNGState()),
         }
-        # Checkpoint traffic (async writes) runs on its own gloo group: the default group may be
-        # NCCL, and is busy with training collectives. None when nothing is saved or loaded.
-        self.pg = side_group() if cfg.enable or cfg.initial_load_path else None
+        self.check = check or folder_check(cfg, folder)
+        self.pg = self.check.pg
         token = [f"{int(time.time())}-{os.getpid()}"]
         if cfg.enable:
             dist.broadcast_object_list(token, src=0, group=self.pg)
@@ -92,7 +102,6 @@ class CheckpointManager:
         self.failure: tuple[int, str] | None = None  # the step and cause, if the latest save failed
         self.saved_step: int | None = None  # every rank: the step of the latest save this run committed
         self.resumed_from: Path | None = None
-        self.check = FolderCheck(cfg, folder, self.rank, self.world_size, self.pg)
 
     # ---------------------------------------------------------------- loading
 
@@ -336,7 +345,7 @@ class CheckpointManager:
                                           f"it over; nothing was committed there")
                 if final.exists():
                     logger.warning("%s exists: set aside as %s", final, set_aside(final))
-                size = commit(tmp, final, step, self.world_size, self.config_toml, writer.hashes)
+                size = commit(tmp, final, step, self.world_size, self.config_toml, writer.hashes, self.kernels)
                 self.last_saved = final
                 logger.info("checkpoint %s: %.1f MB in %.2f s (training blocked %.2f s, %s)", final, size / 1e6,
                             time.perf_counter() - start, blocked, "async" if self.cfg.async_mode == "async" else "sync")

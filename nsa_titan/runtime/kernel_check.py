@@ -197,17 +197,27 @@ def family_line(found: dict[str, float], name: str, device: torch.device, dtype:
             f"(relative; tolerance {tolerance:g})")
 
 
-def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None) -> tuple[Family, Speed | None]:
+def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None, trained: str | None = None
+                    ) -> tuple[Family, Speed | None]:
     """The NSA kernel family of the run (`[model] kernels`), checked on `device` in the compute dtype before use
     (`[model] verify_kernels`), and with `auto` what its measurement found (`kernel_timing`; None for a family named or
     taken unchecked): one named that fails is a ConfigError naming the tensor and the fix; `auto` checks every family
-    that runs here and takes the fastest that passed (`verify_kernels = off`: the first that runs, untimed)."""
+    that runs here and takes the fastest that passed (`verify_kernels = off`: the first that runs, untimed), or
+    `trained`, the family the checkpoint the run resumes trained with, where it passed: another family's numbers
+    differ from an uninterrupted run's by rounding (said in a warning where the run cannot keep it)."""
     m, dtype = cfg.model, DTYPES[cfg.training.mixed_precision_param]
     spec, r = nsa_spec(m), m.n_heads // m.n_kv_groups
     if m.attn_impl == "reference":
         return FAMILIES["reference"](), None
     names = [m.kernels] if m.kernels != "auto" else \
         [n for n in AUTO_ORDER if FAMILIES[n].problem(device, dtype, spec, r, m.head_dim) is None]
+    if trained is not None and m.kernels != "auto" and trained != m.kernels:
+        _not_kept(trained, f"[model] kernels = '{m.kernels}' names another")
+    if m.verify_kernels == "off" and m.kernels == "auto" and trained is not None:  # untimed: the checkpoint's
+        if trained in names:
+            names.insert(0, names.pop(names.index(trained)))
+        else:
+            _not_kept(trained, "it cannot run here")
     documents, parts = cfg.training.document_masking, cfg.parallelism.context_parallel_degree > 1
     passed, keys, failed = {}, {}, []
     for name in names:
@@ -232,8 +242,22 @@ def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = No
     if speed is None:
         raise ConfigError("[model] kernels = 'auto': no family that runs here passed its check on every rank ("
                           f"{'; '.join(failed) or 'each failed on another rank'}); report it with the startup log")
+    if trained in speed.families:
+        speed = dataclasses.replace(speed, taken=trained)
+    elif trained is not None:
+        problem = FAMILIES[trained].problem(device, dtype, spec, r, m.head_dim) if trained in AUTO_ORDER else \
+            "kernels = 'auto' does not choose it"
+        _not_kept(trained, f"it cannot run here ({problem})" if problem else "it did not pass its check on every rank")
     logger.info("%s", speed.line())
     return passed[speed.taken], speed
+
+
+def _not_kept(trained: str, why: str) -> None:
+    """The warning of a resume that does not keep the family its checkpoint trained with (`trained`), and `why`."""
+    logger.warning("the checkpoint this run resumes trained with the %s kernel family and this run takes another: %s. "
+                   "It goes on, but its numbers differ from an uninterrupted run's by rounding (an exact resume needs "
+                   "the same family: [model] kernels = '%s' or 'auto', where it runs and passes its check)", trained,
+                   why, trained)
 
 
 def verified_decode(m: Model, device: torch.device, dtype: torch.dtype, family: Family | None = None,
@@ -282,11 +306,12 @@ def verified_decode(m: Model, device: torch.device, dtype: torch.dtype, family: 
 
 
 def checked_kernels(cfg: JobConfig, device: torch.device, wrap: Wrap | None = None,
-                    decoder_wrap: DecoderWrap | None = None) -> tuple[Family, Speed | None]:
+                    decoder_wrap: DecoderWrap | None = None, trained: str | None = None) -> tuple[Family, Speed | None]:
     """A run's NSA family, and the decoding step its model will take, each checked here before step 1
-    (`verified_family`, `verified_decode`): the family and `auto`'s measurement. The process's generators are left as
-    they were: a run that checks draws the numbers of one that reads the verdicts (its saved RNG state too)."""
+    (`verified_family`, `verified_decode`; `trained`: the family of the checkpoint it resumes): the family and `auto`'s
+    measurement. The process's generators are left as they were: a run that checks draws the numbers of one that reads
+    the verdicts (its saved RNG state too)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        family, speed = verified_family(cfg, device, wrap)
+        family, speed = verified_family(cfg, device, wrap, trained)
         verified_decode(cfg.model, device, DTYPES[cfg.training.mixed_precision_param], family, decoder_wrap)
     return family, speed

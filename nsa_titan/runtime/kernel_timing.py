@@ -44,7 +44,8 @@ more is that one's timing (nothing is compiled there; its one-off costs are smal
 @dataclasses.dataclass(frozen=True)
 class Speed:
     """What `auto`'s measurement found: each timed family's and dense attention's milliseconds (forward and backward
-    of one layer over one sequence of `seq_len`), whether they were measured now or kept, and the family taken."""
+    of one layer over one sequence of `seq_len`), whether they were measured now or kept, and the family taken: the
+    fastest, or the one the checkpoint a run resumes trained with (`kernel_check.verified_family`)."""
 
     seq_len: int
     families: dict[str, float]
@@ -57,13 +58,20 @@ class Speed:
         """Dense attention's time over the taken family's: above 1, NSA is faster."""
         return self.dense / self.families[self.taken]
 
+    @property
+    def fastest(self) -> str:
+        """The fastest family timed."""
+        return min(self.families, key=self.families.__getitem__)
+
     def line(self) -> str:
         """The startup log's line."""
         times = _fastest_first(self.families)
         kept = ", kept from an earlier run" if self.kept else ""
+        taken = f"takes the {self.taken} family" if self.taken == self.fastest else (
+            f"keeps the {self.taken} family, the resumed checkpoint's, for an exact resume (a fresh run takes the "
+            f"fastest: {self.fastest})")
         return (f"NSA attention here: {self.ratio:.3g}x dense at seq {self.seq_len} ({times}; dense {_ms(self.dense)}; "
-                f"forward and backward of one layer over one sequence{kept}): kernels = 'auto' takes the {self.taken} "
-                "family")
+                f"forward and backward of one layer over one sequence{kept}): kernels = 'auto' {taken}")
 
 
 def _ms(ms: float) -> str:
