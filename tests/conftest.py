@@ -54,8 +54,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 PINNED = ["--model.kernels", "cpp"]
 """The runs the suite compares bit for bit take one family by name: `auto` times the families at each process's start
-(`runtime/kernel_timing.py`), and two processes that both time on a busy machine may take different ones. `auto`'s
-choice is tested on its own (`test_kernel_check.py`)."""
+(`runtime/kernel_timing.py`), and two processes that both time on a busy machine may take different ones (a resume
+keeps its checkpoint's: test_checkpoint.py). `auto`'s choice is tested on its own (`test_kernel_check.py`)."""
 UNPINNED = ["--model.kernels", "auto"]
 """What a run with `attn_impl = "reference"` or `attention = "dense"` adds: a family named there is a config error."""
 

@@ -35,7 +35,7 @@ from ..models.attention.families.triton import triton_decode
 from ..models.decode import DECODE_KERNELS, Decoder, kernel_problem
 from ..models.transformer import Transformer, nsa_spec
 from . import verdicts
-from .kernel_timing import Speed, fastest, fastest_decode
+from .kernel_timing import Speed, fastest, fastest_decode, sequence_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +66,11 @@ def check_length(spec: NSASpec) -> int:
 
 
 def family_inputs(m: Model, documents: bool, seed: int = 0) -> tuple[list[torch.Tensor], Documents | None]:
-    """fp32 inputs of the family check on the CPU (q, compressed k / v, sel and win k / v, gates), and documents."""
-    spec, gen = nsa_spec(m), torch.Generator().manual_seed(seed)
-    B, T, H, G, D = 1, check_length(spec), m.n_heads, m.n_kv_groups, m.head_dim
-    slots = T // spec.d if documents else spec.num_cmp_blocks(T)
-    q = torch.randn(B, T, H, D, generator=gen)
-    cmp = [torch.randn(B, slots, G, D, generator=gen) for _ in range(2)]
-    rest = [torch.randn(B, T, G, D, generator=gen) for _ in range(4)]
-    gates = torch.rand(B, T, H, 3, generator=gen)
-    docs = None
-    if documents:  # a few documents a row, of lengths a window and more
-        ids = torch.cumsum(torch.rand(B, T, generator=gen) < 3 / T, 1)
-        docs = Documents.of(ids, spec)
-    return [q, *cmp, *rest, gates], docs
+    """fp32 inputs of the family check on the CPU (`kernel_timing.sequence_inputs` at `check_length`), and with
+    `documents` a few documents a row, of lengths a window and more."""
+    spec = nsa_spec(m)
+    args, ids = sequence_inputs(m, check_length(spec), 3 if documents else 0, seed)
+    return args, Documents.of(ids, spec) if ids is not None else None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -109,19 +109,27 @@ def timed_ms(runs: dict[str, Callable[[], None]], device: torch.device) -> dict[
     return {name: t * 1e3 for name, t in best.items()}
 
 
-def run_inputs(m: Model, seq_len: int, device: torch.device, dtype: torch.dtype, documents: bool
-               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """One sequence of the run's shapes, as the attention op gets it: q (1, T, H, D), the compressed keys and values
-    (a slot per stride with documents), sel and win keys and values (1, T, G, D) in `dtype`, fp32 gates (1, T, H, 3);
-    and with `documents`, document ids (documents of a quarter of the sequence on average), else None."""
-    spec, gen = nsa_spec(m), torch.Generator().manual_seed(0)
+def sequence_inputs(m: Model, seq_len: int, documents: int, seed: int = 0
+                    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One random sequence of the model's shapes in fp32 on the CPU, as the attention op gets it: q (1, T, H, D), the
+    compressed keys and values (a slot per stride with documents), sel and win keys and values (1, T, G, D), gates
+    (1, T, H, 3); and document ids, `documents` of them on average (0: none, and None)."""
+    spec, gen = nsa_spec(m), torch.Generator().manual_seed(seed)
     T, H, G, D = seq_len, m.n_heads, m.n_kv_groups, m.head_dim
     slots = T // spec.d if documents else spec.num_cmp_blocks(T)
     shapes = [(1, T, H, D), (1, slots, G, D), (1, slots, G, D), *[(1, T, G, D)] * 4]
-    tensors = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
-    gates = torch.rand(1, T, H, 3, generator=gen).to(device)
-    ids = torch.cumsum(torch.rand(1, T, generator=gen) < 4 / T, 1) if documents else None
+    tensors = [torch.randn(s, generator=gen) for s in shapes]
+    gates = torch.rand(1, T, H, 3, generator=gen)
+    ids = torch.cumsum(torch.rand(1, T, generator=gen) < documents / T, 1) if documents else None
     return [*tensors, gates], ids
+
+
+def run_inputs(m: Model, seq_len: int, device: torch.device, dtype: torch.dtype, documents: bool
+               ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`sequence_inputs` of the run's shapes on `device`, all but the gates in `dtype`; with `documents`, documents
+    of a quarter of the sequence on average."""
+    args, ids = sequence_inputs(m, seq_len, 4 if documents else 0)
+    return [*(a.to(device, dtype) for a in args[:7]), args[7].to(device)], ids
 
 
 def _backward(out: torch.Tensor, leaves: list[torch.Tensor]) -> None:
