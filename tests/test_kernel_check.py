@@ -354,6 +354,10 @@ def test_a_resume_keeps_the_family_its_checkpoint_trained_with_or_says_why_not(c
     family, _ = kernel_check.verified_family(run_config("--model.verify_kernels", "off"), CPU, trained="torch")
     assert family.name == "torch" and kernel_check.verified_family(run_config("--model.verify_kernels", "off"),
                                                                    CPU)[0].name == "cpp"
+    caplog.clear()
+    family, _ = kernel_check.verified_family(run_config("--model.verify_kernels", "off"), CPU, trained="flash")
+    assert family.name == "cpp" and "trained with the flash kernel family and this run takes another: it cannot run " \
+        "here (" in caplog.text
 
 
 DECODE_LINE = (r"NSA decoding here: (?:(?:cpp|torch) ([\d.]+) m?s(?:, )?){{2}} a step \(one layer and row at position "

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from .model_file import check_fit, load_tensors, read_model_file, shapes, write_model_file
     from .states import TrainState
 
-_ON_USE = {"inspect_folder": "folders", "recorded_kernels": "folders", "scan": "folders", "CheckpointManager": "manager",
-           "folder_check": "manager", "check_fit": "model_file",
+_ON_USE = {"inspect_folder": "folders", "recorded_kernels": "folders", "scan": "folders",
+           "CheckpointManager": "manager", "folder_check": "manager", "check_fit": "model_file",
            "load_tensors": "model_file", "read_model_file": "model_file", "shapes": "model_file",
            "write_model_file": "model_file", "TrainState": "states"}
 

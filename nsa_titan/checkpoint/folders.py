@@ -8,9 +8,10 @@
                              truncated or altered), set aside so the run resumes from an older one
 
 `.complete` is a JSON manifest of every file, its size and its content hash (`integrity.py`), and of
-the NSA kernel family the run trained with (a resume takes it again: `recorded_kernels`), written into the save's folder before its rename to `step-N`, which comes last. Only folders with
-a manifest that matches the files' sizes on disk are resumed from, and their content is checked
-before they are read (`verify`).
+the NSA kernel family the run trained with (a resume takes it again: `recorded_kernels`), written
+into the save's folder before its rename to `step-N`, which comes last. Only folders with a manifest
+that matches the files' sizes on disk are resumed from, and their content is checked before they
+are read (`verify`).
 """
 
 from __future__ import annotations
@@ -59,13 +60,18 @@ def inspect_folder(path: Path) -> str | None:
 def recorded_hashes(path: Path) -> dict[str, str] | None:
     """The content hashes in the manifest of a complete checkpoint; None for one written before nsa_titan
     recorded them (sizes only)."""
-    return json.loads((path / MANIFEST).read_text()).get(HASH)
+    return _manifest(path).get(HASH)
 
 
 def recorded_kernels(path: Path | None) -> str | None:
     """The NSA kernel family the run that saved the complete checkpoint `path` trained with (`[model] kernels`, as
     chosen); None for no checkpoint, a dense model's, or one saved before nsa_titan recorded it."""
-    return json.loads((path / MANIFEST).read_text()).get("kernels") if path is not None else None
+    return _manifest(path).get("kernels") if path is not None else None
+
+
+def _manifest(path: Path) -> dict:
+    """The manifest of the complete checkpoint `path`."""
+    return json.loads((path / MANIFEST).read_text())
 
 
 def verify(path: Path) -> str | None:
@@ -101,11 +107,14 @@ def commit(tmp: Path, final: Path, step: int, world_size: int, config_toml: str,
            kernels: str | None = None) -> int:
     """Make the written save `tmp` the complete checkpoint `final`: its config, the manifest (fsynced)
     with the ranks' `hashes` of their files and those of the files they did not hash (`.metadata`,
-    `config.toml`; None: no hashes) and the run's kernel family (`kernels`, if any), then the rename last, so that a process killed at any point leaves
-    a complete folder under the step's name or none. Returns the bytes of the checkpoint."""
+    `config.toml`; None: no hashes) and the run's kernel family (`kernels`, if any), then the rename last,
+    so that a process killed at any point leaves a complete folder under the step's name or none.
+    Returns the bytes of the checkpoint."""
     (tmp / "config.toml").write_text(config_toml)
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    manifest_data = {"step": step, "world_size": world_size, "files": files, **({"kernels": kernels} if kernels else {})}
+    manifest_data = {"step": step, "world_size": world_size, "files": files}
+    if kernels:
+        manifest_data["kernels"] = kernels
     if hashes is not None:
         manifest_data[HASH] = {name: hashes.get(name) or file_hash(tmp / name, HASH) for name in files}
     manifest = tmp / MANIFEST

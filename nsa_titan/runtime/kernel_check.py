@@ -209,7 +209,7 @@ def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = No
         if trained in names:
             names.insert(0, names.pop(names.index(trained)))
         else:
-            _not_kept(trained, "it cannot run here")
+            _not_kept(trained, _unrunnable(trained, device, dtype, m))
     documents, parts = cfg.training.document_masking, cfg.parallelism.context_parallel_degree > 1
     passed, keys, failed = {}, {}, []
     for name in names:
@@ -237,11 +237,17 @@ def verified_family(cfg: JobConfig, device: torch.device, wrap: Wrap | None = No
     if trained in speed.families:
         speed = dataclasses.replace(speed, taken=trained)
     elif trained is not None:
-        problem = FAMILIES[trained].problem(device, dtype, spec, r, m.head_dim) if trained in AUTO_ORDER else \
-            "kernels = 'auto' does not choose it"
-        _not_kept(trained, f"it cannot run here ({problem})" if problem else "it did not pass its check on every rank")
+        _not_kept(trained, _unrunnable(trained, device, dtype, m) or "it did not pass its check on every rank")
     logger.info("%s", speed.line())
     return passed[speed.taken], speed
+
+
+def _unrunnable(trained: str, device: torch.device, dtype: torch.dtype, m: Model) -> str | None:
+    """Why `auto` cannot take the family `trained` on `device` in `dtype` for the model `m` (None: it can run)."""
+    if trained not in AUTO_ORDER:
+        return "kernels = 'auto' does not choose it"
+    problem = FAMILIES[trained].problem(device, dtype, nsa_spec(m), m.n_heads // m.n_kv_groups, m.head_dim)
+    return f"it cannot run here ({problem})" if problem else None
 
 
 def _not_kept(trained: str, why: str) -> None:
